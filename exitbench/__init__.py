@@ -1,0 +1,2 @@
+"""exitbench: when should a recurrent-depth transformer stop thinking about a token?"""
+__version__ = "0.1.0"

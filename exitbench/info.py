@@ -1,0 +1,34 @@
+"""What a checkpoint is: the report behind `exitbench info`."""
+from __future__ import annotations
+
+from typing import Any
+
+from .models.checkpoint import EMBEDDED_DIR, Checkpoint
+
+
+def describe(ck: Checkpoint) -> dict[str, Any]:
+    model = ck.model
+    groups = model.loop_groups()
+    tok = ck.tokenizer
+    try:
+        source = f"embedded:{ck.path.resolve().relative_to(EMBEDDED_DIR)}"
+    except ValueError:
+        source = str(ck.path)
+    return {
+        "source": source,
+        "architecture": model.architecture,
+        "parameters": model.num_parameters(),
+        "parameter_breakdown": model.parameter_breakdown(),
+        "layers": model.layer_split(),
+        "hidden_size": model.config.n_embd,
+        "heads": model.config.n_heads,
+        "context": model.config.block_size,
+        "loop_groups": [{"name": g.name, "layers": g.n_layers, "default_steps": g.default_steps,
+                         "max_steps": g.max_steps, "random_init": g.random_init} for g in groups],
+        "dtype": ck.dtype,
+        "weights": ck.files[0] if len(ck.files) == 1 else f"{len(ck.files)} safetensors shards with an index",
+        "tokenizer": None if tok is None else {"vocab_size": tok.vocab_size,
+                                               "special_tokens": {k: {"id": i, "token": s}
+                                                                  for k, (i, s) in tok.special_tokens().items()}},
+        "provenance": ck.provenance,
+    }

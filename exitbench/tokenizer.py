@@ -1,0 +1,55 @@
+"""A `tokenizers` tokenizer plus the special-token ids the model's config names."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None):
+        self.backend = backend
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
+
+    @classmethod
+    def from_dir(cls, path: Path, config: dict) -> "Tokenizer | None":
+        file = Path(path) / TOKENIZER_FILE
+        if not file.exists():
+            return None
+        try:
+            backend = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+            raise CheckpointError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
+        return cls(backend, config.get("bos_token_id"), config.get("eos_token_id"), config.get("pad_token_id"))
+
+    def save(self, path: Path) -> None:
+        self.backend.save(str(Path(path) / TOKENIZER_FILE))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def special_tokens(self) -> dict[str, tuple[int, str | None]]:
+        named = {"bos": self.bos_token_id, "eos": self.eos_token_id, "pad": self.pad_token_id}
+        return {k: (v, self.token(v)) for k, v in named.items() if v is not None}
+
+    def describe(self) -> str:
+        return json.dumps({"vocab_size": self.vocab_size, "special": self.special_tokens()})
