@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from ..tokenizer import Tokenizer
+from ..tokenizer import TOKENIZER_FILE, Tokenizer
 from .looped import LoopedLM
 from .registry import architecture_of
 
@@ -77,6 +77,8 @@ def weight_files(path: Path) -> dict[str, list[str]]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index with a weight_map: {exc}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map each key to a shard file name")
         shards: dict[str, list[str]] = {}
         for key, shard in weight_map.items():
             shards.setdefault(shard, []).append(key)
@@ -179,12 +181,27 @@ def save_checkpoint(model: LoopedLM, path: str | Path, tokenizer: Tokenizer | No
         if tokenizer is not None:
             tokenizer.save(tmp)
         if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+            _replace_files(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _replace_files(new: Path, path: Path) -> None:
+    """Swap a checkpoint's files for those in `new`, leaving other content of `path` (e.g. training/) alone.
+
+    config.json moves last: a directory is a loadable checkpoint only once its config is there, so an
+    interrupted swap is visible as a missing config, never as a config paired with other weights.
+    """
+    (path / CONFIG_FILE).unlink(missing_ok=True)
+    for old in list(path.glob("model*.safetensors")) + [path / INDEX_FILE, path / TOKENIZER_FILE]:
+        old.unlink(missing_ok=True)
+    for file in sorted(new.iterdir(), key=lambda f: f.name == CONFIG_FILE):
+        os.replace(file, path / file.name)
+    new.rmdir()
 
 
 def _write_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:

@@ -6,7 +6,7 @@ only ever talks to these views: it needs to see a loop group one iteration at a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +23,7 @@ class Stage:
     name: str
     run: Callable[[torch.Tensor, AttnContext], torch.Tensor]
     attn_layers: list[int]
+    modules: list[nn.Module] = field(default_factory=list)  # what one pass computes, for FLOP counts
 
 
 @dataclass
@@ -44,6 +45,7 @@ class LoopGroup:
     default_steps: int
     max_steps: int
     random_init: bool = False
+    modules: list[nn.Module] = field(default_factory=list)  # what one iteration computes, for FLOP counts
 
 
 def unit_trunc_normal(shape: Sequence[int], generator: torch.Generator | None = None,
@@ -58,6 +60,15 @@ class LoopedLM(nn.Module):
     architecture: str = ""
 
     def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_modules(self) -> list[nn.Module]:
+        """What `head` computes, for FLOP counts."""
+        raise NotImplementedError
+
+    @property
+    def output_size(self) -> int:
+        """Width of the logits `head` returns."""
         raise NotImplementedError
 
     def stages(self) -> list[Stage | LoopGroup]:
@@ -122,6 +133,13 @@ class LoopedLM(nn.Module):
             raise ValueError(f"num_steps has {len(num_steps)} entries but the model has {len(groups)} loop groups")
         return list(num_steps)
 
+    def _check_cache_depth(self, cache: KVCache, steps: list[int]) -> None:
+        for group, r in zip(self.loop_groups(), steps):
+            slots = cache.slots[group.attn_layers[0]] if group.attn_layers else r
+            if r > slots:
+                raise ValueError(f"{r} iterations of {group.name} need {r} cache slots; this cache has {slots} "
+                                 "(build it with model.new_cache(..., max_steps=…))")
+
     def forward(self, ids: torch.Tensor, num_steps: int | Sequence[int] | None = None, *,
                 backprop_depth: int | None = None, cache: KVCache | None = None, start: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -131,6 +149,8 @@ class LoopedLM(nn.Module):
         Huginn §1.6). With a cache, `ids` continue a sequence whose first `start` tokens are cached.
         """
         steps = self.resolve_steps(num_steps)
+        if cache is not None:
+            self._check_cache_depth(cache, steps)
         ctx = AttnContext(start=start, cache=cache)
         x = self.embed(ids, start)
         g = 0

@@ -105,17 +105,28 @@ class RavenConfig:
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for key, value in raw.items():
-            name = _ALIASES.get(key, key)
-            if name in known:
-                kwargs.setdefault(name, value)
-            else:
+            if key in known:
+                kwargs[key] = value
+            elif key not in _ALIASES:
                 extra[key] = value
+        for alias, name in _ALIASES.items():
+            if alias in raw and name in raw and raw[alias] != raw[name]:
+                raise CheckpointError(f"config.json has {name}={raw[name]!r} but {alias}={raw[alias]!r}; "
+                                      "they name the same thing and must agree")
+            if alias in raw:
+                kwargs.setdefault(name, raw[alias])
         for required in ("n_embd", "n_heads", "vocab_size", "intermediate_size"):
             if required not in kwargs:
                 raise CheckpointError(f"config.json lacks the field {required!r}, which a Raven model needs")
         for name in ("rope_base", "norm_eps", "init_scale"):
             if name in kwargs:
-                kwargs[name] = float(kwargs[name])
+                value = kwargs[name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise CheckpointError(f"config field {name} must be a number, got {value!r}")
+                kwargs[name] = float(value)
+        for name in ("qk_bias", "bias", "tie_embeddings"):
+            if name in kwargs and not isinstance(kwargs[name], bool):
+                raise CheckpointError(f"config field {name} must be true or false, got {kwargs[name]!r}")
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,12 +206,13 @@ class Raven(LoopedLM):
         t, c = self.transformer, self.config
         ids = lambda layers: [blk.attn.layer_id for blk in layers]  # noqa: E731
         return [
-            Stage("prelude", lambda x, ctx: self._run_layers(t.prelude, x, ctx.at_slot(0)), ids(t.prelude)),
+            Stage("prelude", lambda x, ctx: self._run_layers(t.prelude, x, ctx.at_slot(0)), ids(t.prelude),
+                  modules=[t.prelude]),
             LoopGroup("core_block", init=self._init_state, step=self._core_step, finish=t.ln_f,
                       attn_layers=ids(t.core_block), n_layers=len(t.core_block),
                       default_steps=c.mean_recurrence, max_steps=c.max_recurrence,
-                      random_init=c.init_scale > 0),
-            Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_slot(0)), ids(t.coda)),
+                      random_init=c.init_scale > 0, modules=[t.adapter, t.core_block]),
+            Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_slot(0)), ids(t.coda), modules=[t.coda]),
         ]
 
     def stages(self) -> list[Stage | LoopGroup]:
@@ -211,6 +223,13 @@ class Raven(LoopedLM):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x)).float()
+
+    def head_modules(self) -> list[nn.Module]:
+        return [self.lm_head]
+
+    @property
+    def output_size(self) -> int:
+        return self.lm_head.out_features
 
     def cache_geometry(self) -> tuple[int, int]:
         return self.config.n_heads, self.config.head_dim
