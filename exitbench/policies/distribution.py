@@ -1,0 +1,123 @@
+"""Rules on the next-token distribution p_k of the readout at s_k: each iteration pays for a coda + LM head."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import ExitbenchError
+from .base import ExitPolicy, Memory, log_grid, register
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _kl(logp_prev: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(p_prev ‖ p) summed over the vocabulary."""
+    return (logp_prev.exp() * (logp_prev - logp)).sum(-1)
+
+
+class _DistributionRule(ExitPolicy):
+    needs_logits = True
+
+    def start(self, s0: torch.Tensor) -> Memory:
+        return {}
+
+
+@register
+class KL(_DistributionRule):
+    """KL(p_{k−1} ‖ p_k) < τ with p_0 uniform. Geiping et al. 2025 exit at τ = 5e-4 (code default later 1e-3)."""
+
+    name = "kl"
+    source = "Geiping et al. 2025 (arXiv 2502.05171) §6, KLExitEvaluator"
+    default_threshold = 5e-4
+    default_grid = log_grid(1e-5, 1e-1, per_decade=2)
+
+    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        prev = memory.get("logp")
+        if prev is None:
+            prev = torch.full_like(logp, -math.log(logp.shape[-1]))
+        memory["logp"] = logp
+        return _kl(prev, logp)
+
+
+@register
+class MinPKL(_DistributionRule):
+    """KL between min-p filtered p_{k−1}, p_k: probabilities below 0.1·max set to 1/V, renormalised (Huginn)."""
+
+    name = "minp_kl"
+    source = "Geiping et al. 2025, recurrent-pretraining MinKLExitEvaluator"
+    default_threshold = 1e-5
+    default_grid = log_grid(1e-7, 1e-2, per_decade=1)
+    min_p = 0.1
+
+    def _filter(self, logp: torch.Tensor) -> torch.Tensor:
+        p = logp.exp()
+        keep = p >= self.min_p * p.max(-1, keepdim=True).values
+        p = torch.where(keep, p, torch.full_like(p, 1.0 / p.shape[-1]))
+        return (p / p.sum(-1, keepdim=True)).log()
+
+    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        filtered = self._filter(logp)
+        prev = memory.get("logp")
+        if prev is None:
+            prev = torch.full_like(filtered, -math.log(filtered.shape[-1]))
+        memory["logp"] = filtered
+        return _kl(prev, filtered)
+
+
+@register
+class EntropyDiff(_DistributionRule):
+    """|H(p_k) − H(p_{k−1})| < τ (Huginn's `entropy-diff`, 1e-3); undefined, so never a hit, at k = 1."""
+
+    name = "entropy_diff"
+    source = "Geiping et al. 2025, recurrent-pretraining EntropyDiffExitEvaluator"
+    default_threshold = 1e-3
+    default_grid = log_grid(1e-5, 1e-1, per_decade=2)
+
+    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        h = _entropy(logp)
+        prev = memory.get("entropy")
+        memory["entropy"] = h
+        if prev is None:
+            return torch.full_like(h, float("inf"))
+        return (h - prev).abs()
+
+
+@register
+class ArgmaxStability(_DistributionRule):
+    """Exit once argmax p_k has stayed the same for τ consecutive iterations (Huginn's default 5)."""
+
+    name = "argmax_stability"
+    source = "Geiping et al. 2025, recurrent-pretraining ArgmaxStabilityExitEvaluator"
+    exits_below = False
+    integer_threshold = True
+    default_threshold = 5
+    default_grid = (1, 2, 3, 4, 5, 6, 8, 10)
+
+    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        top = logp.argmax(-1)
+        prev, run = memory.get("argmax"), memory.get("run")
+        run = torch.zeros_like(top) if prev is None else torch.where(top == prev, run + 1, 0)
+        memory["argmax"], memory["run"] = top, run
+        return run.float()
+
+
+@register
+class Confidence(_DistributionRule):
+    """max_v p_k(v) ≥ τ: softmax-response confidence (CALM, Schuster et al. 2022)."""
+
+    name = "confidence"
+    source = "Schuster et al. 2022, Confident Adaptive Language Modeling (softmax response)"
+    exits_below = False
+    default_threshold = 0.9
+    default_grid = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999)
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.threshold > 1:
+            raise ExitbenchError(f"confidence: threshold is a probability and must be ≤ 1, got {self.threshold}")
+
+    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        return logp.max(-1).values.exp()
