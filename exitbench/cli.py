@@ -43,21 +43,76 @@ def one_line_errors(fn):
 @app.command()
 @one_line_errors
 def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
-         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
+         as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+         depth: bool = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r "
+                                    "on held-out programs of the checkpoint's synthetic task."),
+         programs: int = typer.Option(256, "--programs", help="Held-out programs for --depth."),
+         seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint."""
     from .embedded import open_checkpoint
     from .info import describe
 
-    report = describe(open_checkpoint(checkpoint, dtype))
+    ck = open_checkpoint(checkpoint, dtype)
+    report = describe(ck)
+    if depth:
+        from .depth import depth_report
+
+        if programs < 1:
+            raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+        report["depth"] = depth_report(ck, n_programs=programs, seed=seed)
     if as_json:
         print(json.dumps(report, indent=2))
         return
     table = Table(title=f"exitbench info: {report['source']}", show_header=False)
     for key, value in report.items():
+        if key == "depth":
+            continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
+    if depth:
+        from .depth import depth_tables
+
+        for t in depth_tables(report["depth"]):
+            console.print(t)
+
+
+@app.command()
+@one_line_errors
+def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the new checkpoint."),
+          task: str = typer.Option("chains", help="Synthetic training task."),
+          n_chains: int = typer.Option(4, "--chains", help="Interleaved chains per program."),
+          max_hop: int = typer.Option(12, help="Chain length: the hardest difficulty level."),
+          n_embd: int = typer.Option(128, help="Hidden size."),
+          n_heads: int = typer.Option(4, help="Attention heads."),
+          intermediate_size: int = typer.Option(256, help="Gated MLP inner size."),
+          prelude_layers: int = typer.Option(0, help="Prelude layers (attention there lets the loop idle)."),
+          core_layers: int = typer.Option(1, help="Layers in the recurrent core."),
+          coda_layers: int = typer.Option(0, help="Coda layers."),
+          mean_recurrence: int = typer.Option(16, help="Mean sampled r; also the default r at inference."),
+          max_recurrence: int = typer.Option(32, help="Deepest r the checkpoint is meant to run."),
+          backprop_depth: int = typer.Option(8, help="Iterations that keep gradients (truncated BPTT)."),
+          batch_size: int = typer.Option(64, help="Programs per step."),
+          lr: float = typer.Option(2e-3, help="Peak learning rate (AdamW, cosine decay)."),
+          steps: int = typer.Option(2000, help="Optimizer steps."),
+          time_budget: Optional[float] = typer.Option(None, help="Stop after this many seconds."),
+          save_every: Optional[int] = typer.Option(None, help="Keep a checkpoint every N steps."),
+          seed: int = typer.Option(0, help="Seed: same seed, same checkpoint."),
+          threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
+          resume: bool = typer.Option(False, help="Continue the run saved in --out.")):
+    """Train a Raven-architecture model from scratch on the synthetic chains task (CPU-sized)."""
+    from .train import TrainConfig, train as run_training
+    from .progress import training_progress
+
+    cfg = TrainConfig(out=str(out), task=task, n_chains=n_chains, max_hop=max_hop, n_embd=n_embd, n_heads=n_heads,
+                      intermediate_size=intermediate_size, prelude_layers=prelude_layers, core_layers=core_layers,
+                      coda_layers=coda_layers, mean_recurrence=mean_recurrence, max_recurrence=max_recurrence,
+                      backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps,
+                      time_budget=time_budget, save_every=save_every, seed=seed, threads=threads, resume=resume)
+    with training_progress(console, cfg) as on_step:
+        path = run_training(cfg, command=" ".join(["exitbench", *sys.argv[1:]]), on_step=on_step)
+    console.print(f"saved {path}")
 
 
 def main() -> None:

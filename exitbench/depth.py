@@ -75,3 +75,26 @@ def depth_report(ck: Checkpoint, r_values: Sequence[int] = DEFAULT_R, n_programs
     return {"checkpoint": str(ck.path), "programs": n_programs, "seed": seed, "levels": task.length,
             "default_steps": group.default_steps, "max_steps": group.max_steps, "by_r": rows,
             "step_norm": step_norm}
+
+
+def depth_tables(report: dict[str, Any]) -> list:
+    """Rich tables of a depth report: accuracy by hop and perplexity per r, then step norms per k."""
+    from rich.table import Table
+
+    levels = range(1, report["levels"] + 1)
+    rows = report["by_r"]
+    acc = Table(title=f"accuracy by hop vs r ({report['programs']} held-out programs)")
+    acc.add_column("", justify="right")
+    for row in rows:
+        acc.add_column(f"r={row['r']}", justify="right")
+    for h in levels:
+        acc.add_row(f"hop {h}", *[f"{row['accuracy_by_hop'][h]:.3f}" for row in rows])
+    acc.add_row("all", *[f"{row['accuracy']:.3f}" for row in rows], style="bold")
+    acc.add_row("answer ppl", *[f"{row['answer_perplexity']:.3f}" for row in rows], style="bold")
+    norms = Table(title="mean step norm ‖s_k − s_{k−1}‖")
+    norms.add_column("k", justify="right")
+    norms.add_column("mean", justify="right")
+    norms.add_column("median", justify="right")
+    for row in report["step_norm"]:
+        norms.add_row(str(row["k"]), f"{row['mean']:.4g}", f"{row['median']:.4g}")
+    return [acc, norms]

@@ -104,18 +104,25 @@ class SequenceResult:
 
 
 class PositionNoise:
-    """Unit truncated-normal initial-state noise keyed by (seed, position), identical for every row."""
+    """Unit truncated-normal initial-state noise keyed by (seed, position), identical for every row.
+
+    Drawn in fixed blocks, each from its own generator: torch's samplers are not prefix-stable (the first
+    rows of a draw of 8 differ from a draw of 16), so growing one table would change earlier positions.
+    """
+
+    BLOCK = 64
 
     def __init__(self, seed: int, dim: int):
         self.seed, self.dim = seed, dim
-        self.table = torch.empty(0, dim)
+        self.blocks: list[torch.Tensor] = []
 
     def rows(self, start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         end = start + length
-        if end > self.table.shape[0]:
-            gen = torch.Generator().manual_seed(self.seed)
-            self.table = unit_trunc_normal((max(end, 2 * self.table.shape[0]), self.dim), gen)
-        return self.table[start:end].to(dtype=dtype, device=device)
+        while len(self.blocks) * self.BLOCK < end:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.blocks))
+            self.blocks.append(unit_trunc_normal((self.BLOCK, self.dim), gen))
+        table = self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)
+        return table[start:end].to(dtype=dtype, device=device)
 
 
 class ExitEngine:
@@ -334,7 +341,10 @@ class ExitEngine:
         if self.config.warm_start and self.warm[g] is not None:
             sel = ctx.rows if ctx.rows is not None else slice(None)
             s = torch.where(self.warm_valid[sel].view(-1, 1, 1).to(s.device), self.warm[g][sel].unsqueeze(1), s)
-        memory = policy.start(s[:, 0])
+        # A lone CPU float32 token hands latent rules numpy views: same formula, a tenth of the dispatch cost.
+        host = policy.host_arrays and n == 1 and s.device.type == "cpu" and s.dtype == torch.float32
+        view = (lambda t: t.numpy().reshape(-1)) if host else (lambda t: t[:, 0])
+        memory = policy.start(view(s))
         exit_steps = torch.full((n,), K, dtype=torch.long)
         final = torch.empty_like(s)
         need_logits = policy.needs_logits
@@ -358,25 +368,39 @@ class ExitEngine:
                 trajectory.append((s_a, torch.log_softmax(logits.float(), -1), logits))
                 t_probe += clock() - t1
                 continue
-            logp = torch.log_softmax(logits.float(), -1) if need_logits else None
-            sig = policy.signal(k, s_a[:, 0], memory, logp)
-            done = policy.decide(k, sig, memory)
+            done = None  # per-token exits, when only some of several active tokens may leave
+            if policy.signal_free:
+                leaving = k >= K
+            else:
+                logp = torch.log_softmax(logits.float(), -1) if need_logits else None
+                sig = policy.signal(k, view(s_a), memory, logp)
+                if s_a.shape[0] == 1:
+                    leaving = policy.decide_one(k, sig, memory)
+                else:
+                    done = policy.decide(k, sig, memory)
+                    leaving = bool(done.any())
+                if record:
+                    sig_log[slice(None) if active is None else active, i] = torch.as_tensor(sig).float().cpu()
             t_probe += clock() - t1
-            if record:
-                sig_log[slice(None) if active is None else active, i] = sig.float().cpu()
-            if not bool(done.any()):
+            if not leaving:
                 continue
+            if done is None or bool(done.all()):  # every active token leaves now
+                tok = torch.arange(n) if active is None else active
+                exit_steps[tok] = k
+                final[tok] = s_a
+                if need_logits:
+                    final_logits[tok] = logits.float()
+                if k < K:
+                    cache.carry_forward(group.attn_layers, ctx.rows if active is None else all_rows[tok], ctx.start, i)
+                break
             done_idx = done.nonzero().flatten()
             tok = done_idx if active is None else active[done_idx]
             exit_steps[tok] = k
             final[tok] = s_a[done_idx]
             if need_logits:
                 final_logits[tok] = logits[done_idx].float()
-            if k < K:
-                cache.carry_forward(group.attn_layers, all_rows[tok], ctx.start, i)
+            cache.carry_forward(group.attn_layers, all_rows[tok], ctx.start, i)
             keep = ~done
-            if not bool(keep.any()):
-                break
             active = keep.nonzero().flatten() if active is None else active[keep]
             s_a, x_a = s_a[keep], x_a[keep]
             memory = {name: v[keep] for name, v in memory.items()}

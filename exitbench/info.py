@@ -30,5 +30,16 @@ def describe(ck: Checkpoint) -> dict[str, Any]:
         "tokenizer": None if tok is None else {"vocab_size": tok.vocab_size,
                                                "special_tokens": {k: {"id": i, "token": s}
                                                                   for k, (i, s) in tok.special_tokens().items()}},
-        "provenance": ck.provenance,
+        "provenance": _provenance(ck.provenance),
     }
+
+
+def _provenance(meta: dict[str, Any]) -> dict[str, Any]:
+    """How the checkpoint was made, when exitbench made it: the command, seed, time and code revision."""
+    training = meta.get("training")
+    if not training:
+        return {}
+    run = meta.get("run", {})
+    return {"command": training.get("command"), "seed": training.get("seed"),
+            "training_seconds": training.get("training_seconds"), "steps": training.get("steps_done"),
+            "git_revision": run.get("git_revision"), "host": run.get("host"), "trained": run.get("started")}

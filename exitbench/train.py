@@ -99,7 +99,7 @@ class TrainConfig:
             n_embd=self.n_embd, n_heads=self.n_heads, vocab_size=tokenizer.vocab_size,
             intermediate_size=self.intermediate_size, n_layers_in_prelude=self.prelude_layers,
             n_layers_in_recurrent_block=self.core_layers, n_layers_in_coda=self.coda_layers,
-            block_size=self.n_chains * self.max_hop + 8, mean_recurrence=self.mean_recurrence,
+            block_size=256, mean_recurrence=self.mean_recurrence,
             mean_backprop_depth=self.backprop_depth, max_recurrence=self.max_recurrence,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)

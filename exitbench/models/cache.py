@@ -54,13 +54,15 @@ class KVCache:
         """Make slots after `last_slot` of `layers` at `pos` equal the entry at `last_slot` (token exited)."""
         for layer in layers:
             for store in (self.k, self.v):
-                t = store[layer]
-                if last_slot + 1 >= t.shape[0]:
+                # Basic-index the position first: mixing an int and a row tensor split by slices would move
+                # the advanced dimensions to the front and pair rows with slots.
+                at_pos = store[layer][:, :, :, pos]  # (slots, batch, heads, head_dim), a view
+                if last_slot + 1 >= at_pos.shape[0]:
                     continue
                 if rows is None:
-                    t[last_slot + 1 :, :, :, pos] = t[last_slot, :, :, pos].unsqueeze(0)
+                    at_pos[last_slot + 1 :] = at_pos[last_slot].unsqueeze(0)
                 else:
-                    t[last_slot + 1 :, rows, :, pos] = t[last_slot, rows, :, pos].unsqueeze(0)
+                    at_pos[last_slot + 1 :, rows] = at_pos[last_slot, rows].unsqueeze(0)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self.k, self.v) for t in store.values())

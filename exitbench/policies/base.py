@@ -47,6 +47,10 @@ class ExitPolicy:
     uses_relative: ClassVar[bool] = False
     # Decided after running every token to max_steps (the oracle); not a usable policy.
     retrospective: ClassVar[bool] = False
+    # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
+    signal_free: ClassVar[bool] = False
+    # Accepts numpy views of CPU states for a lone token (see policies/latent.py).
+    host_arrays: ClassVar[bool] = False
 
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
                  patience: int | None = None, relative: bool = False):
@@ -87,8 +91,9 @@ class ExitPolicy:
                 "max_steps": self.max_steps, "patience": self.patience, "relative": self.relative}
 
     # ---- what subclasses implement -----------------------------------------------------------------
-    def start(self, s0: torch.Tensor) -> Memory:
-        """Memory for tokens starting their loop at states s0 (n, d)."""
+    def start(self, s0) -> Memory:
+        """Memory for tokens starting their loop at states s0 (n, d): a tensor, or a numpy view when the
+        policy declares `host_arrays` and the engine runs a single CPU float32 token."""
         return {"prev": s0}
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
@@ -110,6 +115,20 @@ class ExitPolicy:
         if k < self.min_steps:
             return torch.zeros_like(hit)
         return streak >= self.patience
+
+    def decide_one(self, k: int, signal: torch.Tensor, memory: Memory) -> bool:
+        """`decide` for a single active token, in Python scalars: at batch size 1 the probe must cost a few
+        microseconds next to a core iteration, and each tensor op costs about one."""
+        streak = memory.get("streak", 0)
+        if isinstance(streak, torch.Tensor):
+            streak = int(streak.item())
+        value = signal if isinstance(signal, float) else float(signal[0])
+        hit = value < self.threshold if self.exits_below else value >= self.threshold
+        streak = streak + 1 if hit else 0
+        memory["streak"] = streak
+        if k >= self.max_steps:
+            return True
+        return k >= self.min_steps and streak >= self.patience
 
     def first_exit(self, signals: list[float]) -> int:
         """The exit step the rule gives for one token's recorded signal trajectory (s_1 … s_max): for tests."""

@@ -1,6 +1,9 @@
 """Decoding-free rules: they read only the latent states, so their probe costs a few vector norms."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from .base import ExitPolicy, Memory, log_grid, register
@@ -8,11 +11,36 @@ from .base import ExitPolicy, Memory, log_grid, register
 LATENT_GRID = log_grid(1e-5, 1e-1, per_decade=2)
 
 
-def _norm(x: torch.Tensor) -> torch.Tensor:
+# The helpers take torch tensors (n, d), or, for a lone token on the CPU, a numpy view (d,) of its state,
+# for which they return Python floats: at batch size 1 a torch op costs a microsecond or more of dispatch,
+# as much as its arithmetic, and the probe must stay a small fraction of a core iteration. Same formulas.
+def _norm(x):
+    if isinstance(x, np.ndarray):
+        return math.sqrt(np.vdot(x, x))
     return torch.linalg.vector_norm(x, dim=-1)
 
 
-class _StepRule(ExitPolicy):
+def _dist(a, b):
+    """‖a − b‖ per token."""
+    if isinstance(a, np.ndarray):
+        d = a - b
+        return math.sqrt(np.vdot(d, d))
+    if a.shape[0] == 1:
+        return torch.dist(a, b).view(1)
+    return _norm(a - b)
+
+
+def _undefined(like):
+    if isinstance(like, np.ndarray):
+        return math.inf
+    return torch.full((like.shape[0],), math.inf, device=like.device)
+
+
+class _LatentRule(ExitPolicy):
+    host_arrays = True
+
+
+class _StepRule(_LatentRule):
     uses_relative = True
     default_grid = LATENT_GRID
 
@@ -32,7 +60,7 @@ class FirstOrder(_StepRule):
     default_threshold = 1e-3
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        value = _norm(s - memory["prev"])
+        value = _dist(s, memory["prev"])
         memory["prev"] = s
         return self._scale(value, s)
 
@@ -55,8 +83,8 @@ class SecondOrder(_StepRule):
         prev_delta = memory.get("delta")
         memory["prev"], memory["delta"] = s, delta
         if prev_delta is None:
-            return torch.full(s.shape[:1], float("inf"), device=s.device)
-        return self._scale(_norm(delta - prev_delta), s)
+            return _undefined(s)
+        return self._scale(_dist(delta, prev_delta), s)
 
 
 @register
@@ -73,16 +101,16 @@ class SecondOrderMagnitude(_StepRule):
     default_patience = 2
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        step = _norm(s - memory["prev"])
+        step = _dist(s, memory["prev"])
         prev_step = memory.get("step")
         memory["prev"], memory["step"] = s, step
         if prev_step is None:
-            return torch.full(s.shape[:1], float("inf"), device=s.device)
-        return self._scale((step - prev_step).abs(), s)
+            return _undefined(s)
+        return self._scale(abs(step - prev_step), s)
 
 
 @register
-class Cosine(ExitPolicy):
+class Cosine(_LatentRule):
     """1 − cos(s_k, s_{k−1}) < τ: the state stopped turning (Huginn's `cosine`, 1e-3)."""
 
     name = "cosine"
@@ -91,6 +119,8 @@ class Cosine(ExitPolicy):
     default_grid = log_grid(1e-6, 1e-1, per_decade=1)
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        value = 1 - torch.nn.functional.cosine_similarity(s, memory["prev"], dim=-1)
+        prev = memory["prev"]
         memory["prev"] = s
-        return value
+        if isinstance(s, np.ndarray):
+            return 1 - float(np.vdot(s, prev)) / max(_norm(s) * _norm(prev), 1e-8)
+        return 1 - torch.nn.functional.cosine_similarity(s, prev, dim=-1)

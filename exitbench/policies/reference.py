@@ -12,6 +12,7 @@ class Fixed(ExitPolicy):
 
     name = "fixed"
     source = "baseline"
+    signal_free = True
     exits_below = False
     integer_threshold = True
     default_threshold = 32
