@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -111,8 +110,36 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
                       backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps,
                       time_budget=time_budget, save_every=save_every, seed=seed, threads=threads, resume=resume)
     with training_progress(console, cfg) as on_step:
-        path = run_training(cfg, command=" ".join(["exitbench", *sys.argv[1:]]), on_step=on_step)
+        path = run_training(cfg, on_step=on_step)
     console.print(f"saved {path}")
+
+
+@app.command()
+@one_line_errors
+def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
+          checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+          policy: str = typer.Option("second_order", "--policy", "-p", help="Exit policy (see --list-policies)."),
+          threshold: Optional[float] = typer.Option(None, help="Threshold τ (default: the policy's own)."),
+          min_steps: int = typer.Option(1, help="No exit before this iteration."),
+          max_steps: Optional[int] = typer.Option(None, help="Cap on iterations (default: the model's default r)."),
+          patience: Optional[int] = typer.Option(None, help="Consecutive hits needed to exit."),
+          relative: bool = typer.Option(False, help="Divide latent step norms by ‖s_k‖."),
+          warm_start: bool = typer.Option(False, help="Start each token from the previous token's final state."),
+          generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
+          exit_config: Optional[Path] = typer.Option(None, help="YAML file of exit knobs (overrides the flags)."),
+          seed: int = typer.Option(0, help="Seed of the initial-state noise.")):
+    """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
+    from .embedded import open_checkpoint
+    from .engine import ExitConfig
+    from .trace import trace_prompt, trace_table
+
+    if exit_config is not None:
+        cfg = ExitConfig.from_yaml(exit_config)
+    else:
+        cfg = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
+                         patience=patience, relative=relative, warm_start=warm_start, seed=seed)
+    ck = open_checkpoint(checkpoint, dtype)
+    console.print(trace_table(trace_prompt(ck, prompt, cfg, generate)))
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +92,19 @@ class TrainConfig:
         if not 0 < self.level_up_accuracy <= 1:
             raise ExitbenchError(f"--level-up-accuracy must be in (0, 1], got {self.level_up_accuracy}")
         synthetic.make_task(self.task, n_chains=self.n_chains, length=self.max_hop)
+
+    def command(self) -> str:
+        """The `exitbench train` command line that reproduces this run (non-default options spelled out)."""
+        flags = {"n_chains": "--chains"}
+        defaults = TrainConfig(out=self.out)
+        parts = ["exitbench", "train", "--out", self.out, "--steps", str(self.steps), "--seed", str(self.seed)]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("out", "steps", "seed") or value == getattr(defaults, f.name):
+                continue
+            flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
+            parts += [flag] if value is True else [flag, str(value)]
+        return " ".join(parts)
 
     def model_config(self, tokenizer: synthetic.Tokenizer) -> RavenConfig:
         return RavenConfig(
@@ -282,7 +294,7 @@ def train(cfg: TrainConfig, command: str | None = None,
 def _checkpoint(model: Raven, tokenizer, path: Path, cfg: TrainConfig, state: TrainState,
                 command: str | None) -> None:
     training = {
-        "command": command or " ".join(["exitbench", "train"] + sys.argv[2:]),
+        "command": command or cfg.command(),
         "seed": cfg.seed,
         "train_config": dataclasses.asdict(cfg),
         "steps_done": state.step,

@@ -1,0 +1,143 @@
+"""Do exits save wall-clock, and what does a probe cost? Ratios measured in one run (no absolute times).
+
+    python bench/engine.py [--checkpoint DIR] [--programs 8] [--repeats 7] [--threads 1]
+
+On held-out programs of the checkpoint's synthetic task, every statement is scored teacher-forced (each
+position runs its own loop, as in decoding):
+1. For each decoding-free policy, a threshold whose mean iterations are about half of max is found on a
+   calibration split; then `time(policy) / time(fixed max)` is compared with `mean iterations / max`.
+   Target: time ratio ≤ 1.15 × iteration ratio, at batch size 1 and at batch size 16.
+2. Probe overhead per iteration: the same policy at a threshold that never fires runs exactly max
+   iterations, like `fixed`; the extra time per iteration over `fixed`, divided by the time of one core
+   iteration, is the probe's cost. Target ≤ 2% for decoding-free rules; `kl` is reported, not hidden.
+Runs are interleaved and each figure is the median over repeats, so drifts in machine speed hit all
+variants alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exitbench import synthetic  # noqa: E402
+from exitbench.embedded import open_checkpoint  # noqa: E402
+from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
+
+DECODING_FREE = [("first_order", False), ("first_order", True), ("second_order", False),
+                 ("second_order", True), ("second_order_magnitude", False), ("cosine", False)]
+
+
+def requests(ck, n: int, seed: str) -> list[tuple[list[int], int]]:
+    cfg = ck.provenance["training"]["train_config"]
+    task = synthetic.make_task(cfg["task"], n_chains=cfg["n_chains"], length=cfg["max_hop"])
+    rng = random.Random(seed)
+    return [([ck.tokenizer.bos_token_id] + ck.tokenizer.encode(task.sample(rng).text), 1) for _ in range(n)]
+
+
+def run(engine: ExitEngine, reqs, batch: int) -> tuple[float, float]:
+    """(seconds, mean iterations per scored token)."""
+    t0 = time.perf_counter()
+    results = []
+    for i in range(0, len(reqs), batch):
+        results += engine.score(reqs[i:i + batch])
+    seconds = time.perf_counter() - t0
+    its = [k for r in results for k in r.iterations]
+    return seconds, sum(its) / len(its)
+
+
+def half_depth_threshold(model, policy: str, relative: bool, reqs, max_steps: int) -> tuple[float, float]:
+    """The grid threshold whose mean iterations are closest to max/2 (log-spaced search, then refined)."""
+    grid = [10 ** (e / 4) for e in range(-28, 5)]
+    best = None
+    for tau in grid:
+        _, mean = run(ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative)), reqs, 16)
+        if best is None or abs(mean - max_steps / 2) < abs(best[1] - max_steps / 2):
+            best = (tau, mean)
+    return best
+
+
+def median_times(engines: dict[str, ExitEngine], reqs, batch: int, repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            times[name].append(run(engine, reqs, batch)[0])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--programs", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ck = open_checkpoint(args.checkpoint)
+    model = ck.model
+    K = model.loop_groups()[0].default_steps
+    calib = requests(ck, 16, "bench-calibration")
+    reqs = requests(ck, args.programs, "bench-timing")
+    n_tokens = sum(len(t) - n for t, n in reqs)
+    print(f"checkpoint {ck.path} · max steps {K} · {args.programs} programs, {n_tokens} scored tokens · "
+          f"{args.threads} thread(s) · median of {args.repeats}")
+
+    figures: dict[str, dict] = {}
+    # 1. wall-clock vs iterations at about half depth
+    for batch in (1, 16):
+        print(f"\n[wall-clock at ~half depth, batch size {batch}]  target: time ratio ≤ 1.15 × iteration ratio")
+        print(f"{'policy':32} {'threshold':>10} {'iters/max':>10} {'time/fixed':>11} {'ratio':>7}")
+        engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
+        meta = {}
+        for policy, relative in DECODING_FREE[:3] + [("kl", False)]:
+            tau, _ = half_depth_threshold(model, policy, relative, calib, K)
+            name = f"{policy}{' (relative)' if relative else ''}"
+            engines[name] = ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative))
+            meta[name] = tau
+        iters = {name: run(e, reqs, batch)[1] for name, e in engines.items()}
+        times = median_times(engines, reqs, batch, args.repeats)
+        for name in meta:
+            it_ratio, t_ratio = iters[name] / K, times[name] / times["fixed"]
+            figures[f"halfdepth_bs{batch}_{name}"] = {"threshold": meta[name], "iteration_ratio": it_ratio,
+                                                     "time_ratio": t_ratio, "ratio_over_iterations": t_ratio / it_ratio}
+            print(f"{name:32} {meta[name]:>10.3g} {it_ratio:>10.3f} {t_ratio:>11.3f} {t_ratio / it_ratio:>7.3f}")
+
+    # 2. probe overhead per iteration
+    print("\n[probe overhead per iteration, batch size 1]  target: ≤ 2% of a core iteration (decoding-free)")
+    never = {"first_order": 1e-30, "second_order": 1e-30, "second_order_magnitude": 1e-30, "cosine": 1e-30,
+             "kl": 1e-30, "entropy_diff": 1e-30, "confidence": 1.0}
+    engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
+    for policy, relative in DECODING_FREE:
+        engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
+            model, ExitConfig(policy, threshold=never[policy], relative=relative))
+    engines["kl"] = ExitEngine(model, ExitConfig("kl", threshold=never["kl"]))
+    for name, engine in engines.items():
+        _, mean = run(engine, reqs[:1], 1)
+        assert abs(mean - K) < 1e-9, f"{name} fired; the probe benchmark needs it to run all {K} iterations"
+    times = median_times(engines, reqs, 1, args.repeats)
+    fixed = engines["fixed"]
+    core_per_iter = fixed.stats["core"] / (fixed.stats["tokens"] * K)
+    iterations = n_tokens * K
+    print(f"{'policy':32} {'extra/iter':>12} {'of core iter':>13}")
+    for name in engines:
+        if name == "fixed":
+            continue
+        extra = (times[name] - times["fixed"]) / iterations
+        figures[f"probe_{name}"] = {"extra_seconds_per_iteration": extra, "share_of_core_iteration": extra / core_per_iter}
+        print(f"{name:32} {extra * 1e6:>10.2f}µs {100 * extra / core_per_iter:>12.2f}%")
+    print(f"(core iteration: {core_per_iter * 1e6:.1f}µs at batch size 1)")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

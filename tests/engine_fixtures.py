@@ -1,0 +1,215 @@
+"""Helpers for the policy and engine tests: tiny models, a direct trajectory through the stage view, the
+policies' formulas written out again in numpy, the exit rule as a plain loop, and a reference engine.
+
+Nothing here imports exitbench.policies: every expected value is computed independently of the classes
+under test.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from exitbench.engine import ExitConfig, ExitEngine
+from exitbench.models import AttnContext, LoopGroup, Stage
+
+from conftest import make_tiny_raven
+
+# Policies whose signal must pass *above* the threshold; every other rule exits below it.
+EXITS_ABOVE = {"confidence", "argmax_stability", "fixed"}
+INTEGER_THRESHOLD = {"argmax_stability", "fixed"}
+DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence"}
+RELATIVE = {"first_order", "second_order", "second_order_magnitude"}
+
+
+def tiny(init_scale: float = 1.0, seed: int = 0, mean: int = 8, max_rec: int = 16):
+    return make_tiny_raven(seed, init_scale=init_scale, mean_recurrence=mean, max_recurrence=max_rec)
+
+
+def engine(model, policy: str, **knobs) -> ExitEngine:
+    knobs.setdefault("record_signals", True)
+    return ExitEngine(model, ExitConfig(policy=policy, **knobs))
+
+
+# ---- a direct trajectory at position 0 -------------------------------------------------------------
+
+@torch.no_grad()
+def direct_trajectory(model, t0s: list[int], K: int, noise: torch.Tensor | None):
+    """States s_0 … s_K (B, K+1, d) as float32 numpy, and float64 log-probs (B, K, V) of the readout at
+    s_1 … s_K, for tokens t0s each alone at position 0, through the stage view (no cache, no engine).
+
+    `noise` is the unit initial-state noise row for position 0 (d,), or None when the model has none.
+    """
+    stages = model.stages()
+    gi = next(i for i, s in enumerate(stages) if isinstance(s, LoopGroup))
+    group = stages[gi]
+    ctx = AttnContext(start=0, cache=None)
+    x = model.embed(torch.tensor(t0s).view(-1, 1), 0)
+    for st in stages[:gi]:
+        x = st.run(x, ctx)
+    nz = None if noise is None else noise.view(1, 1, -1).expand(x.shape[0], 1, -1)
+    s = group.init(x, nz)
+    states, logps = [s[:, 0].clone()], []
+    for i in range(K):
+        s = group.step(s, x, ctx.at_slot(i))
+        states.append(s[:, 0].clone())
+        y = group.finish(s)
+        for st in stages[gi + 1:]:
+            assert isinstance(st, Stage), "helper written for one loop group"
+            y = st.run(y, ctx)
+        logits = model.head(y)[:, 0].double()
+        logps.append(torch.log_softmax(logits, -1))
+    return torch.stack(states, 1).numpy(), torch.stack(logps, 1).numpy()
+
+
+# ---- the formulas, restated -------------------------------------------------------------------------
+
+def _kl(lp_prev: np.ndarray, lp: np.ndarray) -> float:
+    return float(np.sum(np.exp(lp_prev) * (lp_prev - lp)))
+
+
+def _minp(lp: np.ndarray, min_p: float = 0.1) -> np.ndarray:
+    p = np.exp(lp)
+    V = p.shape[-1]
+    q = np.where(p >= min_p * p.max(), p, 1.0 / V)
+    return np.log(q / q.sum())
+
+
+def direct_signals(name: str, states: np.ndarray, logps: np.ndarray, relative: bool = False) -> np.ndarray:
+    """The signal after iterations 1 … K of one token, from s_0 … s_K (K+1, d) and log p_1 … p_K (K, V)."""
+    K = logps.shape[0]
+    V = logps.shape[1]
+    s = states.astype(np.float32)
+    delta = [None] + [(s[k] - s[k - 1]).astype(np.float64) for k in range(1, K + 1)]  # Δ_k, float32 diff
+    s64 = s.astype(np.float64)
+    norm = lambda v: float(np.sqrt(np.sum(v * v)))  # noqa: E731
+    out = np.empty(K)
+    for k in range(1, K + 1):
+        lp = logps[k - 1]
+        lp_prev = logps[k - 2] if k >= 2 else None
+        if name == "first_order":
+            v = norm(delta[k])
+        elif name == "second_order":
+            v = math.inf if k == 1 else norm(delta[k] - delta[k - 1])
+        elif name == "second_order_magnitude":
+            v = math.inf if k == 1 else abs(norm(delta[k]) - norm(delta[k - 1]))
+        elif name == "cosine":
+            a, b = s64[k], s64[k - 1]
+            v = 1.0 - float(a @ b) / max(norm(a) * norm(b), 1e-8)
+        elif name == "kl":
+            v = _kl(np.full(V, -math.log(V)) if lp_prev is None else lp_prev, lp)
+        elif name == "minp_kl":
+            v = _kl(np.full(V, -math.log(V)) if lp_prev is None else _minp(lp_prev), _minp(lp))
+        elif name == "entropy_diff":
+            ent = lambda x: -float(np.sum(np.exp(x) * x))  # noqa: E731
+            v = math.inf if k == 1 else abs(ent(lp) - ent(lp_prev))
+        elif name == "confidence":
+            v = float(np.exp(lp.max()))
+        elif name == "argmax_stability":
+            run = 0
+            for j in range(2, k + 1):
+                run = run + 1 if logps[j - 1].argmax() == logps[j - 2].argmax() else 0
+            v = float(run)
+        elif name == "fixed":
+            v = float(k)
+        else:
+            raise KeyError(name)
+        if relative and not math.isinf(v):
+            v = v / norm(s64[k])
+        out[k - 1] = v
+    return out
+
+
+def expected_exit(signals, threshold: float, above: bool, min_steps: int, patience: int, K: int) -> int:
+    """The exit rule as a plain loop: `patience` consecutive hits with k ≥ min_steps, or k = K."""
+    streak = 0
+    for k in range(1, K + 1):
+        v = float(signals[k - 1])
+        hit = (v >= threshold) if above else (v < threshold)  # NaN and ±inf never hit the right way
+        streak = streak + 1 if hit else 0
+        if k >= K or (k >= min_steps and streak >= patience):
+            return k
+    raise AssertionError("unreachable")
+
+
+def oracle_exit(logps: np.ndarray, target: int | None, eps: float, min_steps: int = 1) -> int:
+    """Earliest k with agreement at every j ≥ k (argmax for generation, target log-prob within ε)."""
+    K = logps.shape[0]
+    if target is None:
+        agree = [logps[j].argmax() == logps[K - 1].argmax() for j in range(K)]
+    else:
+        agree = [logps[j, target] >= logps[K - 1, target] - eps for j in range(K)]
+    k = K
+    while k > 1 and agree[k - 2]:
+        k -= 1
+    return max(k, min_steps)
+
+
+def assert_signals_close(got, want, upto: int, rtol: float, atol: float, what: str = "") -> None:
+    """got (engine record, NaN after the exit) vs want (direct) on iterations 1 … upto."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    for k in range(1, upto + 1):
+        g, w = got[k - 1], want[k - 1]
+        if math.isinf(w):
+            assert g == w, f"{what} k={k}: engine {g}, direct {w}"
+        else:
+            assert abs(g - w) <= rtol * abs(w) + atol, f"{what} k={k}: engine {g!r}, direct {w!r}"
+    assert np.all(np.isnan(got[upto:])), f"{what}: signals after the exit at {upto} must be NaN: {got[upto:]}"
+
+
+# ---- a reference engine, one sequence, written directly on the stage view ---------------------------
+
+@torch.no_grad()
+def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, K: int, *,
+                  prefill: str = "full", warm_start: bool = False, seed: int = 0, noise_table=None):
+    """Run positions 0 … last of one sequence token by token, the way the engine is documented to:
+
+    positions before `first_scored` run at depth K (prefill="full") or with exits (prefill="exit"); the
+    others run until rule(k, states) says exit (or k = K); a token exiting at e < K has its core KV entries
+    at slot e−1 copied into slots e … K−1 (done here by direct indexing, not KVCache.carry_forward).
+    Initial states: the position's noise row, or with warm_start the previous position's final state for
+    positions run with exits. Returns per-position (exit step, log-probs (V,) float64).
+    """
+    stages = model.stages()
+    gi = next(i for i, s in enumerate(stages) if isinstance(s, LoopGroup))
+    group = stages[gi]
+    cache = model.new_cache(1, last + 1, [K])
+    out = []
+    prev_final = None
+    for pos in range(last + 1):
+        adaptive = pos >= first_scored or prefill == "exit"
+        ctx = AttnContext(start=pos, cache=cache)
+        x = model.embed(torch.tensor([[tokens[pos]]]), pos)
+        for st in stages[:gi]:
+            x = st.run(x, ctx)
+        nz = None if noise_table is None else noise_table[pos].view(1, 1, -1)
+        s = group.init(x, nz)
+        if warm_start and adaptive and prev_final is not None:
+            s = prev_final
+        states = [s[0, 0]]
+        e = K
+        for i in range(K):
+            s = group.step(s, x, ctx.at_slot(i))
+            states.append(s[0, 0])
+            if adaptive and i + 1 < K and rule(i + 1, states):
+                e = i + 1
+                break
+        if e < K:
+            for layer in group.attn_layers:
+                for store in (cache.k, cache.v):
+                    store[layer][e:, 0, :, pos] = store[layer][e - 1, 0, :, pos].clone()
+        prev_final = s
+        y = group.finish(s)
+        for st in stages[gi + 1:]:
+            y = st.run(y, ctx)
+        logp = torch.log_softmax(model.head(y)[0, 0].double(), -1).numpy()
+        out.append((e, logp))
+    return out
+
+
+def first_order_rule(tau: float):
+    def rule(k, states):
+        return float(torch.linalg.vector_norm((states[k] - states[k - 1]).double())) < tau
+    return rule

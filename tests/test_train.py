@@ -1,0 +1,126 @@
+"""The trainer end to end on a tiny configuration, its determinism and resume, and its bad options."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from exitbench import synthetic
+from exitbench.cli import app
+from exitbench.errors import ExitbenchError
+from exitbench.models import load_checkpoint
+from exitbench.train import TrainConfig, sample_recurrence, train
+
+TINY = dict(n_embd=32, n_heads=2, intermediate_size=64, max_hop=4, n_chains=2, mean_recurrence=4,
+            max_recurrence=8, backprop_depth=2, batch_size=8, steps=6, warmup=2)
+
+
+def tiny_cfg(out, **kw) -> TrainConfig:
+    return TrainConfig(out=str(out), **{**TINY, **kw})
+
+
+def test_trainer_end_to_end_writes_a_loadable_checkpoint(tmp_path):
+    out = train(tiny_cfg(tmp_path / "run", save_every=3), command="exitbench train --test")
+    ck = load_checkpoint(out)
+    assert ck.model.architecture == "huginn_raven"
+    assert ck.tokenizer is not None and ck.tokenizer.vocab_size == len(ck.tokenizer.backend.get_vocab())
+    training = ck.provenance["training"]
+    assert training["command"] == "exitbench train --test"
+    assert training["seed"] == 0 and training["steps_done"] == 6 and training["training_seconds"] > 0
+    assert ck.provenance["run"]["versions"]["torch"] == torch.__version__
+    assert (out / "training" / "step-000003" / "config.json").exists()
+    assert (out / "training" / "step-000006" / "config.json").exists()
+    ids = torch.tensor([[synthetic.BOS] + ck.tokenizer.encode("a=3 b=a")])
+    assert torch.isfinite(ck.model(ids, 2)).all()
+
+
+def test_same_seed_same_checkpoint_and_resume_continues_exactly(tmp_path):
+    a = load_checkpoint(train(tiny_cfg(tmp_path / "a"))).model
+    b = load_checkpoint(train(tiny_cfg(tmp_path / "b"))).model
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    c = load_checkpoint(train(tiny_cfg(tmp_path / "c", seed=1))).model
+    assert not torch.equal(a.transformer.adapter.weight, c.transformer.adapter.weight)
+    # Stop at 3, resume to 6: the same weights as 6 in one go.
+    train(tiny_cfg(tmp_path / "r", steps=3))
+    resumed = load_checkpoint(train(tiny_cfg(tmp_path / "r", steps=6, resume=True))).model
+    for (name, pa), pr in zip(a.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(pa, pr, atol=1e-6), name
+
+
+def test_recurrence_sampler_matches_huginn_schedule():
+    rng = random.Random(0)
+    draws = [sample_recurrence(rng, mean=16, backprop_depth=8, sigma=0.5, cap=64) for _ in range(4000)]
+    totals = [n + k for n, k in draws]
+    assert all(k == min(8, n + k) for n, k in draws)
+    # E[1 + Poisson(e^τ)] with τ ~ N(log m − σ²/2, σ) is 1 + m.
+    assert abs(sum(totals) / len(totals) - 17) < 0.5
+    capped = [sum(sample_recurrence(rng, 16, 8, 0.5, cap=20)) for _ in range(500)]
+    assert max(capped) == 20
+
+
+@pytest.mark.parametrize("override,needle", [
+    (dict(n_embd=-8), "--n-embd"),
+    (dict(batch_size=0), "--batch-size"),
+    (dict(steps=-1), "--steps"),
+    (dict(task="sudoku"), "sudoku"),
+    (dict(max_recurrence=2), "--max-recurrence"),
+    (dict(n_chains=9, max_hop=12), "names"),
+    (dict(lr=math.nan), "--lr"),
+])
+def test_bad_options_fail_before_writing(tmp_path, override, needle):
+    with pytest.raises(ExitbenchError, match=needle.replace("-", r"\-")):
+        train(tiny_cfg(tmp_path / "run", **override))
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_with_another_config_is_refused(tmp_path):
+    train(tiny_cfg(tmp_path / "run", steps=2))
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(ExitbenchError, match="n_embd"):
+        train(tiny_cfg(tmp_path / "run", steps=4, n_embd=64, resume=True))
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_existing_output_without_resume_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("mine")
+    with pytest.raises(ExitbenchError, match="not empty"):
+        train(tiny_cfg(tmp_path / "run"))
+    assert (tmp_path / "run" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; permissions cannot make a dir unwritable")
+def test_unwritable_output_directory(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    with pytest.raises(ExitbenchError, match="cannot write"):
+        train(tiny_cfg(locked / "run"))
+
+
+def test_output_under_a_file_is_one_line_exit_2(tmp_path):
+    (tmp_path / "afile").write_text("")
+    res = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "afile" / "run"), "--steps", "1"])
+    assert res.exit_code == 2
+    assert len(res.stderr.strip().splitlines()) == 1 and "cannot write" in res.stderr
+    res = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--n-embd", "-4"])
+    assert res.exit_code == 2 and "--n-embd" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_train_runs_and_records_its_command(tmp_path):
+    out = tmp_path / "cli"
+    args = ["train", "--out", str(out), "--steps", "3", "--n-embd", "32", "--n-heads", "2", "--intermediate-size",
+            "64", "--max-hop", "3", "--chains", "2", "--mean-recurrence", "3", "--max-recurrence", "6",
+            "--backprop-depth", "2", "--batch-size", "4"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["exitbench"]["training"]["train_config"]["max_hop"] == 3
+    assert "--max-hop 3" in config["exitbench"]["training"]["command"]
