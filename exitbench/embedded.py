@@ -19,6 +19,8 @@ def resolve(checkpoint: str | Path | None) -> Path:
     """A directory for `checkpoint`: a path, the name of an embedded checkpoint, or None for the default."""
     if checkpoint is None:
         checkpoint = DEFAULT
+    elif Path(checkpoint).exists():
+        return Path(checkpoint)  # a directory on disk wins over an embedded name
     if isinstance(checkpoint, str) and checkpoint in embedded_names():
         return EMBEDDED_DIR / checkpoint
     if checkpoint == DEFAULT:
