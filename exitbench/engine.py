@@ -97,6 +97,8 @@ class SequenceResult:
     greedy: list[bool]
     records: list[TokenRecord] = field(default_factory=list)
     stopped_by: str | None = None
+    # Full next-token log-probabilities per scored position, when asked for (shared-context scoring).
+    distributions: list[torch.Tensor] | None = None
 
     @property
     def iterations(self) -> list[int]:
@@ -151,7 +153,8 @@ class ExitEngine:
 
     # ---- public entry points ---------------------------------------------------------------------------
     @torch.no_grad()
-    def score(self, requests: Sequence[tuple[Sequence[int], int]]) -> list[SequenceResult]:
+    def score(self, requests: Sequence[tuple[Sequence[int], int]], keep_distributions: bool = False
+              ) -> list[SequenceResult]:
         """Teacher-forced log-probabilities of tokens[n_context:] for each (tokens, n_context) request.
 
         The outputs at positions n_context−1 … len−2 predict the scored tokens, so those positions run with
@@ -163,10 +166,12 @@ class ExitEngine:
         seqs = [list(t) for t, _ in requests]
         starts = [n - 1 for _, n in requests]
         ends = [len(t) - 2 for t in seqs]
-        results = [SequenceResult([], [], []) for _ in seqs]
+        results = [SequenceResult([], [], [], distributions=[] if keep_distributions else None) for _ in seqs]
 
         def consume(row: int, pos: int, logp: torch.Tensor) -> int:
             target = seqs[row][pos + 1]
+            if keep_distributions:
+                results[row].distributions.append(logp.cpu())
             results[row].tokens.append(target)
             results[row].logprobs.append(logp[target].item())
             results[row].greedy.append(int(logp.argmax()) == target)

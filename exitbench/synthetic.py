@@ -149,7 +149,7 @@ def items(task: ChainTask, n_programs: int, seed: int) -> Iterator[dict]:
         for hop in sorted(by_hop):
             i = rng.choice(by_hop[hop])
             yield {"id": f"{seed}-{doc}-{hop}", "hop": hop, "prompt": " ".join(program.statements[: i + 1]),
-                   "answer": str(program.values[i]), "choices": DIGITS}
+                   "answer": str(program.values[i]), "choices": DIGITS, "label": program.values[i]}
 
 
 def write_jsonl(rows: Iterator[dict], path: Path) -> int:
@@ -162,3 +162,19 @@ def write_jsonl(rows: Iterator[dict], path: Path) -> int:
             n += 1
     tmp.replace(path)
     return n
+
+
+# The shipped lm-eval task data (tasks/chains/test.jsonl): regenerate with `python -m exitbench.synthetic`.
+TASK_SEED = 20251127
+TASK_PROGRAMS = 50
+
+
+def write_task_data(path: Path) -> int:
+    return write_jsonl(items(ChainTask(), TASK_PROGRAMS, TASK_SEED), path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "tasks/chains/test.jsonl"
+    print(f"wrote {write_task_data(target)} items to {target}")

@@ -163,11 +163,13 @@ def assert_signals_close(got, want, upto: int, rtol: float, atol: float, what: s
 
 @torch.no_grad()
 def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, K: int, *,
-                  prefill: str = "full", warm_start: bool = False, seed: int = 0, noise_table=None):
+                  prefill: str = "full", warm_start: bool = False, noise_table=None, need_logits: bool = False):
     """Run positions 0 … last of one sequence token by token, the way the engine is documented to:
 
     positions before `first_scored` run at depth K (prefill="full") or with exits (prefill="exit"); the
-    others run until rule(k, states) says exit (or k = K); a token exiting at e < K has its core KV entries
+    others run until rule(pos, k, states, logps) says exit (or k = K), where logps holds the readout's
+    log-probs after each iteration so far when `need_logits` (each readout writes the coda's KV entry, so the
+    last one, at the exit, is what later tokens read); a token exiting at e < K has its core KV entries
     at slot e−1 copied into slots e … K−1 (done here by direct indexing, not KVCache.carry_forward).
     Initial states: the position's noise row, or with warm_start the previous position's final state for
     positions run with exits. Returns per-position (exit step, log-probs (V,) float64).
@@ -178,6 +180,12 @@ def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, 
     cache = model.new_cache(1, last + 1, [K])
     out = []
     prev_final = None
+    def readout(s, ctx):
+        y = group.finish(s)
+        for st in stages[gi + 1:]:
+            y = st.run(y, ctx)
+        return torch.log_softmax(model.head(y)[0, 0].double(), -1).numpy()
+
     for pos in range(last + 1):
         adaptive = pos >= first_scored or prefill == "exit"
         ctx = AttnContext(start=pos, cache=cache)
@@ -188,12 +196,14 @@ def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, 
         s = group.init(x, nz)
         if warm_start and adaptive and prev_final is not None:
             s = prev_final
-        states = [s[0, 0]]
+        states, logps = [s[0, 0]], []
         e = K
         for i in range(K):
             s = group.step(s, x, ctx.at_slot(i))
             states.append(s[0, 0])
-            if adaptive and i + 1 < K and rule(i + 1, states):
+            if adaptive and need_logits:
+                logps.append(readout(s, ctx))
+            if adaptive and i + 1 < K and rule(pos, i + 1, states, logps):
                 e = i + 1
                 break
         if e < K:
@@ -201,15 +211,63 @@ def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, 
                 for store in (cache.k, cache.v):
                     store[layer][e:, 0, :, pos] = store[layer][e - 1, 0, :, pos].clone()
         prev_final = s
-        y = group.finish(s)
-        for st in stages[gi + 1:]:
-            y = st.run(y, ctx)
-        logp = torch.log_softmax(model.head(y)[0, 0].double(), -1).numpy()
-        out.append((e, logp))
+        out.append((e, logps[-1] if logps else readout(s, ctx)))
     return out
 
 
 def first_order_rule(tau: float):
-    def rule(k, states):
+    def rule(pos, k, states, logps):
         return float(torch.linalg.vector_norm((states[k] - states[k - 1]).double())) < tau
     return rule
+
+
+def kl_rule(tau: float):
+    """KL(p_{k−1} ‖ p_k) < τ with p_0 uniform."""
+    def rule(pos, k, states, logps):
+        lp = logps[k - 1]
+        prev = logps[k - 2] if k >= 2 else np.full_like(lp, -math.log(lp.shape[-1]))
+        return _kl(prev, lp) < tau
+    return rule
+
+
+# ---- workloads and threshold choice for the batching tests ------------------------------------------
+
+def mixed_requests(n: int = 16, seed: int = 0, vocab: int = 100, min_len: int = 2, max_len: int = 9):
+    """n scoring requests of mixed lengths and context sizes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        L = int(rng.integers(min_len, max_len + 1))
+        out.append(([int(t) for t in rng.integers(3, vocab, L)], int(rng.integers(1, L))))
+    return out
+
+
+def mixed_prompts(n: int = 8, seed: int = 1, vocab: int = 100, max_len: int = 7):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, vocab, int(rng.integers(1, max_len + 1)))] for _ in range(n)]
+
+
+def spread_threshold(results, policy: str, K: int, min_steps: int = 1, patience: int = 1,
+                     floor: float = 1e-4) -> float:
+    """From a recorded run that (almost) never exits, a threshold under which the recorded trajectories would
+    exit at as many different steps as possible, placed in a wide gap between observed signal values.
+
+    Thresholds stay above `floor` and far above the float32 noise floor of the signal (a KL or 1 − cos of two
+    nearly equal vectors comes out as ±1e-7 noise, negative values included): down there an exit is decided
+    by rounding, which differs with the batch shape.
+    """
+    above = policy in EXITS_ABOVE
+    sigs = [np.asarray(rec.signals[0], dtype=np.float64) for r in results for rec in r.records]
+    vals = np.unique(np.concatenate([s[np.isfinite(s)] for s in sigs]))
+    noise = float(-vals.min()) if vals.size and vals.min() < 0 else 0.0
+    vals = vals[vals > max(floor, 1000 * noise)]
+    best, best_score = None, (-1, 0.0)
+    for q in np.linspace(0.05, 0.95, 19):
+        i = min(int(q * (len(vals) - 1)), len(vals) - 2)
+        lo, hi = vals[i], vals[i + 1]
+        tau = float(math.sqrt(lo * hi))
+        exits = {expected_exit(s, tau, above, min_steps, patience, K) for s in sigs}
+        score = (len(exits), (hi - lo) / hi)
+        if score > best_score:
+            best, best_score = tau, score
+    return best

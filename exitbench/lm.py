@@ -1,0 +1,265 @@
+"""exitbench as an lm-eval model: every scored or generated token runs its own loop under an exit policy.
+
+- `loglikelihood`: the context up to its last token is prefilled at full depth; the positions whose outputs
+  score the continuation run with exits (teacher-forced). `is_greedy` is whether each of those outputs'
+  argmax was the continuation token.
+- `loglikelihood_rolling`: every token with exits, in lm-eval's disjoint rolling windows when the text is longer
+  than the context.
+- `generate_until`: greedy, each new token with its own exit; stops at EOS, a stop string or `max_gen_toks`.
+
+Each request's exit steps, iterations, FLOPs and wall-clock are kept in a side table keyed by
+(task, doc_id, idx), which `exitbench run` joins into lm-eval's samples and task results.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from .embedded import open_checkpoint
+from .engine import ExitConfig, ExitEngine, SequenceResult
+from .errors import ExitbenchError
+
+
+def _stats(results: list[SequenceResult], seconds: float) -> dict[str, Any]:
+    """What one request cost: exit steps per token, iterations, FLOPs, wall-clock and the probe's share."""
+    records = [r for res in results for r in res.records]
+    iterations = [sum(r.exit_steps) for r in records]
+    phase = defaultdict(float)
+    for r in records:
+        for k, v in r.time_s.items():
+            phase[k] += v
+    core_probe = phase["core"] + phase["probe"]
+    return {
+        "tokens": len(records),
+        "exit_steps": [r.exit_steps for r in records],
+        "iterations": iterations,
+        "mean_iterations": sum(iterations) / len(iterations) if iterations else 0.0,
+        "flops": sum(r.flops["total"] for r in records),
+        "probe_flops": sum(r.flops["probe"] for r in records),
+        "seconds": seconds,
+        "phase_seconds": dict(phase),
+        "probe_share": phase["probe"] / core_probe if core_probe else 0.0,
+    }
+
+
+@register_model("exitbench")
+class ExitbenchLM(LM):
+    def __init__(self, checkpoint: str | None = None, dtype: str = "float32", policy: str = "fixed",
+                 threshold: float | None = None, min_steps: int = 1, max_steps: int | None = None,
+                 patience: int | None = None, relative: bool = False, prefill: str = "full",
+                 warm_start: bool = False, seed: int = 0, batch_size: int | str = 1,
+                 max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
+                 max_gen_toks: int = 256, **kwargs: Any):
+        super().__init__()
+        if kwargs:
+            raise ExitbenchError(f"unknown exitbench model argument {sorted(kwargs)[0]!r}")
+        self._init_distributed()
+        device = self._pick_device(device)
+        self.ck = open_checkpoint(checkpoint, dtype=dtype, device=device)
+        if self.ck.tokenizer is None:
+            raise ExitbenchError(f"{self.ck.path} has no tokenizer.json; lm-eval tasks need text in and out")
+        self.tok = self.ck.tokenizer
+        if self.tok.bos_token_id is None:
+            raise ExitbenchError(f"{self.ck.path} names no bos_token_id; exitbench conditions every request on it")
+        self.exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
+                                      patience=patience, relative=relative, prefill=prefill,
+                                      warm_start=warm_start, seed=seed)
+        self.engine = ExitEngine(self.ck.model, self.exit_config)
+        self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
+        self.max_length = int(max_length or self.ck.model.config.block_size)
+        self.max_gen_toks = int(max_gen_toks)
+        self.request_stats: list[dict[str, Any]] = []
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        """Rank and world size from torch.distributed, so torchrun / accelerate launch shard the documents."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend)
+        if dist.is_available() and dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def _pick_device(self, device: str | None) -> str:
+        if device in (None, "", "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm-eval's CLI defaults to cuda:0 even on machines without one
+        if str(device).startswith("cuda") and self._world_size > 1:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        self._device = torch.device(device)
+        return str(device)
+
+    @staticmethod
+    def _parse_batch_size(batch_size: int | str, max_batch_size: int | None) -> int:
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            return int(max_batch_size or 16)  # no OOM probing on CPU: auto means "as large as allowed"
+        try:
+            value = int(batch_size)
+        except (TypeError, ValueError):
+            raise ExitbenchError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}") from None
+        if value < 1:
+            raise ExitbenchError(f"batch_size must be ≥ 1, got {value}")
+        return min(value, max_batch_size) if max_batch_size else value
+
+    # ---- data parallel -------------------------------------------------------------------------------
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        out = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor)
+        return torch.cat(out)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ---- tokenisation ------------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.bos_token_id
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Tokens of context and continuation, split where the whole string's tokens split (as HF models do)."""
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        whole = self.tok.encode(context + continuation, add_bos=True)
+        ctx = self.tok.encode(context, add_bos=True)
+        return ctx, whole[len(ctx):]
+
+    def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], int]:
+        """Left-truncate to the model's context, keeping at least one context token."""
+        tokens = (ctx + cont)[-(self.max_length + 1):]
+        return tokens, max(1, len(tokens) - len(cont))
+
+    # ---- the three request types -------------------------------------------------------------------
+    def _batched(self, items: list[Any]) -> list[list[Any]]:
+        return [items[i:i + self.batch_size] for i in range(0, len(items), self.batch_size)]
+
+    def _record(self, req, kind: str, results: list[SequenceResult], seconds: float) -> None:
+        stats = _stats(results, seconds)
+        self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx,
+                                   "kind": kind, **stats})
+
+    def _run_scoring(self, encoded: list[list[tuple[list[int], int]]], keep_distributions: bool = False
+                     ) -> tuple[list[list[SequenceResult]], list[float]]:
+        """Score every item's windows, `batch_size` windows at a time, longest first; results in item order,
+        with each batch's wall-clock split over its items by scored tokens."""
+        flat = [(i, w) for i, windows in enumerate(encoded) for w in windows]
+        order = sorted(range(len(flat)), key=lambda j: -len(flat[j][1][0]))
+        seconds = [0.0] * len(encoded)
+        slots: dict[int, SequenceResult] = {}
+        for chunk in self._batched(order):
+            t0 = time.perf_counter()
+            results = self.engine.score([flat[j][1] for j in chunk], keep_distributions=keep_distributions)
+            elapsed = time.perf_counter() - t0
+            n_tok = sum(len(r.records) for r in results) or 1
+            for j, res in zip(chunk, results):
+                slots[j] = res
+                seconds[flat[j][0]] += elapsed * len(res.records) / n_tok
+        per_item: list[list[SequenceResult]] = [[] for _ in encoded]
+        for j, (i, _) in enumerate(flat):
+            per_item[i].append(slots[j])
+        return per_item, seconds
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = []
+        for req in requests:
+            context, continuation = req.args
+            ctx, cont = self._encode_pair(context, continuation)
+            if not cont:
+                raise ExitbenchError(f"continuation {continuation!r} encodes to no tokens")
+            pairs.append((self._fit(ctx, cont), len(cont)))
+        # Requests whose inputs agree up to their last token (the options of a multiple-choice question) share
+        # one pass: the engine keeps the distributions and each request reads its own tokens from them.
+        groups: dict[tuple, list[int]] = {}
+        for i, ((tokens, n_ctx), _) in enumerate(pairs):
+            groups.setdefault((tuple(tokens[:-1]), n_ctx), []).append(i)
+        members = list(groups.values())
+        results, seconds = self._run_scoring([[pairs[m[0]][0]] for m in members], keep_distributions=True)
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        for group, (res,), sec in zip(members, results, seconds):
+            for i in group:
+                (tokens, n_ctx), _ = pairs[i]
+                targets = tokens[n_ctx:]
+                rows = res.distributions
+                logprob = sum(float(rows[j][t]) for j, t in enumerate(targets))
+                greedy = all(int(rows[j].argmax()) == t for j, t in enumerate(targets))
+                out[i] = (logprob, greedy)
+                self._record(requests[i], "loglikelihood", [res], sec / len(group))
+        return out  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        encoded = []
+        for req in requests:
+            (text,) = req.args
+            tokens = self.tok.encode(text)
+            windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.tok.bos_token_id,
+                                                max_seq_len=self.max_length, context_len=1)
+            encoded.append([(ctx + cont, len(ctx)) for ctx, cont in map(make_disjoint_window, windows)])
+        results, seconds = self._run_scoring(encoded)
+        for req, res, sec in zip(requests, results, seconds):
+            self._record(req, "loglikelihood_rolling", res, sec)
+        return [float(sum(sum(r.logprobs) for r in res)) for res in results]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        outputs: list[str | None] = [None] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
+        for chunk in self._batched(order):
+            prompts, untils, limits = [], [], []
+            for i in chunk:
+                context, gen_kwargs = requests[i].args
+                gen_kwargs = dict(gen_kwargs or {})
+                if gen_kwargs.get("do_sample"):
+                    raise ExitbenchError("exitbench decodes greedily; the task asks for do_sample=true")
+                until = gen_kwargs.get("until") or []
+                untils.append([until] if isinstance(until, str) else list(until))
+                n_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+                n_new = max(1, min(n_new, self.max_length // 2))
+                limits.append(n_new)
+                ids = self.tok.encode(context, add_bos=True)
+                prompts.append(ids[-(self.max_length - n_new):])
+
+            def stop(row: int, generated: list[int]) -> bool:
+                if len(generated) >= limits[row]:
+                    return True
+                text = self.tok.decode(generated)
+                return any(s and s in text for s in untils[row])
+
+            t0 = time.perf_counter()
+            results = self.engine.generate(prompts, max(limits), stop_ids=[self.eot_token_id], stop=stop)
+            elapsed = time.perf_counter() - t0
+            n_tok = sum(len(r.records) for r in results) or 1
+            for row, (i, res) in enumerate(zip(chunk, results)):
+                text = self.tok.decode(res.tokens)
+                for s in untils[row]:
+                    if s and s in text:
+                        text = text[: text.index(s)]
+                outputs[i] = text
+                self._record(requests[i], "generate_until", [res], elapsed * len(res.records) / n_tok)
+        return outputs  # type: ignore[return-value]
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def get_model_info(self) -> dict[str, Any]:
+        return {"exitbench": {"checkpoint": str(self.ck.path), "architecture": self.ck.model.architecture,
+                              "exit": self.exit_config.to_dict(), "batch_size": self.batch_size}}
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.ck.path)
