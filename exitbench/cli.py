@@ -142,6 +142,91 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     console.print(trace_table(trace_prompt(ck, prompt, cfg, generate)))
 
 
+@app.command()
+@one_line_errors
+def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
+        policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
+                                         help="Exit policy (repeatable), or 'all'."),
+        thresholds: Optional[str] = typer.Option(None, help="Comma-separated thresholds (default: each policy's grid)."),
+        baselines: Optional[str] = typer.Option(None, help="Fixed depths, comma-separated (default 1,2,4,…,max)."),
+        checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+        limit: Optional[float] = typer.Option(None, help="Documents per task (testing only; <1 = fraction)."),
+        num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples (default: the task's)."),
+        batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
+        seed: int = typer.Option(0, help="Seed of lm-eval's sampling and the initial-state noise."),
+        relative: bool = typer.Option(False, help="Relative form of the latent rules (divide by ‖s_k‖)."),
+        out: Optional[Path] = typer.Option(None, help="Result directory (default results/<checkpoint name>)."),
+        shard: Optional[str] = typer.Option(None, help="Run only cells j with j % n == i, as i/n."),
+        data_dir: Optional[Path] = typer.Option(None, help="Local GSM8K copy (train.jsonl, test.jsonl)."),
+        include_path: list[Path] = typer.Option([], help="More lm-eval task folders."),
+        log_samples: bool = typer.Option(False, help="Also write each cell's samples with per-sample exits."),
+        device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+        quiet: bool = typer.Option(False, help="No progress bars.")):
+    """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each."""
+    from .embedded import open_checkpoint
+    from .lm import ExitbenchLM
+    from .progress import SweepProgress
+    from .report import summary_table
+    from .sweep import (SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows)
+    from .tasks import resolve_tasks
+
+    cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
+                      thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
+                      limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
+                      shard=parse_shard(shard), log_samples=log_samples, relative=relative)
+    if batch_size < 1:
+        raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
+    task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
+    ExitbenchLM._init_distributed(ExitbenchLM.__new__(ExitbenchLM))
+    ck = open_checkpoint(checkpoint, dtype, ExitbenchLM.resolve_device(device))
+    out = out or Path("results") / ck.path.name
+    sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
+    rank0 = not _distributed_rank()
+    with SweepProgress(console, len(sweep.cells), enabled=rank0 and not quiet) as progress:
+        finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress)
+    if rank0:
+        console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
+
+
+def _distributed_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
+    if not text:
+        return None
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ExitbenchError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ExitbenchError(f"{flag}: every depth must be ≥ 1, got {text}")
+    return values
+
+
+def _limit(limit: Optional[float]) -> Optional[float]:
+    if limit is None:
+        return None
+    if limit <= 0:
+        raise ExitbenchError(f"--limit must be > 0, got {limit:g}")
+    return int(limit) if limit >= 1 else limit
+
+
+@app.command(name="lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval_passthrough(ctx: typer.Context):
+    """lm-eval's own CLI with the `exitbench` model registered: `exitbench lm-eval run --model exitbench …`."""
+    import sys as _sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    from . import lm  # noqa: F401  (registers the model)
+
+    _sys.argv = ["lm-eval", *ctx.args]
+    cli_evaluate()
+
+
 def main() -> None:
     app()
 

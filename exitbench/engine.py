@@ -370,14 +370,18 @@ class ExitEngine:
             t_core += t1 - t0
             logits = self.model.readout(g, s_a, ctx_a)[:, 0] if need_logits else None
             if policy.retrospective:
-                trajectory.append((s_a, torch.log_softmax(logits.float(), -1), logits))
+                trajectory.append((s_a, torch.log_softmax(logits.double(), -1), logits))
                 t_probe += clock() - t1
                 continue
             done = None  # per-token exits, when only some of several active tokens may leave
             if policy.signal_free:
                 leaving = k >= K
+                if record:
+                    sig_log[slice(None) if active is None else active, i] = float(k)
             else:
-                logp = torch.log_softmax(logits.float(), -1) if need_logits else None
+                # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's
+                # rounding noise, which varies with batch shape; in float64 batching cannot flip an exit.
+                logp = torch.log_softmax(logits.double(), -1) if need_logits else None
                 sig = policy.signal(k, view(s_a), memory, logp)
                 if s_a.shape[0] == 1:
                     leaving = policy.decide_one(k, sig, memory)

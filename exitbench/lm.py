@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from .embedded import open_checkpoint
 from .engine import ExitConfig, ExitEngine, SequenceResult
 from .errors import ExitbenchError
+from .models import Checkpoint
 
 
 def _stats(results: list[SequenceResult], seconds: float) -> dict[str, Any]:
@@ -37,6 +38,8 @@ def _stats(results: list[SequenceResult], seconds: float) -> dict[str, Any]:
         for k, v in r.time_s.items():
             phase[k] += v
     core_probe = phase["core"] + phase["probe"]
+    # `seconds` is the request's share of its batches' wall-clock, prefill included; `token_seconds` only
+    # what the scored tokens' own loops cost (the part exits change).
     return {
         "tokens": len(records),
         "exit_steps": [r.exit_steps for r in records],
@@ -45,6 +48,7 @@ def _stats(results: list[SequenceResult], seconds: float) -> dict[str, Any]:
         "flops": sum(r.flops["total"] for r in records),
         "probe_flops": sum(r.flops["probe"] for r in records),
         "seconds": seconds,
+        "token_seconds": sum(phase.values()),
         "phase_seconds": dict(phase),
         "probe_share": phase["probe"] / core_probe if core_probe else 0.0,
     }
@@ -62,21 +66,40 @@ class ExitbenchLM(LM):
         if kwargs:
             raise ExitbenchError(f"unknown exitbench model argument {sorted(kwargs)[0]!r}")
         self._init_distributed()
-        device = self._pick_device(device)
-        self.ck = open_checkpoint(checkpoint, dtype=dtype, device=device)
-        if self.ck.tokenizer is None:
-            raise ExitbenchError(f"{self.ck.path} has no tokenizer.json; lm-eval tasks need text in and out")
-        self.tok = self.ck.tokenizer
+        ck = open_checkpoint(checkpoint, dtype=dtype, device=self._pick_device(device))
+        exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
+                                 patience=patience, relative=relative, prefill=prefill, warm_start=warm_start,
+                                 seed=seed)
+        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks)
+
+    @classmethod
+    def from_checkpoint(cls, ck: Checkpoint, exit_config: ExitConfig, batch_size: int | str = 1,
+                        max_batch_size: int | None = None, max_length: int | None = None, max_gen_toks: int = 256,
+                        on_progress: Callable[[int, int], None] | None = None) -> "ExitbenchLM":
+        """An adapter over an already loaded checkpoint (a sweep loads the model once for all its cells)."""
+        self = cls.__new__(cls)
+        LM.__init__(self)
+        self._init_distributed()
+        self._device = ck.model.device
+        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks)
+        self.on_progress = on_progress
+        return self
+
+    def _setup(self, ck: Checkpoint, exit_config: ExitConfig, batch_size, max_batch_size, max_length,
+               max_gen_toks) -> None:
+        self.ck = ck
+        if ck.tokenizer is None:
+            raise ExitbenchError(f"{ck.path} has no tokenizer.json; lm-eval tasks need text in and out")
+        self.tok = ck.tokenizer
         if self.tok.bos_token_id is None:
-            raise ExitbenchError(f"{self.ck.path} names no bos_token_id; exitbench conditions every request on it")
-        self.exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
-                                      patience=patience, relative=relative, prefill=prefill,
-                                      warm_start=warm_start, seed=seed)
-        self.engine = ExitEngine(self.ck.model, self.exit_config)
+            raise ExitbenchError(f"{ck.path} names no bos_token_id; exitbench conditions every request on it")
+        self.exit_config = exit_config
+        self.engine = ExitEngine(ck.model, exit_config)
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
-        self.max_length = int(max_length or self.ck.model.config.block_size)
+        self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
+        self.on_progress = None
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:
@@ -87,15 +110,24 @@ class ExitbenchLM(LM):
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
-    def _pick_device(self, device: str | None) -> str:
+    @staticmethod
+    def resolve_device(device: str | None) -> str:
         if device in (None, "", "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's CLI defaults to cuda:0 even on machines without one
-        if str(device).startswith("cuda") and self._world_size > 1:
+        if str(device).startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        self._device = torch.device(device)
         return str(device)
+
+    def _pick_device(self, device: str | None) -> str:
+        device = self.resolve_device(device)
+        self._device = torch.device(device)
+        return device
+
+    def _progress(self, done: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(done, total)
 
     @staticmethod
     def _parse_batch_size(batch_size: int | str, max_batch_size: int | None) -> int:
@@ -165,7 +197,8 @@ class ExitbenchLM(LM):
         order = sorted(range(len(flat)), key=lambda j: -len(flat[j][1][0]))
         seconds = [0.0] * len(encoded)
         slots: dict[int, SequenceResult] = {}
-        for chunk in self._batched(order):
+        for n_done, chunk in enumerate(self._batched(order)):
+            self._progress(n_done * self.batch_size, len(order))
             t0 = time.perf_counter()
             results = self.engine.score([flat[j][1] for j in chunk], keep_distributions=keep_distributions)
             elapsed = time.perf_counter() - t0
@@ -202,7 +235,8 @@ class ExitbenchLM(LM):
                 logprob = sum(float(rows[j][t]) for j, t in enumerate(targets))
                 greedy = all(int(rows[j].argmax()) == t for j, t in enumerate(targets))
                 out[i] = (logprob, greedy)
-                self._record(requests[i], "loglikelihood", [res], sec / len(group))
+                # The shared pass's tokens count once, with the group's first request.
+                self._record(requests[i], "loglikelihood", [res] if i == group[0] else [], sec / len(group))
         return out  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -221,7 +255,8 @@ class ExitbenchLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs: list[str | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
-        for chunk in self._batched(order):
+        for n_done, chunk in enumerate(self._batched(order)):
+            self._progress(n_done * self.batch_size, len(order))
             prompts, untils, limits = [], [], []
             for i in chunk:
                 context, gen_kwargs = requests[i].args

@@ -36,3 +36,37 @@ def training_progress(console: Console, cfg: TrainConfig) -> Iterator[Callable[[
             progress.update(task, completed=state.step, loss=state.loss, level=state.level, tps=tps)
 
         yield on_step
+
+
+class SweepProgress:
+    """A bar over the grid's cells and one over the requests inside the current cell."""
+
+    def __init__(self, console: Console, n_cells: int, enabled: bool = True):
+        self.console, self.enabled = console, enabled
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), console=console, transient=True, disable=not enabled)
+        self.grid = self.progress.add_task("cells", total=n_cells)
+        self.inner = self.progress.add_task("requests", total=1, visible=False)
+
+    def __enter__(self) -> "SweepProgress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def cell_started(self, label: str) -> None:
+        self.progress.update(self.grid, description=f"cells · {label}")
+        self.progress.update(self.inner, completed=0, total=1, visible=True)
+
+    def cell_skipped(self, label: str) -> None:
+        self.progress.advance(self.grid)
+
+    def cell_finished(self, label: str) -> None:
+        self.progress.advance(self.grid)
+        if not self.console.is_terminal and self.enabled:
+            done = int(self.progress.tasks[self.grid].completed)
+            self.console.print(f"[{done}/{int(self.progress.tasks[self.grid].total)}] {label}", highlight=False)
+
+    def requests(self, done: int, total: int) -> None:
+        self.progress.update(self.inner, completed=done, total=max(total, 1), description="requests")

@@ -96,9 +96,7 @@ MODES = [pytest.param("single", id="single"), pytest.param("batched", id="batche
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy,relative", [
-    pytest.param(p, r, id=f"{p}{'-relative' if r else ''}",
-                 marks=[pytest.mark.xfail(strict=True, reason="engine records no signal (NaN) for fixed, whose "
-                                                              "docstring defines signal = k")] if p == "fixed" else [])
+    pytest.param(p, r, id=f"{p}{'-relative' if r else ''}")
     for p, r in VARIANTS])
 def test_recorded_signals_match_direct_formula(both_inits, policy, relative, mode):
     model, states, logps = both_inits

@@ -32,7 +32,7 @@ class KL(_DistributionRule):
     name = "kl"
     source = "Geiping et al. 2025 (arXiv 2502.05171) §6, KLExitEvaluator"
     default_threshold = 5e-4
-    default_grid = log_grid(1e-5, 1e-1, per_decade=2)
+    default_grid = log_grid(1e-6, 1e-1, per_decade=1)
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         prev = memory.get("logp")
@@ -74,7 +74,7 @@ class EntropyDiff(_DistributionRule):
     name = "entropy_diff"
     source = "Geiping et al. 2025, recurrent-pretraining EntropyDiffExitEvaluator"
     default_threshold = 1e-3
-    default_grid = log_grid(1e-5, 1e-1, per_decade=2)
+    default_grid = log_grid(1e-5, 1e-1, per_decade=1)
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         h = _entropy(logp)
@@ -94,7 +94,7 @@ class ArgmaxStability(_DistributionRule):
     exits_below = False
     integer_threshold = True
     default_threshold = 5
-    default_grid = (1, 2, 3, 4, 5, 6, 8, 10)
+    default_grid = (1, 2, 3, 5, 8)
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         top = logp.argmax(-1)
@@ -112,7 +112,7 @@ class Confidence(_DistributionRule):
     source = "Schuster et al. 2022, Confident Adaptive Language Modeling (softmax response)"
     exits_below = False
     default_threshold = 0.9
-    default_grid = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999)
+    default_grid = (0.5, 0.7, 0.9, 0.99, 0.999)
 
     def _validate(self) -> None:
         super()._validate()

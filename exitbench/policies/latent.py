@@ -8,7 +8,8 @@ import torch
 
 from .base import ExitPolicy, Memory, log_grid, register
 
-LATENT_GRID = log_grid(1e-5, 1e-1, per_decade=2)
+# Absolute step norms scale with ‖s‖ (≈ sqrt(d) after the core's final RMSNorm), so the grid reaches 1.
+LATENT_GRID = log_grid(1e-4, 1.0, per_decade=2)
 
 
 # The helpers take torch tensors (n, d), or, for a lone token on the CPU, a numpy view (d,) of its state,
@@ -116,11 +117,17 @@ class Cosine(_LatentRule):
     name = "cosine"
     source = "Geiping et al. 2025, recurrent-pretraining CosineExitEvaluator"
     default_threshold = 1e-3
-    default_grid = log_grid(1e-6, 1e-1, per_decade=1)
+    default_grid = log_grid(1e-7, 1e-1, per_decade=1)
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         prev = memory["prev"]
         memory["prev"] = s
+        # 1 − cos(a, b) = ½‖a/‖a‖ − b/‖b‖‖²: no cancellation near 1, so float32 states give float32-accurate
+        # values even at the 1e-7 thresholds (computing 1 − a·b/(‖a‖‖b‖) loses them to rounding).
+        # A zero state (init_scale = 0) has no direction: cos is taken as 0 there, as torch's cosine_similarity does.
         if isinstance(s, np.ndarray):
-            return 1 - float(np.vdot(s, prev)) / max(_norm(s) * _norm(prev), 1e-8)
-        return 1 - torch.nn.functional.cosine_similarity(s, prev, dim=-1)
+            ns, npv = _norm(s), _norm(prev)
+            return 1.0 if min(ns, npv) < 1e-12 else 0.5 * _dist(s / ns, prev / npv) ** 2
+        ns, npv = _norm(s).unsqueeze(-1), _norm(prev).unsqueeze(-1)
+        value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
+        return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)

@@ -1,0 +1,92 @@
+"""Which lm-eval tasks a run means: the ones exitbench ships (tasks/), the user's, and lm-eval's built-ins.
+
+lm-eval's own tasks run unmodified. The one change `--data-dir` makes is where their data comes from: a task
+whose dataset is `openai/gsm8k` reads DIR/train.jsonl and DIR/test.jsonl instead, for machines without the
+hub. Shipped tasks that need local data (gsm8k_text) receive the directory as task metadata.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ExitbenchError
+
+SHIPPED_TASKS = Path(__file__).resolve().parent.parent / "tasks"
+GSM8K_HUB = "openai/gsm8k"
+NEEDS_DATA_DIR = {"gsm8k_text"}
+
+
+@dataclass
+class TaskSet:
+    manager: Any
+    specs: list[Any]                 # what simple_evaluate gets: names, or config dicts for redirected built-ins
+    names: list[str]
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+
+def check_data_dir(data_dir: str | Path | None) -> Path | None:
+    if data_dir is None:
+        return None
+    path = Path(data_dir).expanduser()
+    missing = [f for f in ("train.jsonl", "test.jsonl") if not (path / f).is_file()]
+    if missing:
+        raise ExitbenchError(f"--data-dir {path} must hold train.jsonl and test.jsonl (GSM8K layout); "
+                             f"missing: {', '.join(missing)}")
+    return path.resolve()
+
+
+def _manager(include: list[Path], defaults: bool, data_dir: Path | None):
+    from lm_eval.tasks import TaskManager
+
+    metadata = {"data_dir": str(data_dir)} if data_dir else None
+    return TaskManager(include_path=[str(p) for p in include], include_defaults=defaults, metadata=metadata)
+
+
+def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
+                  include_paths: list[str | Path] = ()) -> TaskSet:
+    from .cells import file_fingerprint
+
+    if not names:
+        raise ExitbenchError("--tasks names no task; give one or more, e.g. --tasks chains")
+    data = check_data_dir(data_dir)
+    include = [SHIPPED_TASKS, *[Path(p) for p in include_paths]]
+    for p in include[1:]:
+        if not p.exists():
+            raise ExitbenchError(f"--include-path {p} does not exist")
+    tm = _manager(include, False, data)
+    if any(n not in tm.all_tasks for n in names):
+        tm = _manager(include, True, data)  # lm-eval's own index costs seconds: build it only when needed
+    specs, fingerprints = [], {}
+    for name in names:
+        if name not in tm.all_tasks:
+            close = difflib.get_close_matches(name, tm.all_tasks, n=3)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise ExitbenchError(f"unknown task {name!r}{hint}")
+        if name in NEEDS_DATA_DIR and data is None:
+            raise ExitbenchError(f"task {name} reads local GSM8K text: pass --data-dir DIR with test.jsonl")
+        entry = tm.task_index[name]
+        yaml_path = Path(entry.yaml_path) if entry.yaml_path else None
+        files = [yaml_path] if yaml_path else []
+        if yaml_path and yaml_path.is_relative_to(SHIPPED_TASKS):
+            files += sorted(yaml_path.parent.glob("*.jsonl"))
+        spec: Any = name
+        if data is not None and isinstance(entry.cfg, dict) and entry.cfg.get("dataset_path") == GSM8K_HUB:
+            spec = _redirect_gsm8k(yaml_path, data)
+        if data is not None:
+            files += [data / "train.jsonl", data / "test.jsonl"]
+        fingerprints[name] = file_fingerprint(files) if files else name
+        specs.append(spec)
+    return TaskSet(tm, specs, list(names), fingerprints)
+
+
+def _redirect_gsm8k(yaml_path: Path, data: Path) -> dict[str, Any]:
+    """The built-in task's own config, with only its data source replaced by local JSONL files."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = load_yaml(yaml_path)
+    config.update(dataset_path="json", dataset_name=None,
+                  dataset_kwargs={"data_files": {"train": str(data / "train.jsonl"),
+                                                 "test": str(data / "test.jsonl")}})
+    return config
