@@ -223,7 +223,8 @@ class ExitbenchLM(LM):
         # one pass: the engine keeps the distributions and each request reads its own tokens from them.
         groups: dict[tuple, list[int]] = {}
         for i, ((tokens, n_ctx), _) in enumerate(pairs):
-            groups.setdefault((tuple(tokens[:-1]), n_ctx), []).append(i)
+            # Within one task only, so each task's cell counts its own tokens and time.
+            groups.setdefault((requests[i].task_name, tuple(tokens[:-1]), n_ctx), []).append(i)
         members = list(groups.values())
         results, seconds = self._run_scoring([[pairs[m[0]][0]] for m in members], keep_distributions=True)
         out: list[tuple[float, bool] | None] = [None] * len(requests)
