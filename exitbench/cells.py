@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ExitbenchError
 
@@ -57,14 +57,15 @@ def cell_filename(cell: dict[str, Any]) -> str:
     return f"{cell['task']['name']}__{p['policy']}{rel}-{threshold}__{cell['cell_id']}.json"
 
 
-def write_cell(directory: Path, cell: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / cell_filename(cell)
-    fd, tmp = tempfile.mkstemp(prefix=".cell-", suffix=".tmp", dir=directory)
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
+    """Write via a temporary file in the same directory and rename: readers see a whole file or none."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide results from the rest of the team
         with os.fdopen(fd, "w") as fh:
-            json.dump(cell, fh, indent=2, sort_keys=True, default=_jsonable)
-            fh.write("\n")
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -72,6 +73,15 @@ def write_cell(directory: Path, cell: dict[str, Any]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_cell(directory: Path, cell: dict[str, Any]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def write(fh) -> None:
+        json.dump(cell, fh, indent=2, sort_keys=True, default=_jsonable)
+        fh.write("\n")
+    return _atomic_write(directory / cell_filename(cell), write)
 
 
 def _jsonable(value: Any) -> Any:
@@ -109,13 +119,7 @@ def existing_cells(directory: Path) -> dict[str, Path]:
 
 def write_samples(path: Path, samples: list[dict[str, Any]]) -> Path:
     """lm-eval's logged samples with exitbench's per-sample exits joined in, as JSON lines (atomic)."""
-    fd, tmp = tempfile.mkstemp(prefix=".samples-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            for sample in samples:
-                fh.write(json.dumps(sample, default=_jsonable) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    def write(fh) -> None:
+        for sample in samples:
+            fh.write(json.dumps(sample, default=_jsonable) + "\n")
+    return _atomic_write(path, write)

@@ -176,6 +176,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       shard=parse_shard(shard), log_samples=log_samples, relative=relative)
     if batch_size < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ExitbenchError(f"--num-fewshot must be ≥ 0, got {num_fewshot}")
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ExitbenchLM._init_distributed(ExitbenchLM.__new__(ExitbenchLM))
     ck = open_checkpoint(checkpoint, dtype, ExitbenchLM.resolve_device(device))

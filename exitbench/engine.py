@@ -346,10 +346,11 @@ class ExitEngine:
         if self.config.warm_start and self.warm[g] is not None:
             sel = ctx.rows if ctx.rows is not None else slice(None)
             s = torch.where(self.warm_valid[sel].view(-1, 1, 1).to(s.device), self.warm[g][sel].unsqueeze(1), s)
-        # A lone CPU float32 token hands latent rules numpy views: same formula, a tenth of the dispatch cost.
+        # A lone CPU float32 token runs a latent rule as a closure over numpy views: the same formula at a
+        # fraction of the dispatch cost (policies/latent.py). Everything else works on tensors.
         host = policy.host_arrays and n == 1 and s.device.type == "cpu" and s.dtype == torch.float32
-        view = (lambda t: t.numpy().reshape(-1)) if host else (lambda t: t[:, 0])
-        memory = policy.start(view(s))
+        probe = policy.host_probe(s.numpy()) if host else None
+        memory = {} if host else policy.start(s[:, 0])
         exit_steps = torch.full((n,), K, dtype=torch.long)
         final = torch.empty_like(s)
         need_logits = policy.needs_logits
@@ -378,18 +379,19 @@ class ExitEngine:
                 leaving = k >= K
                 if record:
                     sig_log[slice(None) if active is None else active, i] = float(k)
+            elif probe is not None:
+                leaving, sig = probe(k, s_a.numpy())
+                if record:
+                    sig_log[0, i] = sig
             else:
                 # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's
                 # rounding noise, which varies with batch shape; in float64 batching cannot flip an exit.
                 logp = torch.log_softmax(logits.double(), -1) if need_logits else None
-                sig = policy.signal(k, view(s_a), memory, logp)
-                if s_a.shape[0] == 1:
-                    leaving = policy.decide_one(k, sig, memory)
-                else:
-                    done = policy.decide(k, sig, memory)
-                    leaving = bool(done.any())
+                sig = policy.signal(k, s_a[:, 0], memory, logp)
+                done = policy.decide(k, sig, memory)
+                leaving = bool(done.any())
                 if record:
-                    sig_log[slice(None) if active is None else active, i] = torch.as_tensor(sig).float().cpu()
+                    sig_log[slice(None) if active is None else active, i] = sig.float().cpu()
             t_probe += clock() - t1
             if not leaving:
                 continue

@@ -221,10 +221,13 @@ class ExitbenchLM(LM):
             pairs.append((self._fit(ctx, cont), len(cont)))
         # Requests whose inputs agree up to their last token (the options of a multiple-choice question) share
         # one pass: the engine keeps the distributions and each request reads its own tokens from them.
+        # Not under the oracle: its exits depend on the target token, so each option needs its own pass.
+        shareable = not self.engine.policies[0].retrospective
         groups: dict[tuple, list[int]] = {}
         for i, ((tokens, n_ctx), _) in enumerate(pairs):
             # Within one task only, so each task's cell counts its own tokens and time.
-            groups.setdefault((requests[i].task_name, tuple(tokens[:-1]), n_ctx), []).append(i)
+            inputs = tuple(tokens[:-1]) if shareable else tuple(tokens)
+            groups.setdefault((requests[i].task_name, inputs, n_ctx), []).append(i)
         members = list(groups.values())
         results, seconds = self._run_scoring([[pairs[m[0]][0]] for m in members], keep_distributions=True)
         out: list[tuple[float, bool] | None] = [None] * len(requests)

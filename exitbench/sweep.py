@@ -42,6 +42,12 @@ class SweepConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def parse_shard(text: str | None) -> tuple[int, int]:
     if not text:
         return (0, 1)
@@ -121,10 +127,11 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
 
 
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
-             device: str) -> dict[str, Any]:
+             device: str, world_size: int = 1) -> dict[str, Any]:
+    # Everything that can change a number in the cell; batch size, device and world size only change times.
     return {"model": model["fingerprint"], "dtype": model["dtype"], "task": task, "task_fingerprint": task_fingerprint,
             "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
-            "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device}
+            "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size}
 
 
 def summarize_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -198,7 +205,13 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     if results is None or lm.rank != 0:
         return []
     elapsed = time.perf_counter() - t0
-    stats = [s for part in gathered for s in part]
+    # lm-eval pads a rank that got fewer documents with copies of its last request (and repeats requests
+    # for repeats > 1): each (task, doc, request) counts once, as it does in the metrics.
+    unique: dict[tuple, dict] = {}
+    for part in gathered:
+        for s in part:
+            unique.setdefault((s["task_name"], s["doc_id"], s["idx"]), s)
+    stats = list(unique.values())
     policy = lm.engine.policies[0]
     out = []
     for name, key in zip(names, keys):
@@ -239,7 +252,8 @@ class SweepPlan:
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str) -> SweepPlan:
     model = model_record(ck)
     configs = grid(cfg, ck.model.loop_groups()[0].default_steps)
-    everything = [(t, c, cell_key(model, tasks.names[t], tasks.fingerprints[tasks.names[t]], c, cfg, device))
+    world = _world_size()
+    everything = [(t, c, cell_key(model, tasks.names[t], tasks.fingerprints[tasks.names[t]], c, cfg, device, world))
                   for t in range(len(tasks.names)) for c in configs]
     i, n = cfg.shard
     mine = [cell for j, cell in enumerate(everything) if j % n == i]

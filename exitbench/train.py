@@ -298,7 +298,7 @@ def _checkpoint(model: Raven, tokenizer, path: Path, cfg: TrainConfig, state: Tr
         "seed": cfg.seed,
         "train_config": dataclasses.asdict(cfg),
         "steps_done": state.step,
-        "training_seconds": round(state.elapsed, 1),
+        "training_seconds": round(state.elapsed, 3),
         "tokens_seen": state.tokens,
         "final_level": state.level,
         "curriculum": state.history,

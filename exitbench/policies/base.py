@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -49,7 +49,7 @@ class ExitPolicy:
     retrospective: ClassVar[bool] = False
     # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
     signal_free: ClassVar[bool] = False
-    # Accepts numpy views of CPU states for a lone token (see policies/latent.py).
+    # Implements `host_signal`: a lone CPU token's rule on numpy views (see policies/latent.py).
     host_arrays: ClassVar[bool] = False
 
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
@@ -91,9 +91,8 @@ class ExitPolicy:
                 "max_steps": self.max_steps, "patience": self.patience, "relative": self.relative}
 
     # ---- what subclasses implement -----------------------------------------------------------------
-    def start(self, s0) -> Memory:
-        """Memory for tokens starting their loop at states s0 (n, d): a tensor, or a numpy view when the
-        policy declares `host_arrays` and the engine runs a single CPU float32 token."""
+    def start(self, s0: torch.Tensor) -> Memory:
+        """Memory for tokens starting their loop at states s0 (n, d)."""
         return {"prev": s0}
 
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
@@ -116,19 +115,27 @@ class ExitPolicy:
             return torch.zeros_like(hit)
         return streak >= self.patience
 
-    def decide_one(self, k: int, signal: torch.Tensor, memory: Memory) -> bool:
-        """`decide` for a single active token, in Python scalars: at batch size 1 the probe must cost a few
-        microseconds next to a core iteration, and each tensor op costs about one."""
-        streak = memory.get("streak", 0)
-        if isinstance(streak, torch.Tensor):
-            streak = int(streak.item())
-        value = signal if isinstance(signal, float) else float(signal[0])
-        hit = value < self.threshold if self.exits_below else value >= self.threshold
-        streak = streak + 1 if hit else 0
-        memory["streak"] = streak
-        if k >= self.max_steps:
-            return True
-        return k >= self.min_steps and streak >= self.patience
+    def host_signal(self, s0):
+        """For `host_arrays` policies: a closure (k, s) -> float over numpy views of one token's states."""
+        raise NotImplementedError
+
+    def host_probe(self, s0) -> Callable[[int, Any], tuple[bool, float]]:
+        """The whole exit rule for a lone CPU token as one closure: (k, s_k) -> (leave now?, signal).
+
+        Its state lives in closure variables, not in tensors or dicts: at batch size 1 the probe must cost a
+        few microseconds next to a core iteration (see policies/latent.py).
+        """
+        signal = self.host_signal(s0)
+        threshold, below = self.threshold, self.exits_below
+        patience, min_steps, max_steps = self.patience, self.min_steps, self.max_steps
+        streak = 0
+
+        def probe(k: int, s) -> tuple[bool, float]:
+            nonlocal streak
+            value = signal(k, s)
+            streak = streak + 1 if (value < threshold if below else value >= threshold) else 0
+            return k >= max_steps or (k >= min_steps and streak >= patience), value
+        return probe
 
     def first_exit(self, signals: list[float]) -> int:
         """The exit step the rule gives for one token's recorded signal trajectory (s_1 … s_max): for tests."""

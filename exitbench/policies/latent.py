@@ -1,7 +1,15 @@
-"""Decoding-free rules: they read only the latent states, so their probe costs a few vector norms."""
+"""Decoding-free rules: they read only the latent states, so their probe costs a few vector norms.
+
+Each rule has two implementations of the same formula. `signal` works on torch tensors (n, d) for a batch
+of active tokens. `host_signal` serves a lone token on the CPU (batch size 1, the honest benchmark): a
+closure over numpy views of the states, keeping what it carries in local variables. At this size a torch op
+costs about a microsecond of dispatch, as much as its arithmetic, and the probe has to stay a small fraction
+of a core iteration; the tests check both paths against the formula.
+"""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -11,30 +19,26 @@ from .base import ExitPolicy, Memory, log_grid, register
 # Absolute step norms scale with ‖s‖ (≈ sqrt(d) after the core's final RMSNorm), so the grid reaches 1.
 LATENT_GRID = log_grid(1e-4, 1.0, per_decade=2)
 
+HostSignal = Callable[[int, np.ndarray], float]
 
-# The helpers take torch tensors (n, d), or, for a lone token on the CPU, a numpy view (d,) of its state,
-# for which they return Python floats: at batch size 1 a torch op costs a microsecond or more of dispatch,
-# as much as its arithmetic, and the probe must stay a small fraction of a core iteration. Same formulas.
-def _norm(x):
-    if isinstance(x, np.ndarray):
-        return math.sqrt(np.vdot(x, x))
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1)
 
 
-def _dist(a, b):
-    """‖a − b‖ per token."""
-    if isinstance(a, np.ndarray):
-        d = a - b
-        return math.sqrt(np.vdot(d, d))
+def _dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a − b‖ per token (one fused op for a single token)."""
     if a.shape[0] == 1:
         return torch.dist(a, b).view(1)
     return _norm(a - b)
 
 
-def _undefined(like):
-    if isinstance(like, np.ndarray):
-        return math.inf
+def _undefined(like: torch.Tensor) -> torch.Tensor:
     return torch.full((like.shape[0],), math.inf, device=like.device)
+
+
+def _host_norm(x: np.ndarray) -> float:
+    return math.sqrt(np.vdot(x, x))
 
 
 class _LatentRule(ExitPolicy):
@@ -65,6 +69,17 @@ class FirstOrder(_StepRule):
         memory["prev"] = s
         return self._scale(value, s)
 
+    def host_signal(self, s0: np.ndarray) -> HostSignal:
+        prev, relative = s0, self.relative
+
+        def f(k: int, s: np.ndarray) -> float:
+            nonlocal prev
+            d = s - prev
+            prev = s
+            value = math.sqrt(np.vdot(d, d))
+            return value / _host_norm(s) if relative else value
+        return f
+
 
 @register
 class SecondOrder(_StepRule):
@@ -87,6 +102,20 @@ class SecondOrder(_StepRule):
             return _undefined(s)
         return self._scale(_dist(delta, prev_delta), s)
 
+    def host_signal(self, s0: np.ndarray) -> HostSignal:
+        prev, prev_delta, relative = s0, None, self.relative
+
+        def f(k: int, s: np.ndarray) -> float:
+            nonlocal prev, prev_delta
+            delta = s - prev
+            prev, last, prev_delta = s, prev_delta, delta
+            if last is None:
+                return math.inf
+            e = delta - last
+            value = math.sqrt(np.vdot(e, e))
+            return value / _host_norm(s) if relative else value
+        return f
+
 
 @register
 class SecondOrderMagnitude(_StepRule):
@@ -107,12 +136,30 @@ class SecondOrderMagnitude(_StepRule):
         memory["prev"], memory["step"] = s, step
         if prev_step is None:
             return _undefined(s)
-        return self._scale(abs(step - prev_step), s)
+        return self._scale((step - prev_step).abs(), s)
+
+    def host_signal(self, s0: np.ndarray) -> HostSignal:
+        prev, prev_step, relative = s0, None, self.relative
+
+        def f(k: int, s: np.ndarray) -> float:
+            nonlocal prev, prev_step
+            d = s - prev
+            step = math.sqrt(np.vdot(d, d))
+            prev, last, prev_step = s, prev_step, step
+            if last is None:
+                return math.inf
+            value = abs(step - last)
+            return value / _host_norm(s) if relative else value
+        return f
 
 
 @register
 class Cosine(_LatentRule):
-    """1 − cos(s_k, s_{k−1}) < τ: the state stopped turning (Huginn's `cosine`, 1e-3)."""
+    """1 − cos(s_k, s_{k−1}) < τ: the state stopped turning (Huginn's `cosine`, 1e-3).
+
+    Computed as ½‖s_k/‖s_k‖ − s_{k−1}/‖s_{k−1}‖‖², which equals 1 − cos without the cancellation that loses
+    float32 states' 1e-7 thresholds to rounding. A zero state (init_scale = 0) has no direction: cos is 0.
+    """
 
     name = "cosine"
     source = "Geiping et al. 2025, recurrent-pretraining CosineExitEvaluator"
@@ -122,12 +169,21 @@ class Cosine(_LatentRule):
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         prev = memory["prev"]
         memory["prev"] = s
-        # 1 − cos(a, b) = ½‖a/‖a‖ − b/‖b‖‖²: no cancellation near 1, so float32 states give float32-accurate
-        # values even at the 1e-7 thresholds (computing 1 − a·b/(‖a‖‖b‖) loses them to rounding).
-        # A zero state (init_scale = 0) has no direction: cos is taken as 0 there, as torch's cosine_similarity does.
-        if isinstance(s, np.ndarray):
-            ns, npv = _norm(s), _norm(prev)
-            return 1.0 if min(ns, npv) < 1e-12 else 0.5 * _dist(s / ns, prev / npv) ** 2
         ns, npv = _norm(s).unsqueeze(-1), _norm(prev).unsqueeze(-1)
         value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
         return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)
+
+    def host_signal(self, s0: np.ndarray) -> HostSignal:
+        prev, prev_norm = s0, _host_norm(s0)
+
+        def f(k: int, s: np.ndarray) -> float:
+            nonlocal prev, prev_norm
+            norm = _host_norm(s)
+            if min(norm, prev_norm) < 1e-12:
+                value = 1.0
+            else:
+                d = s / norm - prev / prev_norm
+                value = 0.5 * float(np.vdot(d, d))
+            prev, prev_norm = s, norm
+            return value
+        return f

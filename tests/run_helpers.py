@@ -1,0 +1,200 @@
+"""Helpers for driving `exitbench run` in tests: in-process (typer's CliRunner) or as a subprocess, and for
+reading and checking the result cells it writes."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from exitbench import cells
+from exitbench.cli import app
+from exitbench.engine import ExitConfig
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS_DIR = REPO / "tasks"
+GSM8K_DIR = Path("/work/shared/data/gsm8k")
+runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart
+
+EXIT_KNOBS = set(ExitConfig().to_dict())
+
+
+def run_cli(*args: str):
+    """`exitbench run ARGS --quiet` in this process; returns (click Result, seconds)."""
+    t0 = time.perf_counter()
+    res = runner.invoke(app, ["run", *args, "--quiet"])
+    return res, time.perf_counter() - t0
+
+
+def explain(res) -> str:
+    text = f"exit code {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    if res.exc_info and res.exception and not isinstance(res.exception, SystemExit):
+        text += "\n" + "".join(traceback.format_exception(*res.exc_info))
+    return text
+
+
+def run_ok(*args: str) -> float:
+    res, seconds = run_cli(*args)
+    assert res.exit_code == 0, explain(res)
+    return seconds
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """A child's environment: offline hub, one intra-op thread (the machine's cores may be busy: a tiny
+    model gains nothing from threads and its barriers make a busy core cost seconds)."""
+    env = dict(os.environ)
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def exitbench_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "exitbench", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cell_files(directory: Path) -> list[Path]:
+    """What a reader of the directory counts as cells: the *.json files (never the .tmp leftovers)."""
+    return sorted(directory.glob("*.json"))
+
+
+def load_cells(directory: Path) -> dict[str, dict[str, Any]]:
+    """file name → parsed cell, every *.json under `directory` (each must be a readable cell)."""
+    return {p.name: cells.read_cell(p) for p in cell_files(directory)}
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
+    """file name → (inode, mtime_ns, size) of every cell file."""
+    out = {}
+    for p in cell_files(directory):
+        st = p.stat()
+        out[p.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def by_config(cell_map: dict[str, dict]) -> dict[tuple[str, str, float], dict]:
+    """(task, policy, threshold) → cell."""
+    out = {}
+    for cell in cell_map.values():
+        key = (cell["task"]["name"], cell["policy"]["policy"], float(cell["policy"]["threshold"]))
+        assert key not in out, f"two cells for {key}"
+        out[key] = cell
+    return out
+
+
+def git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_cell(cell: dict[str, Any], path: Path | None = None) -> None:
+    """Assert `cell` follows the schema documented in exitbench/cells.py (exitbench.cell, version 1)."""
+    assert cell["schema"] == "exitbench.cell" == cells.SCHEMA
+    assert cell["schema_version"] == 1 == cells.SCHEMA_VERSION
+    key = cell["key"]
+    assert cell["cell_id"] == cells.cell_id(key)
+    assert len(cell["cell_id"]) == 16 and int(cell["cell_id"], 16) >= 0
+    if path is not None:
+        assert path.name == cells.cell_filename(cell)
+        assert path.name.endswith(f"__{cell['cell_id']}.json")
+        assert path.name.startswith(f"{cell['task']['name']}__{cell['policy']['policy']}")
+
+    model = cell["model"]
+    for field in ("path", "source", "architecture", "parameters", "fingerprint", "dtype"):
+        assert field in model, field
+    assert model["dtype"] == key["dtype"]
+    assert model["source"] == "embedded:tiny-raven" and model["architecture"] == "huginn_raven"
+    assert model["parameters"] > 0 and model["fingerprint"] == key["model"]
+
+    task = cell["task"]
+    for field in ("name", "version", "n_shot", "limit", "n_samples", "metrics", "stderr", "higher_is_better",
+                  "primary_metric"):
+        assert field in task, field
+    assert task["name"] == key["task"] and task["limit"] == key["limit"]
+    assert task["metrics"] and all(_number(v) for v in task["metrics"].values())
+    assert all("," in k and "_stderr" not in k for k in task["metrics"])
+    assert set(task["higher_is_better"]) == set(task["metrics"])
+    assert task["primary_metric"] in task["metrics"]
+
+    quality = cell["quality"]
+    assert set(quality) >= {"metric", "value", "stderr", "higher_is_better"}
+    assert quality["metric"] == task["primary_metric"]
+    assert quality["value"] == task["metrics"][quality["metric"]]
+    assert quality["higher_is_better"] == task["higher_is_better"][quality["metric"]]
+
+    policy = cell["policy"]
+    assert set(policy) >= EXIT_KNOBS | {"max_steps", "baseline"}
+    assert {k: policy[k] for k in EXIT_KNOBS if k not in ("max_steps", "patience", "threshold")} == \
+        {k: key["exit"][k] for k in EXIT_KNOBS if k not in ("max_steps", "patience", "threshold")}
+    assert policy["baseline"] == (policy["policy"] == "fixed")
+    assert isinstance(policy["max_steps"], int) and policy["max_steps"] >= 1
+    if policy["baseline"]:
+        assert policy["max_steps"] == policy["threshold"]
+
+    its = cell["iterations"]
+    for field in ("mean", "median", "p90", "max", "histogram", "tokens", "requests"):
+        assert field in its, field
+    assert its["tokens"] > 0 and its["requests"] > 0
+    hist = {int(k): v for k, v in its["histogram"].items()}
+    assert sum(hist.values()) == its["tokens"]
+    assert its["max"] == max(hist) <= policy["max_steps"]
+    assert abs(its["mean"] - sum(k * v for k, v in hist.items()) / its["tokens"]) < 1e-9
+    assert min(hist) <= its["median"] <= its["p90"] <= its["max"]
+    if policy["baseline"]:
+        assert hist == {policy["threshold"]: its["tokens"]}
+
+    wall = cell["wall_clock"]
+    for field in ("per_token_s", "total_s", "request_s", "probe_share", "phases_s", "cell_s"):
+        assert field in wall, field
+    assert wall["total_s"] > 0 and wall["per_token_s"] > 0 and 0 <= wall["probe_share"] <= 1
+    assert set(wall["phases_s"]) >= {"prelude", "core", "probe", "coda"}
+
+    assert cell["flops"]["per_token"] > 0 and cell["flops"]["probe_per_token"] >= 0
+
+    run = cell["run"]
+    for field in ("seed", "batch_size", "device", "dtype", "world_size", "versions", "git_revision", "started",
+                  "host", "machine"):
+        assert field in run, field
+    assert run["seed"] == key["seed"] and run["batch_size"] == key["batch_size"]
+    assert run["device"] == key["device"] and run["dtype"] == key["dtype"]
+    assert run["host"] == socket.gethostname()
+    import lm_eval
+    import torch
+
+    assert run["versions"]["torch"] == torch.__version__
+    assert run["versions"]["lm_eval"] == getattr(lm_eval, "__version__", run["versions"]["lm_eval"])
+    assert run["versions"]["exitbench"]
+    head = git_head()
+    if head is not None:
+        assert run["git_revision"] in (head, head + "-dirty")
+
+    # strict JSON on disk: no NaN / Infinity
+    if path is not None:
+        json.loads(path.read_text(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+
+def computed(cell: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a cell that are results (not timing or provenance): must agree between equivalent runs."""
+    return {"cell_id": cell["cell_id"], "key": cell["key"], "model": cell["model"], "task": cell["task"],
+            "quality": cell["quality"], "policy": cell["policy"], "iterations": cell["iterations"],
+            "flops": cell["flops"]}

@@ -1,0 +1,349 @@
+"""`exitbench run`: threshold sweeps over lm-eval tasks, one result cell per (task, exit config).
+
+Most checks share one small sweep (module fixture): chains (generate) and chains_lambada (loglikelihood),
+24 documents each (hops 1-12 twice), second_order at τ = 0.01 and 1, fixed depths 1, 4 and 16.
+Subprocesses (GSM8K, lm-eval's own CLI, kill -9, torchrun, bad input) run with one intra-op thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exitbench import cells, sweep
+
+from run_helpers import (GSM8K_DIR, REPO, TASKS_DIR, by_config, cell_files, check_cell, computed, exitbench_cmd,
+                         explain, free_port, load_cells, run_cli, run_ok, snapshot, subprocess_env)
+
+LIMIT = 24
+SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thresholds", "0.01,1",
+         "--baselines", "1,4,16", "--limit", str(LIMIT)]
+N_CELLS = 2 * (2 + 3)
+FLOAT = dict(rel=1e-9, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """(out dir, seconds) of the shared sweep, run once in this process."""
+    out = tmp_path_factory.mktemp("sweep") / "cells"
+    seconds = run_ok(*SWEEP, "--out", str(out))
+    return out, seconds
+
+
+def assert_metrics_equal(cell_task: dict, lm_eval_result: dict, what: str, bootstrapped: bool = True) -> None:
+    """Every metric of lm-eval's result for a task (values and stderrs) equals the cell's. Stderrs that lm-eval
+    bootstraps (perplexity) are compared only when `bootstrapped` (same bootstrap_iters on both sides)."""
+    metrics = {k: v for k, v in lm_eval_result.items()
+               if "," in k and "_stderr," not in k and isinstance(v, (int, float))}
+    assert set(metrics) == set(cell_task["metrics"]), what
+    for k, v in metrics.items():
+        assert cell_task["metrics"][k] == pytest.approx(v, **FLOAT), (what, k)
+    for k, v in cell_task["stderr"].items():
+        if not bootstrapped and k.startswith("perplexity"):
+            continue
+        theirs = lm_eval_result[k.replace(",", "_stderr,", 1)]
+        assert v == pytest.approx(theirs, **FLOAT) if isinstance(theirs, float) else v == theirs, (what, k)
+
+
+# ---- cells ---------------------------------------------------------------------------------------------------
+
+def test_sweep_writes_one_schema_cell_per_task_and_config(swept):
+    out, _ = swept
+    found = load_cells(out)
+    assert len(found) == N_CELLS
+    for name, cell in found.items():
+        check_cell(cell, out / name)
+        assert cell["key"]["limit"] == LIMIT and cell["task"]["n_samples"]["effective"] == LIMIT
+        assert cell["run"]["world_size"] == 1 and cell["run"]["device"] == "cpu"
+        assert cell["task"]["n_shot"] == 0 and cell["task"]["version"] == 1.0
+    grid = by_config(found)
+    assert set(grid) == {(t, p, th) for t in ("chains", "chains_lambada")
+                         for p, th in [("fixed", 1.0), ("fixed", 4.0), ("fixed", 16.0),
+                                       ("second_order", 0.01), ("second_order", 1.0)]}
+    assert len({c["cell_id"] for c in found.values()}) == N_CELLS
+    lam = grid[("chains_lambada", "fixed", 16.0)]
+    assert lam["quality"]["metric"] == "perplexity,none" and lam["quality"]["higher_is_better"] is False
+    assert set(lam["task"]["metrics"]) == {"perplexity,none", "acc,none"}
+    gen = grid[("chains", "fixed", 16.0)]
+    assert set(gen["task"]["metrics"]) == {"exact_match,none"} and gen["quality"]["higher_is_better"] is True
+    # chains answers are a digit then EOS (two generated tokens), the LAMBADA-style task scores one token
+    assert gen["iterations"]["tokens"] == 2 * LIMIT and gen["iterations"]["requests"] == LIMIT
+    assert lam["iterations"]["tokens"] == LIMIT and lam["iterations"]["requests"] == LIMIT
+    no_tmp = [p for p in out.iterdir() if p.suffix != ".json"]
+    assert no_tmp == []
+
+
+def test_rerun_recomputes_nothing(swept, monkeypatch):
+    out, first_seconds = swept
+    before = snapshot(out)
+    assert len(before) == N_CELLS
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a finished cell was recomputed")
+
+    monkeypatch.setattr(sweep, "run_config", boom)
+    res, seconds = run_cli(*SWEEP, "--out", str(out))
+    assert res.exit_code == 0, explain(res)
+    assert snapshot(out) == before
+    assert f"{N_CELLS} cells" in res.stdout
+    assert seconds < max(3.0, first_seconds / 2), (seconds, first_seconds)
+
+
+def test_shards_together_make_the_unsharded_cells(swept, tmp_path):
+    out, _ = swept
+    whole = load_cells(out)
+    parts = []
+    for i in range(2):
+        shard_out = tmp_path / f"shard{i}"
+        run_ok(*SWEEP, "--shard", f"{i}/2", "--out", str(shard_out))
+        parts.append(load_cells(shard_out))
+    assert parts[0] and parts[1]
+    assert not set(parts[0]) & set(parts[1])
+    assert set(parts[0]) | set(parts[1]) == set(whole)
+    # the odd-sized grid splits a config's two tasks over both shards
+    assert {c["task"]["name"] for c in parts[0].values()} == {"chains", "chains_lambada"}
+    for part in parts:
+        for name, cell in part.items():
+            check_cell(cell)
+            assert computed(cell) == computed(whole[name]), name
+
+
+# ---- quality against lm-eval itself ------------------------------------------------------------------------
+
+def test_cells_equal_lm_eval_simple_evaluate(swept):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import exitbench.lm  # noqa: F401  (registers the model)
+
+    out, _ = swept
+    grid = by_config(load_cells(out))
+    results = lm_eval.simple_evaluate(
+        model="exitbench", model_args={"policy": "second_order", "threshold": 1.0, "batch_size": 16},
+        tasks=["chains", "chains_lambada"], task_manager=TaskManager(include_path=str(TASKS_DIR),
+                                                                     include_defaults=False),
+        limit=LIMIT, bootstrap_iters=1000, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+        fewshot_random_seed=0, verbosity="ERROR")
+    for task in ("chains", "chains_lambada"):
+        cell = grid[(task, "second_order", 1.0)]
+        assert_metrics_equal(cell["task"], results["results"][task], task)
+        assert cell["task"]["n_shot"] == results["n-shot"][task]
+        assert cell["task"]["n_samples"] == results["n-samples"][task]
+        assert cell["task"]["version"] == results["versions"][task]
+    # τ = 1 is where second_order loses some answers: the comparison is not of two trivial 1.0s
+    assert grid[("chains", "second_order", 1.0)]["quality"]["value"] < 1.0
+    assert grid[("chains_lambada", "second_order", 1.0)]["quality"]["value"] > 1.01
+
+
+def test_cells_equal_lm_eval_cli_passthrough(swept, tmp_path):
+    """`exitbench lm-eval run --model exitbench …` (lm-eval's own CLI) against the sweep's fixed r=4 cells,
+    at the sweep's batch size. lm-eval's CLI bootstraps stderrs with 100000 iterations (no flag changes
+    that), the sweep with 1000: bootstrapped stderrs are left out of the comparison."""
+    out, _ = swept
+    grid = by_config(load_cells(out))
+    lm_out = tmp_path / "lm-eval"
+    proc = subprocess.run(
+        exitbench_cmd("lm-eval", "run", "--model", "exitbench", "--model_args", "policy=fixed,threshold=4",
+                      "--batch_size", "16", "--tasks", "chains,chains_lambada", "--include_path", str(TASKS_DIR),
+                      "--limit", str(LIMIT), "--output_path", str(lm_out)),
+        env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results_file,) = list(lm_out.rglob("results_*.json"))
+    results = json.loads(results_file.read_text())
+    assert results["config"]["model"] == "exitbench"
+    for task in ("chains", "chains_lambada"):
+        cell = grid[(task, "fixed", 4.0)]
+        assert_metrics_equal(cell["task"], results["results"][task], task, bootstrapped=False)
+        assert cell["task"]["n_shot"] == results["n-shot"][task]
+    # fixed r=4 is neither perfect nor hopeless on these 24 documents
+    assert 0.3 < grid[("chains", "fixed", 4.0)]["quality"]["value"] < 1.0
+
+
+def test_quality_and_iterations_fall_as_thresholds_rise(swept):
+    grid = by_config(load_cells(swept[0]))
+    lam = {k[1:]: c for k, c in grid.items() if k[0] == "chains_lambada"}
+    gen = {k[1:]: c for k, c in grid.items() if k[0] == "chains"}
+    ppl = lambda c: c["task"]["metrics"]["perplexity,none"]  # noqa: E731
+    acc = lambda c: c["task"]["metrics"]["acc,none"]  # noqa: E731
+    em = lambda c: c["task"]["metrics"]["exact_match,none"]  # noqa: E731
+    mean_its = lambda c: c["iterations"]["mean"]  # noqa: E731
+    lo, hi = ("second_order", 0.01), ("second_order", 1.0)
+    # a looser threshold: worse quality, fewer iterations
+    assert ppl(lam[hi]) >= ppl(lam[lo])
+    assert acc(lam[hi]) <= acc(lam[lo])
+    assert em(gen[hi]) <= em(gen[lo])
+    assert mean_its(lam[hi]) < mean_its(lam[lo]) < 16
+    assert mean_its(gen[hi]) < mean_its(gen[lo]) < 16
+    # fixed depth: r=1 is much worse than r=16, and quality improves with r
+    r1, r4, r16 = (lam[("fixed", float(r))] for r in (1, 4, 16))
+    assert ppl(r1) > 2 * ppl(r16) and ppl(r1) > ppl(r4) > ppl(r16)
+    assert acc(r1) < 0.5 <= acc(r16) == 1.0
+    assert em(gen[("fixed", 1.0)]) < em(gen[("fixed", 4.0)]) < em(gen[("fixed", 16.0)]) == 1.0
+    for r in (1, 4, 16):
+        assert mean_its(lam[("fixed", float(r))]) == r == mean_its(gen[("fixed", float(r))])
+    # the tight threshold keeps full-depth quality at fewer iterations
+    assert ppl(lam[lo]) == pytest.approx(ppl(r16), rel=1e-3) and em(gen[lo]) == 1.0
+
+
+# ---- GSM8K from a local copy ---------------------------------------------------------------------------------
+
+def test_gsm8k_from_local_data_dir(tmp_path):
+    assert (GSM8K_DIR / "test.jsonl").is_file() and (GSM8K_DIR / "train.jsonl").is_file()
+    out = tmp_path / "gsm8k"
+    proc = subprocess.run(
+        exitbench_cmd("run", "--policy", "second_order", "--tasks", "gsm8k", "--data-dir", str(GSM8K_DIR),
+                      "--limit", "3", "--thresholds", "0.1", "--baselines", "16", "--out", str(out), "--quiet"),
+        env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = load_cells(out)
+    assert len(found) == 2
+    policies = set()
+    for name, cell in found.items():
+        check_cell(cell, out / name)
+        task = cell["task"]
+        assert task["name"] == "gsm8k" and task["n_shot"] == 5
+        assert {"exact_match,strict-match", "exact_match,flexible-extract"} <= set(task["metrics"])
+        assert all(0.0 <= task["metrics"][k] <= 1.0 for k in task["metrics"])
+        assert task["n_samples"] == {"effective": 3, "original": 1319}
+        assert cell["quality"]["metric"] in task["metrics"]
+        assert cell["iterations"]["requests"] == 3
+        policies.add((cell["policy"]["policy"], cell["policy"]["threshold"]))
+    assert policies == {("fixed", 16), ("second_order", 0.1)}
+
+
+# ---- kill -9 in the middle of a sweep -------------------------------------------------------------------------
+
+KILL_SWEEP = ["--tasks", "chains_lambada", "--policy", "second_order", "--thresholds", "0.003,0.01,0.03,0.1,0.3,1",
+              "--baselines", "1,2,4,8", "--limit", str(LIMIT)]
+
+
+def test_kill_9_mid_sweep_then_resume(tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(exitbench_cmd("run", *KILL_SWEEP, "--out", str(out), "--quiet"), env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(cell_files(out)) < 2 if out.exists() else True:
+            assert proc.poll() is None, f"sweep ended early: {proc.returncode}\n{proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, "no two cells within 120 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL, "the sweep finished before the kill: nothing was tested"
+    survivors = cell_files(out)
+    assert 2 <= len(survivors) < 10
+    for path in survivors:
+        check_cell(cells.read_cell(path), path)  # whole cells only
+    before = snapshot(out)
+
+    run_ok(*KILL_SWEEP, "--out", str(out))
+    after = snapshot(out)
+    assert len(after) == 10
+    for name, stat in before.items():
+        assert after[name] == stat, f"{name} was rewritten"
+    found = load_cells(out)
+    for name, cell in found.items():
+        check_cell(cell, out / name)
+    assert {(c["policy"]["policy"], float(c["policy"]["threshold"])) for c in found.values()} == \
+        {("fixed", float(r)) for r in (1, 2, 4, 8)} | {("second_order", t) for t in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)}
+    # whatever the kill left behind is not a cell: only the 10 cells end in .json
+    assert all(p.suffix == ".tmp" for p in out.iterdir() if p.suffix != ".json")
+
+
+# ---- torchrun (two CPU processes, gloo) -------------------------------------------------------------------------
+
+# 23 documents: an uneven split over two ranks (12 + 11), which lm-eval evens out with a padding request.
+DIST_SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thresholds", "1",
+              "--baselines", "16", "--limit", "23"]
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchrun")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+         "-m", "exitbench", "run", *DIST_SWEEP, "--out", str(root / "two"), "--quiet"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=root)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ok(*DIST_SWEEP, "--out", str(root / "one"))
+    print(f"torchrun --nproc_per_node=2 sweep of 4 cells: {seconds:.1f} s")
+    return load_cells(root / "two"), load_cells(root / "one"), seconds
+
+
+def test_torchrun_two_processes_give_the_same_metrics(distributed):
+    two, one, _ = distributed
+    assert len(one) == 4 and len(two) == 4
+    # World size is part of a cell's key (it changes timings), so match cells by task and exit config.
+    by_point = lambda cells_: {(c["task"]["name"], c["policy"]["policy"], c["policy"]["threshold"]): c  # noqa: E731
+                               for c in cells_.values()}
+    two, one = by_point(two), by_point(one)
+    assert set(two) == set(one)
+    for name, cell in two.items():
+        assert cell["key"]["world_size"] == 2 and one[name]["key"]["world_size"] == 1
+        check_cell(cell)
+        assert cell["run"]["world_size"] == 2 and one[name]["run"]["world_size"] == 1
+        assert cell["task"]["n_samples"] == one[name]["task"]["n_samples"] == {"effective": 23, "original": 600}
+        assert set(cell["task"]["metrics"]) == set(one[name]["task"]["metrics"])
+        for k, v in cell["task"]["metrics"].items():
+            assert v == pytest.approx(one[name]["task"]["metrics"][k], **FLOAT), (name, k)
+        assert cell["quality"]["value"] == pytest.approx(one[name]["quality"]["value"], **FLOAT)
+
+
+def test_torchrun_iteration_stats_match_one_process(distributed):
+    two, one, _ = distributed
+    point = lambda c: (c["task"]["name"], c["policy"]["policy"], c["policy"]["threshold"])  # noqa: E731
+    one = {point(c): c for c in one.values()}
+    for cell in two.values():
+        assert cell["iterations"] == one[point(cell)]["iterations"], point(cell)
+
+
+# ---- bad input: one line, exit code 2, no cell ----------------------------------------------------------------
+
+BAD_INPUT = {
+    "unknown-task": (["--tasks", "chain"], ["unknown task 'chain'", "chains"]),
+    "unknown-policy": (["--policy", "secnd_order"], ["unknown policy 'secnd_order'", "second_order"]),
+    "threshold-not-a-number": (["--thresholds", "1e-3,abc"], ["--thresholds", "'abc'"]),
+    "threshold-negative": (["--thresholds", "-1"], ["--thresholds", "-1"]),
+    "shard-out-of-range": (["--shard", "3/2"], ["--shard 3/2"]),
+    "data-dir-without-files": (["--data-dir", "{empty}"], ["--data-dir", "train.jsonl", "test.jsonl"]),
+    "limit-zero": (["--limit", "0"], ["--limit", "0"]),
+    "negative-fewshot": (["--num-fewshot", "-1"], ["--num-fewshot"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
+    """In this process: the CLI's own stderr, plus whatever reaches file descriptor 2 (lm-eval's and
+    datasets' loggers write there directly)."""
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    out = tmp_path / "out"
+    args, needles = BAD_INPUT[case]
+    base = ["--tasks", "chains", "--baselines", "1", "--policy", "second_order", "--thresholds", "0.1",
+            "--limit", "2"]
+    capfd.readouterr()
+    res, _ = run_cli(*base, *[a.format(empty=empty) for a in args], "--out", str(out))
+    fd = capfd.readouterr()
+    stderr = res.stderr + fd.err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, explain(res)
+    assert res.exception is None or isinstance(res.exception, SystemExit), explain(res)
+    assert "Traceback" not in stderr + res.stdout + fd.out
+    assert len(lines) == 1, stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert lines[0].startswith("error: ")
+    assert not out.exists() or not list(out.rglob("*.json"))
