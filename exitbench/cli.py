@@ -15,6 +15,8 @@ from .errors import ExitbenchError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Benchmark per-token exit policies of recurrent-depth transformers.")
 console = Console()
+if not console.is_terminal:
+    console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
 err_console = Console(stderr=True)
 
 CheckpointOpt = typer.Option(None, "--checkpoint", "-c",

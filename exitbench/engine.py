@@ -304,7 +304,7 @@ class ExitEngine:
                 self._sync()
                 times[phase] += clock() - t0
                 continue
-            x, steps, sig, logits, t_core, t_probe = self._loop(g, stage, x, ctx, rows)
+            x, steps, sig, logits, t_core, t_probe = self._loop(g, stage, x, ctx)
             times["core"] += t_core
             times["probe"] += t_probe
             exits.append(steps)
@@ -321,21 +321,19 @@ class ExitEngine:
         logp = torch.log_softmax(logits.float(), dim=-1)
         for phase, seconds in times.items():
             self.stats[phase] += seconds
+        per_row = {k: v / n for k, v in times.items()}  # a position's time, shared by the rows that ran it
         records = []
-        per_row = {k: v / n for k, v in times.items()}
         for j in range(n):
             steps = [int(e[j]) for e in exits]
-            sigs = None if not self.config.record_signals else [s[j] for s in signals]
-            records.append(TokenRecord(pos, steps, dict(per_row), self.flops.token(pos + 1, steps,
-                                                                                     self._probes(steps))))
-            if sigs is not None:
-                records[-1].signals = sigs
+            sigs = [s[j] for s in signals] if self.config.record_signals else None
+            records.append(TokenRecord(pos, steps, dict(per_row), self.flops.token(pos + 1, steps, self._probes(steps)),
+                                       sigs))
         return logp, records
 
     def _probes(self, steps: list[int]) -> list[int]:
         return [s if p.needs_logits else 0 for s, p in zip(steps, self.policies)]
 
-    def _loop(self, g: int, group: LoopGroup, x: torch.Tensor, ctx: AttnContext, rows: list[int]):
+    def _loop(self, g: int, group: LoopGroup, x: torch.Tensor, ctx: AttnContext):
         """Iterate `group` for the tokens in x (n, 1, d) until each exits. Returns the group's output, exit
         steps (n,), recorded signals, the exit logits when the probe produced them, and core/probe time."""
         policy, cache = self.policies[g], ctx.cache
@@ -418,11 +416,11 @@ class ExitEngine:
             ctx_a = AttnContext(ctx.start, cache, all_rows[active], 0)
         if policy.retrospective:
             final, final_logits, exit_steps = self._settle_oracle(g, group, policy, trajectory, ctx, all_rows)
-        self.warm[g] = self._store_warm(g, final, ctx, n)
+        self.warm[g] = self._store_warm(g, final, ctx)
         signals = [sig_log[j].tolist() for j in range(n)] if record else [None] * n
         return group.finish(final), exit_steps, signals, final_logits if need_logits else None, t_core, t_probe
 
-    def _store_warm(self, g: int, final: torch.Tensor, ctx: AttnContext, n: int) -> torch.Tensor | None:
+    def _store_warm(self, g: int, final: torch.Tensor, ctx: AttnContext) -> torch.Tensor | None:
         """Remember each row's final state, the next token's start under warm_start (Huginn §6.3)."""
         if not self.config.warm_start:
             return None
