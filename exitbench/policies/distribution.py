@@ -34,7 +34,12 @@ class KL(_DistributionRule):
     default_threshold = 5e-4
     default_grid = log_grid(1e-6, 1e-1, per_decade=1)
 
+    def _distribution(self, logp: torch.Tensor) -> torch.Tensor:
+        """The log-distribution the KL compares (subclasses filter it)."""
+        return logp
+
     def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        logp = self._distribution(logp)
         prev = memory.get("logp")
         if prev is None:
             prev = torch.full_like(logp, -math.log(logp.shape[-1]))
@@ -43,7 +48,7 @@ class KL(_DistributionRule):
 
 
 @register
-class MinPKL(_DistributionRule):
+class MinPKL(KL):
     """KL between min-p filtered p_{k−1}, p_k: probabilities below 0.1·max set to 1/V, renormalised (Huginn)."""
 
     name = "minp_kl"
@@ -52,19 +57,11 @@ class MinPKL(_DistributionRule):
     default_grid = log_grid(1e-7, 1e-2, per_decade=1)
     min_p = 0.1
 
-    def _filter(self, logp: torch.Tensor) -> torch.Tensor:
+    def _distribution(self, logp: torch.Tensor) -> torch.Tensor:
         p = logp.exp()
         keep = p >= self.min_p * p.max(-1, keepdim=True).values
         p = torch.where(keep, p, torch.full_like(p, 1.0 / p.shape[-1]))
         return (p / p.sum(-1, keepdim=True)).log()
-
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        filtered = self._filter(logp)
-        prev = memory.get("logp")
-        if prev is None:
-            prev = torch.full_like(filtered, -math.log(filtered.shape[-1]))
-        memory["logp"] = filtered
-        return _kl(prev, filtered)
 
 
 @register
