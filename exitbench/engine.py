@@ -116,15 +116,17 @@ class PositionNoise:
 
     def __init__(self, seed: int, dim: int):
         self.seed, self.dim = seed, dim
-        self.blocks: list[torch.Tensor] = []
+        self.table = torch.empty(0, dim)
 
     def rows(self, start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         end = start + length
-        while len(self.blocks) * self.BLOCK < end:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self.blocks))
-            self.blocks.append(unit_trunc_normal((self.BLOCK, self.dim), gen))
-        table = self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)
-        return table[start:end].to(dtype=dtype, device=device)
+        if end > self.table.shape[0]:
+            blocks = [self.table]
+            for b in range(self.table.shape[0] // self.BLOCK, -(-end // self.BLOCK)):
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + b)
+                blocks.append(unit_trunc_normal((self.BLOCK, self.dim), gen))
+            self.table = torch.cat(blocks)
+        return self.table[start:end].to(dtype=dtype, device=device)
 
 
 class ExitEngine:
