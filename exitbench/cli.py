@@ -192,6 +192,28 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
 
 
+@app.command()
+@one_line_errors
+def pareto(directories: list[Path] = typer.Argument(..., help="Result directories (searched recursively)."),
+           fmt: str = typer.Option("rich", "--format", help="rich, md, csv or json."),
+           plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.png|svg."),
+           cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")):
+    """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
+    from . import pareto as par
+    from .report import pareto_tables
+
+    cell_list = par.load(directories)
+    rep = par.report(cell_list)
+    if fmt == "rich":
+        for t in pareto_tables(rep):
+            console.print(t)
+    else:
+        print(par.format_tables(rep, fmt))
+    if plot is not None:
+        par.plot(cell_list, plot, cost)
+        err_console.print(f"wrote {plot}")
+
+
 def _distributed_rank() -> int:
     import torch.distributed as dist
 

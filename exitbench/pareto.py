@@ -1,0 +1,212 @@
+"""Pareto frontiers of quality against cost, and the matched-quality table, from result cells.
+
+Per (task, metric): every cell is a point (cost, quality). A point is on the frontier when no other point is at
+most as costly and at least as good with one of the two strictly better; "good" follows the metric's direction
+(accuracy up, perplexity down). Costs: mean iterations per token, wall-clock per token, FLOPs per token.
+
+The matched-quality table answers "what does each policy save at (almost) no loss?": for a tolerance ε
+(relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
+point within ε, its iterations, its wall-clock speed-up over full depth, and its iterations over the oracle's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import cells
+from .errors import ExitbenchError
+
+COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
+         "flops": ("flops", "per_token")}
+TOLERANCES = (0.0, 0.005, 0.01, 0.02)
+
+
+@dataclass
+class Point:
+    cell: dict[str, Any]
+
+    @property
+    def policy(self) -> str:
+        p = self.cell["policy"]
+        return p["policy"] + ("-rel" if p.get("relative") else "")
+
+    @property
+    def threshold(self) -> float:
+        return self.cell["policy"]["threshold"]
+
+    @property
+    def quality(self) -> float:
+        return self.cell["quality"]["value"]
+
+    def cost(self, axis: str) -> float | None:
+        section, key = COSTS[axis]
+        return self.cell[section][key]
+
+
+def load(directories: list[Path]) -> list[dict[str, Any]]:
+    found = []
+    for d in directories:
+        d = Path(d)
+        if not d.is_dir():
+            raise ExitbenchError(f"{d} is not a directory of result cells")
+        files = sorted(p for p in d.rglob("*.json"))
+        found += [cells.read_cell(p) for p in files]
+    if not found:
+        raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}")
+    return found
+
+
+def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
+    out: dict[tuple[str, str], list[Point]] = {}
+    for c in cell_list:
+        out.setdefault((c["task"]["name"], c["quality"]["metric"]), []).append(Point(c))
+    return out
+
+
+def better(a: float, b: float, higher: bool) -> bool:
+    return a > b if higher else a < b
+
+
+def frontier(points: list[Point], axis: str, higher: bool) -> list[Point]:
+    """Non-dominated points, cheapest first."""
+    usable = [p for p in points if p.cost(axis) is not None]
+    front = []
+    for p in usable:
+        dominated = any(
+            q.cost(axis) <= p.cost(axis) and (q.quality >= p.quality if higher else q.quality <= p.quality)
+            and (q.cost(axis) < p.cost(axis) or better(q.quality, p.quality, higher))
+            for q in usable)
+        if not dominated:
+            front.append(p)
+    return sorted(front, key=lambda p: (p.cost(axis), -p.quality if higher else p.quality))
+
+
+def full_depth(points: list[Point]) -> Point:
+    """The fixed-depth cell at the policies' max steps (the deepest fixed cell when policies disagree)."""
+    fixed = [p for p in points if p.cell["policy"]["policy"] == "fixed"]
+    if not fixed:
+        raise ExitbenchError(f"no fixed-depth cell for task {points[0].cell['task']['name']}: rerun with baselines")
+    adaptive_max = {p.cell["policy"]["max_steps"] for p in points if p.cell["policy"]["policy"] != "fixed"}
+    at_max = [p for p in fixed if p.threshold in adaptive_max]
+    return max(at_max or fixed, key=lambda p: p.threshold)
+
+
+def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
+    """Quality no worse than the reference by more than eps (relative), in the metric's direction."""
+    slack = eps * abs(reference)
+    return quality >= reference - slack if higher else quality <= reference + slack
+
+
+def matched_quality(points: list[Point], tolerances=TOLERANCES) -> list[dict[str, Any]]:
+    higher = points[0].cell["quality"]["higher_is_better"]
+    ref = full_depth(points)
+    oracle = [p for p in points if p.cell["policy"]["policy"] == "oracle"]
+    rows = []
+    for eps in tolerances:
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            if within(p.quality, ref.quality, eps, higher) and p.cost("iterations") is not None:
+                by_policy.setdefault(p.policy, []).append(p)
+        for name, candidates in sorted(by_policy.items()):
+            best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
+            ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
+            rows.append({
+                "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
+                "full_depth_quality": ref.quality, "mean_iterations": best.cost("iterations"),
+                "speedup": ref_time / time if ref_time and time else None,
+                "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
+                                           if oracle and oracle[0].cost("iterations") else None),
+            })
+    return rows
+
+
+def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for (task, metric), points in sorted(groups(cell_list).items()):
+        higher = points[0].cell["quality"]["higher_is_better"]
+        entry = {"higher_is_better": higher, "frontiers": {}, "matched_quality": matched_quality(points)}
+        for axis in COSTS:
+            entry["frontiers"][axis] = [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,
+                                          "cost": p.cost(axis)} for p in frontier(points, axis, higher)]
+        out[f"{task} · {metric}"] = entry
+    return out
+
+
+def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Flat rows for output: frontier points (per group and cost axis) and matched-quality rows."""
+    front, matched = [], []
+    for group, entry in rep.items():
+        for axis, pts in entry["frontiers"].items():
+            front += [{"group": group, "cost": axis, **p} for p in pts]
+        matched += [{"group": group, **row} for row in entry["matched_quality"]]
+    return front, matched
+
+
+def format_tables(rep: dict[str, Any], fmt: str) -> str:
+    """md / csv / json text of a report (the terminal's rich tables live in report.py)."""
+    import json
+
+    from tabulate import tabulate
+
+    if fmt == "json":
+        return json.dumps(rep, indent=2)
+    if fmt not in ("md", "csv"):
+        raise ExitbenchError(f"--format must be one of rich, md, csv, json; got {fmt!r}")
+    front, matched = table_rows(rep)
+    if fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        for rows in (front, matched):
+            if rows:
+                writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+            buf.write("\n")
+        return buf.getvalue()
+    return ("## Pareto frontiers\n\n" + tabulate(front, headers="keys", tablefmt="github", floatfmt=".4g")
+            + "\n\n## Matched quality\n\n" + tabulate(matched, headers="keys", tablefmt="github", floatfmt=".4g")
+            + "\n")
+
+
+def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
+    """Quality against cost, one panel per (task, metric): a curve per policy over its thresholds, the
+    fixed-depth baselines as their own curve, the overall frontier highlighted. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if axis not in COSTS:
+        raise ExitbenchError(f"plot cost must be one of {', '.join(COSTS)}; got {axis!r}")
+    grouped = sorted(groups(cell_list).items())
+    fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    for ax, ((task, metric), points) in zip(axes[0], grouped):
+        higher = points[0].cell["quality"]["higher_is_better"]
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            if p.cost(axis) is not None:
+                by_policy.setdefault(p.policy, []).append(p)
+        for name, pts in sorted(by_policy.items()):
+            pts.sort(key=lambda p: p.cost(axis))
+            style = dict(color="black", linestyle="--", marker="s") if name == "fixed" else dict(marker="o")
+            label = "fixed depth" if name == "fixed" else name
+            ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
+            for p in pts:
+                ax.annotate(f"{p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.7)
+        front = frontier(points, axis, higher)
+        ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
+                label="frontier")
+        ax.set_title(f"{task}")
+        ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
+                       "flops": "FLOPs per token"}[axis])
+        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    if path.suffix not in (".png", ".svg"):
+        raise ExitbenchError(f"--plot must name a .png or .svg file, got {path}")
+    fig.savefig(path)
+    return fig

@@ -1,0 +1,118 @@
+"""Pareto frontiers and the matched-quality table on hand-made cells with known answers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from exitbench import cells, pareto
+from exitbench.cli import app
+from exitbench.errors import ExitbenchError
+
+
+def cell(task, metric, higher, policy, tau, quality, iters, sec, max_steps=16):
+    key = {"task": task, "policy": policy, "tau": tau}
+    return {"schema": cells.SCHEMA, "schema_version": cells.SCHEMA_VERSION, "cell_id": cells.cell_id(key), "key": key,
+            "task": {"name": task}, "quality": {"metric": metric, "value": quality, "higher_is_better": higher},
+            "policy": {"policy": policy, "threshold": tau, "relative": False, "max_steps": tau if policy == "fixed"
+                       else max_steps},
+            "iterations": {"mean": iters}, "wall_clock": {"per_token_s": sec}, "flops": {"per_token": 1000 * iters}}
+
+
+ACC = [  # accuracy, higher is better; full depth = fixed 16 at 0.90, 1.0 ms/token
+    cell("t", "acc", True, "fixed", 4, 0.50, 4, 0.25e-3),
+    cell("t", "acc", True, "fixed", 16, 0.90, 16, 1.0e-3),
+    cell("t", "acc", True, "kl", 1e-3, 0.90, 6, 0.8e-3),        # on the frontier
+    cell("t", "acc", True, "kl", 1e-2, 0.80, 5, 0.6e-3),        # on the frontier
+    cell("t", "acc", True, "second_order", 0.1, 0.896, 7, 0.5e-3),  # within 0.5% of 0.90, dominated (kl 6 @ 0.90)
+    cell("t", "acc", True, "second_order", 1.0, 0.70, 8, 0.45e-3),  # dominated everywhere on iterations
+    cell("t", "acc", True, "oracle", 0.01, 0.90, 4.5, 2e-3),     # on the frontier
+]
+PPL = [  # perplexity, lower is better; full depth 1.00
+    cell("u", "ppl", False, "fixed", 1, 9.0, 1, 0.1e-3),
+    cell("u", "ppl", False, "fixed", 16, 1.00, 16, 1.0e-3),
+    cell("u", "ppl", False, "first_order", 0.1, 1.004, 8, 0.5e-3),
+    cell("u", "ppl", False, "first_order", 1.0, 1.5, 4, 0.3e-3),
+    cell("u", "ppl", False, "oracle", 0.01, 1.00, 4, 2e-3),
+]
+
+
+def by_policy(points):
+    return [(p.policy, p.threshold) for p in points]
+
+
+def test_frontier_higher_is_better():
+    pts = pareto.groups(ACC)[("t", "acc")]
+    assert by_policy(pareto.frontier(pts, "iterations", True)) == [
+        ("fixed", 4), ("oracle", 0.01)]
+    # By wall-clock the oracle is slow, so the cheap adaptive points come back.
+    assert by_policy(pareto.frontier(pts, "wall_clock", True)) == [
+        ("fixed", 4), ("second_order", 1.0), ("second_order", 0.1), ("kl", 1e-3)]
+
+
+def test_frontier_lower_is_better():
+    pts = pareto.groups(PPL)[("u", "ppl")]
+    assert by_policy(pareto.frontier(pts, "iterations", False)) == [("fixed", 1), ("oracle", 0.01)]
+    assert by_policy(pareto.frontier(pts, "wall_clock", False)) == [
+        ("fixed", 1), ("first_order", 1.0), ("first_order", 0.1), ("fixed", 16)]
+
+
+def test_matched_quality_rows_and_speedups():
+    rows = pareto.matched_quality(pareto.groups(ACC)[("t", "acc")])
+    exact = {r["policy"]: r for r in rows if r["tolerance"] == 0.0}
+    assert set(exact) == {"fixed", "kl", "oracle"}
+    assert exact["kl"]["threshold"] == 1e-3 and exact["kl"]["mean_iterations"] == 6
+    assert exact["kl"]["speedup"] == pytest.approx(1.0 / 0.8)
+    assert exact["kl"]["iterations_over_oracle"] == pytest.approx(6 / 4.5)
+    half = {r["policy"]: r for r in rows if r["tolerance"] == 0.005}
+    assert half["second_order"]["threshold"] == 0.1 and half["second_order"]["speedup"] == pytest.approx(2.0)
+    two = {r["policy"]: r for r in rows if r["tolerance"] == 0.02}
+    assert "second_order" in two and two["kl"]["threshold"] == 1e-3  # 0.80 is 11% below: never within 2%
+
+
+def test_matched_quality_lower_is_better():
+    rows = pareto.matched_quality(pareto.groups(PPL)[("u", "ppl")])
+    assert {r["policy"] for r in rows if r["tolerance"] == 0.0} == {"fixed", "oracle"}
+    half = {r["policy"]: r for r in rows if r["tolerance"] == 0.005}
+    assert half["first_order"]["threshold"] == 0.1 and half["first_order"]["speedup"] == pytest.approx(2.0)
+    assert half["first_order"]["iterations_over_oracle"] == pytest.approx(2.0)
+
+
+def write(tmp_path, cell_list):
+    for c in cell_list:
+        cells.write_cell(tmp_path, c)
+    return tmp_path
+
+
+def test_cli_formats_and_plot(tmp_path):
+    d = write(tmp_path / "cells", ACC + PPL)
+    res = CliRunner().invoke(app, ["pareto", str(d), "--format", "json"])
+    assert res.exit_code == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert set(rep) == {"t · acc", "u · ppl"} and rep["u · ppl"]["higher_is_better"] is False
+    res = CliRunner().invoke(app, ["pareto", str(d), "--format", "md"])
+    assert "## Matched quality" in res.stdout and "| group" in res.stdout
+    res = CliRunner().invoke(app, ["pareto", str(d), "--format", "csv"])
+    assert res.stdout.splitlines()[0].startswith("group,cost,policy")
+    fig = pareto.plot(ACC + PPL, tmp_path / "p.png")
+    axes = fig.axes
+    assert len(axes) == 2 and (tmp_path / "p.png").stat().st_size > 0
+    assert axes[0].get_xlabel() == "mean iterations per token" and "higher is better" in axes[0].get_ylabel()
+    assert "lower is better" in axes[1].get_ylabel()
+    labels = {line.get_label() for line in axes[0].get_lines()}
+    assert {"fixed depth", "kl", "second_order", "oracle", "frontier"} <= labels
+
+
+def test_refuses_other_files_and_empty_dirs(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"schema": "something-else"}))
+    with pytest.raises(ExitbenchError, match="not an exitbench result cell"):
+        pareto.load([tmp_path])
+    old = dict(ACC[0], schema_version=0)
+    (tmp_path / "x.json").write_text(json.dumps(old))
+    res = CliRunner().invoke(app, ["pareto", str(tmp_path)])
+    assert res.exit_code == 2 and "schema version" in res.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ExitbenchError, match="no result cells"):
+        pareto.load([empty])
