@@ -214,6 +214,31 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
         err_console.print(f"wrote {plot}")
 
 
+@app.command()
+@one_line_errors
+def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to judge."),
+          baseline: Path = typer.Option(..., "--baseline", help="The reference sweep."),
+          quality_tol: float = typer.Option(0.01, help="Allowed relative quality loss per cell."),
+          iterations_tol: float = typer.Option(0.05, help="Allowed relative rise of mean iterations."),
+          wall_clock: bool = typer.Option(False, "--wall-clock",
+                                          help="Also compare time per token, as a ratio to full depth."),
+          wall_tol: float = typer.Option(0.25, help="Allowed relative rise of that ratio.")):
+    """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked)."""
+    from .check import Tolerances, check_dirs
+    from .report import regression_table
+
+    for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
+        if not value >= 0:
+            raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
+    regressions = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol,
+                                                             wall_tol if wall_clock else None))
+    if regressions:
+        console.print(regression_table(regressions, title=f"{len(regressions)} regressions of {run_dir} "
+                                                          f"against {baseline}"))
+        raise typer.Exit(1)
+    console.print(f"no regression: {run_dir} matches {baseline} within the tolerances")
+
+
 def _distributed_rank() -> int:
     import torch.distributed as dist
 

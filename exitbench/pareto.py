@@ -98,22 +98,25 @@ def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
     return quality >= reference - slack if higher else quality <= reference + slack
 
 
-def matched_quality(points: list[Point], tolerances=TOLERANCES) -> list[dict[str, Any]]:
+def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float | None = None
+                    ) -> list[dict[str, Any]]:
+    """Each policy's cheapest point within ε of full-depth quality (or of `reference`, when given)."""
     higher = points[0].cell["quality"]["higher_is_better"]
     ref = full_depth(points)
+    target = ref.quality if reference is None else reference
     oracle = [p for p in points if p.cell["policy"]["policy"] == "oracle"]
     rows = []
     for eps in tolerances:
         by_policy: dict[str, list[Point]] = {}
         for p in points:
-            if within(p.quality, ref.quality, eps, higher) and p.cost("iterations") is not None:
+            if within(p.quality, target, eps, higher) and p.cost("iterations") is not None:
                 by_policy.setdefault(p.policy, []).append(p)
         for name, candidates in sorted(by_policy.items()):
             best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
             ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
-                "full_depth_quality": ref.quality, "mean_iterations": best.cost("iterations"),
+                "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
                 "speedup": ref_time / time if ref_time and time else None,
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
                                            if oracle and oracle[0].cost("iterations") else None),

@@ -36,3 +36,13 @@ def pareto_tables(rep: dict[str, Any]) -> list[Table]:
             f.add_row(p["policy"], f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
         out.append(f)
     return out
+
+
+def regression_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("what", "cell", "baseline", "run"):
+        table.add_column(col, justify="right" if col in ("baseline", "run") else "left")
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    for r in rows:
+        table.add_row(r["what"], r["cell"], fmt(r["baseline"]), fmt(r["run"]))
+    return table

@@ -1,0 +1,113 @@
+"""`exitbench check`: did a sweep get worse than a baseline sweep? The CI gate on threshold sweeps.
+
+Cells are matched by what they measure (task, limit, few-shot, every exit knob), not by file name, so a new
+model or code revision is compared point for point. Deterministic figures are compared with tolerances:
+
+- quality: worse than the baseline's by more than `quality_tol` × |baseline| (in the metric's direction);
+- mean iterations: more than (1 + `iterations_tol`) × the baseline's;
+- frontier: at each matched-quality tolerance, a policy's cheapest point within ε of the baseline's full-depth
+  quality costs more iterations than (1 + `iterations_tol`) × the baseline's, or no longer reaches it;
+- a baseline cell missing from the run is a regression.
+
+Wall-clock is compared only when asked, and then never as absolute time: each cell's time per token over the
+same run's full-depth time per token, against the same ratio in the baseline, with `wall_tol`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import pareto
+
+
+@dataclass
+class Tolerances:
+    quality: float = 0.01
+    iterations: float = 0.05
+    wall: float | None = None  # None: wall-clock not compared
+
+
+def identity(cell: dict[str, Any]) -> tuple:
+    p = cell["policy"]
+    knobs = tuple(sorted((k, v) for k, v in p.items() if k not in ("seed", "record_signals")))
+    return (cell["task"]["name"], cell["quality"]["metric"], cell["task"].get("limit"),
+            cell["task"].get("n_shot"), knobs)
+
+
+def label(cell: dict[str, Any]) -> str:
+    p = cell["policy"]
+    rel = " rel" if p.get("relative") else ""
+    return f"{cell['task']['name']} {p['policy']}{rel} τ={p['threshold']:g}"
+
+
+def _worse(run: float, base: float, tol: float, higher: bool) -> bool:
+    return not pareto.within(run, base, tol, higher)
+
+
+def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
+    a, b = cell["wall_clock"].get("per_token_s"), full["wall_clock"].get("per_token_s")
+    return a / b if a and b else None
+
+
+def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], tol: Tolerances
+            ) -> list[dict[str, Any]]:
+    """Every regression, as rows naming the cell (or frontier point), what moved, and by how much."""
+    run = {identity(c): c for c in run_cells}
+    regressions = []
+
+    def add(what: str, cell_label: str, base_value: Any, run_value: Any) -> None:
+        regressions.append({"what": what, "cell": cell_label, "baseline": base_value, "run": run_value})
+
+    full_run = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(run_cells).items()
+                if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
+    full_base = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(base_cells).items()
+                 if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
+    for base in sorted(base_cells, key=label):
+        key, name = identity(base), label(base)
+        if key not in run:
+            add("missing cell", name, "present", "missing")
+            continue
+        cell = run[key]
+        higher = base["quality"]["higher_is_better"]
+        if _worse(cell["quality"]["value"], base["quality"]["value"], tol.quality, higher):
+            add(f"quality ({base['quality']['metric']})", name, base["quality"]["value"], cell["quality"]["value"])
+        b_it, r_it = base["iterations"]["mean"], cell["iterations"]["mean"]
+        if b_it is not None and r_it is not None and r_it > b_it * (1 + tol.iterations):
+            add("mean iterations", name, b_it, r_it)
+        if tol.wall is not None:
+            group = (base["task"]["name"], base["quality"]["metric"])
+            if group in full_run and group in full_base:
+                b_t, r_t = _relative_time(base, full_base[group]), _relative_time(cell, full_run[group])
+                if b_t and r_t and r_t > b_t * (1 + tol.wall):
+                    add("time / full-depth time", name, b_t, r_t)
+    regressions += compare_frontiers(run_cells, base_cells, tol)
+    return regressions
+
+
+def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> list[dict[str, Any]]:
+    out = []
+    run_groups = pareto.groups(run_cells)
+    for group, base_points in pareto.groups(base_cells).items():
+        if group not in run_groups or not any(p.cell["policy"]["policy"] == "fixed" for p in run_groups[group]):
+            continue  # the missing cells are reported one by one
+        # Both against the baseline's full-depth quality: a run whose full depth improved is not penalised
+        # for policies that now trail it by more than ε.
+        reference = pareto.full_depth(base_points).quality
+        base_rows = {(r["tolerance"], r["policy"]): r for r in pareto.matched_quality(base_points)}
+        run_rows = {(r["tolerance"], r["policy"]): r
+                    for r in pareto.matched_quality(run_groups[group], reference=reference)}
+        for (eps, policy), b in sorted(base_rows.items()):
+            where = f"{group[0]} {policy} at ε={100 * eps:g}%"
+            r = run_rows.get((eps, policy))
+            if r is None:
+                out.append({"what": "frontier: no longer within ε", "cell": where,
+                            "baseline": b["mean_iterations"], "run": None})
+            elif r["mean_iterations"] > b["mean_iterations"] * (1 + tol.iterations):
+                out.append({"what": "frontier: cheapest point within ε", "cell": where,
+                            "baseline": b["mean_iterations"], "run": r["mean_iterations"]})
+    return out
+
+
+def check_dirs(run: Path, baseline: Path, tol: Tolerances) -> list[dict[str, Any]]:
+    return compare(pareto.load([run]), pareto.load([baseline]), tol)

@@ -1,0 +1,99 @@
+"""`exitbench check`: regressions exit 1 and are named, identical runs and wall-clock noise exit 0."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from exitbench import cells
+from exitbench.cli import app
+from exitbench.policies.distribution import KL
+from exitbench.sweep import SweepConfig, run_sweep
+from exitbench.tasks import resolve_tasks
+from test_pareto import ACC, PPL
+
+
+def write(directory, cell_list):
+    for c in cell_list:
+        cells.write_cell(directory, c)
+    return directory
+
+
+def check(run, base, *extra):
+    return CliRunner().invoke(app, ["check", str(run), "--baseline", str(base), *extra])
+
+
+@pytest.fixture
+def base(tmp_path):
+    return write(tmp_path / "base", ACC + PPL)
+
+
+def test_identical_runs_pass(tmp_path, base):
+    res = check(write(tmp_path / "run", copy.deepcopy(ACC + PPL)), base)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "no regression" in res.stdout
+
+
+def test_worse_quality_fails_and_names_the_cell(tmp_path, base):
+    run = copy.deepcopy(ACC + PPL)
+    run[2]["quality"]["value"] = 0.85  # kl τ=1e-3 on t: 0.90 → 0.85
+    res = check(write(tmp_path / "run", run), base)
+    assert res.exit_code == 1
+    assert "t kl τ=0.001" in res.stdout and "quality" in res.stdout
+
+
+def test_lower_is_better_direction(tmp_path, base):
+    run = copy.deepcopy(ACC + PPL)
+    run[8]["quality"]["value"] = 0.99  # full-depth perplexity improved: not a regression
+    assert check(write(tmp_path / "better", run), base).exit_code == 0
+    run[8]["quality"]["value"] = 1.2   # full-depth perplexity worse
+    assert check(write(tmp_path / "worse", run), base).exit_code == 1
+
+
+def test_more_iterations_fail_and_missing_cells_fail(tmp_path, base):
+    run = copy.deepcopy(ACC + PPL)
+    run[4]["iterations"]["mean"] = 7.0 * 1.2
+    res = check(write(tmp_path / "iters", run), base)
+    assert res.exit_code == 1 and "mean iterations" in res.stdout and "second_order τ=0.1" in res.stdout
+    res = check(write(tmp_path / "missing", copy.deepcopy(ACC[:-1] + PPL)), base)
+    assert res.exit_code == 1 and "missing cell" in res.stdout and "oracle" in res.stdout
+
+
+def test_wall_clock_noise_never_fails_unless_asked(tmp_path, base):
+    run = copy.deepcopy(ACC + PPL)
+    for c in run:
+        c["wall_clock"]["per_token_s"] *= 3.0  # a slower machine: absolute times are never compared
+    run[2]["wall_clock"]["per_token_s"] *= 2.0  # and one cell much slower relative to full depth
+    d = write(tmp_path / "run", run)
+    assert check(d, base).exit_code == 0
+    assert check(d, base, "--wall-clock", "--wall-tol", "5").exit_code == 0
+    res = check(d, base, "--wall-clock")
+    assert res.exit_code == 1 and "time / full-depth time" in res.stdout and "kl τ=0.001" in res.stdout
+
+
+def test_unusable_input_exits_2(tmp_path, base):
+    res = check(tmp_path / "nothing-here", base)
+    assert res.exit_code == 2 and "not a directory" in res.stderr
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x.json").write_text(json.dumps({"schema": "other"}))
+    assert check(tmp_path / "junk", base).exit_code == 2
+    assert check(base, base, "--quality-tol", "-1").exit_code == 2
+
+
+def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
+    """A real sweep, then the same sweep with KL's signal scaled down (it exits too early): exit 1."""
+    tasks = resolve_tasks(["chains_lambada"])
+    from exitbench.embedded import open_checkpoint
+
+    ck = open_checkpoint(None)
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["kl"], thresholds=[1e-4], baselines=[16], limit=16)
+    run_sweep(ck, tasks, cfg, tmp_path / "base", "cpu")
+    run_sweep(ck, tasks, cfg, tmp_path / "same", "cpu")
+    assert check(tmp_path / "same", tmp_path / "base").exit_code == 0
+    original = KL.signal
+    monkeypatch.setattr(KL, "signal", lambda self, k, s, memory, logp: original(self, k, s, memory, logp) * 1e-3)
+    run_sweep(ck, tasks, cfg, tmp_path / "degraded", "cpu")
+    res = check(tmp_path / "degraded", tmp_path / "base")
+    assert res.exit_code == 1 and "chains_lambada kl τ=0.0001" in res.stdout
