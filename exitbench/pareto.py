@@ -3,6 +3,7 @@
 Per (task, metric): every cell is a point (cost, quality). A point is on the frontier when no other point is at
 most as costly and at least as good with one of the two strictly better; "good" follows the metric's direction
 (accuracy up, perplexity down). Costs: mean iterations per token, wall-clock per token, FLOPs per token.
+Frontiers are reported overall and per policy (each policy's own non-dominated thresholds).
 
 The matched-quality table answers "what does each policy save at (almost) no loss?": for a tolerance ε
 (relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
@@ -128,10 +129,17 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for (task, metric), points in sorted(groups(cell_list).items()):
         higher = points[0].cell["quality"]["higher_is_better"]
-        entry = {"higher_is_better": higher, "frontiers": {}, "matched_quality": matched_quality(points)}
+        entry = {"higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
+                 "matched_quality": matched_quality(points)}
+        as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
+                                      "cost": p.cost(axis)} for p in pts]
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            by_policy.setdefault(p.policy, []).append(p)
         for axis in COSTS:
-            entry["frontiers"][axis] = [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,
-                                          "cost": p.cost(axis)} for p in frontier(points, axis, higher)]
+            entry["frontiers"][axis] = as_rows(frontier(points, axis, higher), axis)
+            entry["policy_frontiers"][axis] = {name: as_rows(frontier(pts, axis, higher), axis)
+                                               for name, pts in sorted(by_policy.items())}
         out[f"{task} · {metric}"] = entry
     return out
 

@@ -116,3 +116,11 @@ def test_refuses_other_files_and_empty_dirs(tmp_path):
     empty.mkdir()
     with pytest.raises(ExitbenchError, match="no result cells"):
         pareto.load([empty])
+
+
+def test_per_policy_frontiers():
+    rep = pareto.report(ACC)["t · acc"]
+    per = rep["policy_frontiers"]["iterations"]
+    assert [(p["threshold"]) for p in per["kl"]] == [1e-2, 1e-3]       # 5 → 0.80, 6 → 0.90: both kept
+    assert [(p["threshold"]) for p in per["second_order"]] == [0.1]      # τ=1 costs more for less
+    assert [p["policy"] for p in rep["frontiers"]["iterations"]] == ["fixed", "oracle"]
