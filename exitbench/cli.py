@@ -165,11 +165,12 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
         quiet: bool = typer.Option(False, help="No progress bars.")):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each."""
+    from .distributed import init_distributed
     from .embedded import open_checkpoint
     from .lm import ExitbenchLM
     from .progress import SweepProgress
     from .report import summary_table
-    from .sweep import (SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows)
+    from .sweep import SweepConfig, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
     from .tasks import resolve_tasks
 
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
@@ -181,13 +182,12 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if num_fewshot is not None and num_fewshot < 0:
         raise ExitbenchError(f"--num-fewshot must be ≥ 0, got {num_fewshot}")
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
-    ExitbenchLM._init_distributed(ExitbenchLM.__new__(ExitbenchLM))
+    rank0 = init_distributed()[0] == 0
     ck = open_checkpoint(checkpoint, dtype, ExitbenchLM.resolve_device(device))
     out = out or Path("results") / ck.path.name
     sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
-    rank0 = not _distributed_rank()
     with SweepProgress(console, len(sweep.cells), enabled=rank0 and not quiet) as progress:
-        finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress)
+        finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
     if rank0:
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
 
@@ -237,12 +237,6 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                                           f"against {baseline}"))
         raise typer.Exit(1)
     console.print(f"no regression: {run_dir} matches {baseline} within the tolerances")
-
-
-def _distributed_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:

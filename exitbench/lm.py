@@ -25,6 +25,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from .embedded import open_checkpoint
 from .engine import ExitConfig, ExitEngine, SequenceResult
+from .distributed import init_distributed
 from .errors import ExitbenchError
 from .models import Checkpoint
 
@@ -103,12 +104,7 @@ class ExitbenchLM(LM):
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:
-        """Rank and world size from torch.distributed, so torchrun / accelerate launch shard the documents."""
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend)
-        if dist.is_available() and dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._rank, self._world_size = init_distributed()
 
     @staticmethod
     def resolve_device(device: str | None) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import cells
+from .distributed import init_distributed
 from .engine import ExitConfig
 from .errors import ExitbenchError
 from .models import Checkpoint
@@ -40,12 +41,6 @@ class SweepConfig:
     patience: int | None = None
     bootstrap_iters: int = 1000
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -247,28 +242,29 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
 class SweepPlan:
     cells: list[tuple[int, ExitConfig, dict[str, Any]]]   # (task index, exit config, key) of this shard
     done: dict[str, Path]                                 # cell_id → finished file
+    model: dict[str, Any]                                 # model_record of the checkpoint
 
 
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str) -> SweepPlan:
     model = model_record(ck)
     configs = grid(cfg, ck.model.loop_groups()[0].default_steps)
-    world = _world_size()
+    world = init_distributed()[1]
     everything = [(t, c, cell_key(model, tasks.names[t], tasks.fingerprints[tasks.names[t]], c, cfg, device, world))
                   for t in range(len(tasks.names)) for c in configs]
     i, n = cfg.shard
     mine = [cell for j, cell in enumerate(everything) if j % n == i]
-    return SweepPlan(mine, cells.existing_cells(out))
+    return SweepPlan(mine, cells.existing_cells(out), model)
 
 
 def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
-              progress: Any | None = None) -> list[dict[str, Any]]:
+              progress: Any | None = None, sweep: SweepPlan | None = None) -> list[dict[str, Any]]:
     """Run every cell of this shard that is not on disk yet; return all of this shard's cells.
 
     Cells of one exit config share a single lm-eval call over their tasks (lm-eval's per-call setup would
     otherwise dominate a small model's sweep); each task still gets its own cell file.
     """
-    sweep = plan(ck, tasks, cfg, out, device)
-    model = model_record(ck)
+    sweep = sweep or plan(ck, tasks, cfg, out, device)
+    model = sweep.model
     finished = []
     pending: dict[str, list[tuple[int, ExitConfig, dict]]] = {}
     for t, exit_cfg, key in sweep.cells:

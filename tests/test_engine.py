@@ -133,28 +133,26 @@ def test_batched_generate_equals_batch_size_one(noisy_model, policy, knobs):
     _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), policy, knobs)
 
 
-def test_embedded_checkpoint_batched_equals_batch_size_one():
-    """The trained checkpoint shipped with the package, where exits vary by themselves."""
+@pytest.fixture(scope="module")
+def embedded_case():
+    """The trained checkpoint shipped with the package, where exits vary by themselves, and its inputs."""
     if not embedded.embedded_names():
         pytest.skip("no embedded checkpoint in this install")
     model = embedded.open_checkpoint(None).model.eval()
-    k = min(K, model.loop_groups()[0].max_steps)
     vocab = model.config.vocab_size
-    requests = mixed_requests(16, seed=3, vocab=vocab)
-    prompts = mixed_prompts(8, seed=3, vocab=vocab)
+    return (model, min(K, model.loop_groups()[0].max_steps), mixed_requests(16, seed=3, vocab=vocab),
+            mixed_prompts(8, seed=3, vocab=vocab))
+
+
+def test_embedded_checkpoint_batched_equals_batch_size_one(embedded_case):
+    model, k, requests, prompts = embedded_case
     for policy, knobs in BATCH_CASES[:4]:
         _check_batched_equals_single(model, requests, policy, knobs, k)
         _check_generate_batched_equals_single(model, prompts, policy, knobs, k)
 
 
-def test_embedded_batching_is_exact_at_minp_kl_grid_thresholds():
-    if not embedded.embedded_names():
-        pytest.skip("no embedded checkpoint in this install")
-    model = embedded.open_checkpoint(None).model.eval()
-    k = min(K, model.loop_groups()[0].max_steps)
-    vocab = model.config.vocab_size
-    requests = mixed_requests(16, seed=3, vocab=vocab)
-    prompts = mixed_prompts(8, seed=3, vocab=vocab)
+def test_embedded_batching_is_exact_at_minp_kl_grid_thresholds(embedded_case):
+    model, k, requests, prompts = embedded_case
     differing = []
     for tau in (1e-7, 1e-6, 1e-5):  # 1e-5 is minp_kl's default threshold
         run = lambda: engine(model, "minp_kl", threshold=tau, max_steps=k)  # noqa: E731
