@@ -8,7 +8,8 @@ Schema `exitbench.cell` version 1 (documented in the README):
                higher_is_better {...}, primary_metric
     quality    metric, value, stderr, higher_is_better             the primary metric
     policy     every ExitConfig knob, resolved max_steps, baseline (true for fixed-depth cells)
-    iterations mean, median, p90, max, histogram {k: tokens}, tokens, requests
+    iterations mean, median, p90, max, histogram {k: tokens}, tokens, requests (over each token's iterations
+               summed over loop groups), per_group_mean [one mean per loop group]
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call)

@@ -14,7 +14,6 @@ How a batch moves (shared/DESIGN.md, "engine"):
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -141,7 +140,10 @@ class ExitEngine:
         for g, p in zip(self.groups, self.policies):
             if p.max_steps > g.max_steps:
                 raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "
-                                     f"{g.max_steps} iterations (config max_recurrence)")
+                                     f"{g.max_steps} iterations (the checkpoint's configured maximum)")
+        # A probe reads out the later groups at their default depth, capped where this run's policy caps them
+        # (the cache has no slot past a group's max_steps).
+        self._readout_steps = [min(g.default_steps, p.max_steps) for g, p in zip(self.groups, self.policies)]
         # The probe of the last loop group is the final readout: reuse it instead of running the coda twice.
         self._probe_is_final = [i == len(self.groups) - 1 for i in range(len(self.groups))]
         self.noise = PositionNoise(self.config.seed, self._state_dim())
@@ -369,7 +371,7 @@ class ExitEngine:
             sync()
             t1 = clock()
             t_core += t1 - t0
-            logits = self.model.readout(g, s_a, ctx_a)[:, 0] if need_logits else None
+            logits = self.model.readout(g, s_a, ctx_a, self._readout_steps)[:, 0] if need_logits else None
             if policy.retrospective:
                 trajectory.append((s_a, torch.log_softmax(logits.double(), -1), logits))
                 t_probe += clock() - t1
@@ -451,5 +453,5 @@ class ExitEngine:
                 ctx.cache.carry_forward(group.attn_layers, all_rows[sel], ctx.start, k - 1)
             # The coda's KV must come from the exit state too: rerun the readout for these tokens.
             sub = AttnContext(ctx.start, ctx.cache, all_rows[sel], 0)
-            self.model.readout(g, final[sel], sub)
+            self.model.readout(g, final[sel], sub, self._readout_steps)
         return final, final_logits, exit_steps

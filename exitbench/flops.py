@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from .models import LoopedLM, LoopGroup, Stage
+from .models import LoopedLM, LoopGroup
+from .models.layers import Conv1D
 
 
 def _linear_flops(modules: list[nn.Module]) -> float:
-    return float(sum(2 * m.weight.numel() for root in modules for m in root.modules() if isinstance(m, nn.Linear)))
+    return float(sum(2 * m.weight.numel() for root in modules for m in root.modules()
+                     if isinstance(m, (nn.Linear, Conv1D))))
 
 
 class FlopModel:

@@ -133,6 +133,9 @@ def summarize_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """Iterations, wall-clock and FLOPs of a cell from the adapter's per-request table."""
     its = [k for s in stats for k in s["iterations"]]
     tokens = len(its)
+    # Each token's exit step per loop group (looped GPT-2 has several groups; iterations above are their sum).
+    per_token = [steps for s in stats for steps in s["exit_steps"]]
+    per_group = [statistics.fmean(g) for g in zip(*per_token)] if per_token else []
     seconds = sum(s["seconds"] for s in stats)
     token_seconds = sum(s["token_seconds"] for s in stats)
     phases = Counter()
@@ -145,7 +148,7 @@ def summarize_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "mean": statistics.fmean(its) if its else None, "median": statistics.median(its) if its else None,
             "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
             "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
-            "tokens": tokens, "requests": len(stats)},
+            "tokens": tokens, "requests": len(stats), "per_group_mean": per_group},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,

@@ -1,10 +1,11 @@
 """Looped language models: the generic stage view, the architectures, and checkpoint I/O."""
 from .cache import KVCache
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .gpt2 import LoopedGPT2, LoopedGPT2Config
 from .layers import AttnContext
 from .looped import LoopedLM, LoopGroup, Stage
 from .raven import Raven, RavenConfig
 from .registry import ARCHITECTURES
 
-__all__ = ["ARCHITECTURES", "AttnContext", "Checkpoint", "KVCache", "LoopGroup", "LoopedLM", "Raven",
-           "RavenConfig", "Stage", "load_checkpoint", "save_checkpoint"]
+__all__ = ["ARCHITECTURES", "AttnContext", "Checkpoint", "KVCache", "LoopGroup", "LoopedGPT2", "LoopedGPT2Config",
+           "LoopedLM", "Raven", "RavenConfig", "Stage", "load_checkpoint", "save_checkpoint"]

@@ -118,7 +118,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu
     model_cls = architecture_of(config)
     model_config = model_cls.config_class.from_dict(config)
     shards = weight_files(path)
-    tensors = read_tensors(path, shards, torch_dtype)
+    tensors = model_cls.adapt_checkpoint(read_tensors(path, shards, torch_dtype), model_config)
 
     with torch.device("meta"):
         model = model_cls(model_config)
@@ -133,7 +133,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu
     if unexpected:
         raise CheckpointError(f"checkpoint {path} has {len(unexpected)} keys the config does not explain, "
                               f"e.g. {unexpected[0]}")
-    tied = getattr(model_config, "tie_embeddings", False)
+    tied = model.tied_head
     params = {k: tensors[k] for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     model.load_state_dict(params, strict=False, assign=True)
     if tied:

@@ -69,6 +69,38 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor
     return out.flatten(-2).to(x.dtype)
 
 
+def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                            layer_id: int) -> torch.Tensor:
+    """Causal attention of q, k, v (B, H, T, D) for tokens at ctx.start…, through the cache when there is one.
+
+    The cache stores this layer's keys at loop iteration ctx.slot and returns every earlier position's keys
+    of that iteration, so one function serves plain layers and loop iterations of any architecture.
+    """
+    T = q.shape[2]
+    if ctx.cache is not None:
+        k, v = ctx.cache.update(layer_id, ctx.slot, ctx.rows, ctx.start, k, v)
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    if k.shape[2] == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # A chunk after cached tokens: query i sees keys up to start + i.
+    L = k.shape[2]
+    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: y = x W + b with W stored (in, out), so Hugging Face GPT-2 weights load as they are."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
 class CausalSelfAttention(nn.Module):
     """Fused Wqkv, learned q/k bias added before RoPE, full multi-head attention, output `proj`."""
 
@@ -89,17 +121,7 @@ class CausalSelfAttention(nn.Module):
             k = k + self.qk_bias[1]
         q = apply_rope(q, rope, ctx.start).transpose(1, 2)
         k = apply_rope(k, rope, ctx.start).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if ctx.cache is not None:
-            k, v = ctx.cache.update(self.layer_id, ctx.slot, ctx.rows, ctx.start, k, v)
-        if T == 1:
-            y = F.scaled_dot_product_attention(q, k, v)
-        elif k.shape[2] == T:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # a chunk after cached tokens: query i sees keys up to start + i
-            L = k.shape[2]
-            mask = torch.ones(T, L, dtype=torch.bool, device=x.device).tril(diagonal=L - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = cached_causal_attention(q, k, v.transpose(1, 2), ctx, self.layer_id)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -62,24 +62,26 @@ class LoopedLM(nn.Module):
     def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         raise NotImplementedError
 
+    def stages(self) -> list[Stage | LoopGroup]:
+        raise NotImplementedError
+
+    # Both architectures end in `transformer.ln_f` and a (possibly tied) `lm_head`, and their configs name
+    # `n_heads` and `head_dim`; an architecture that differs overrides these.
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x)).float()
+
     def head_modules(self) -> list[nn.Module]:
         """What `head` computes, for FLOP counts."""
-        raise NotImplementedError
+        return [self.lm_head]
 
     @property
     def output_size(self) -> int:
         """Width of the logits `head` returns."""
-        raise NotImplementedError
-
-    def stages(self) -> list[Stage | LoopGroup]:
-        raise NotImplementedError
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.lm_head.out_features
 
     def cache_geometry(self) -> tuple[int, int]:
         """(n_heads, head_dim) of every attention layer."""
-        raise NotImplementedError
+        return self.config.n_heads, self.config.head_dim
 
     def layer_split(self) -> dict[str, int]:
         """Layers per stage, for reports."""
@@ -91,6 +93,16 @@ class LoopedLM(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers after the model was built on the meta device."""
+
+    @property
+    def tied_head(self) -> bool:
+        """Whether lm_head shares its weight with the token embedding `transformer.wte`."""
+        return False
+
+    @classmethod
+    def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        """Map a checkpoint's tensors as published onto this module tree's keys (default: as they are)."""
+        return tensors
 
     def checkpoint_extras(self) -> dict[str, torch.Tensor]:
         """Tensors the checkpoint format stores beyond `state_dict()`."""
@@ -141,14 +153,16 @@ class LoopedLM(nn.Module):
                                  "(build it with model.new_cache(..., max_steps=…))")
 
     def forward(self, ids: torch.Tensor, num_steps: int | Sequence[int] | None = None, *,
-                backprop_depth: int | None = None, cache: KVCache | None = None, start: int = 0,
+                backprop_depth: int | Sequence[int] | None = None, cache: KVCache | None = None, start: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits for `ids` (B, T) at fixed depth: every token runs `num_steps` iterations of every group.
 
-        With `backprop_depth` k only the last k iterations of each group keep gradients (truncated BPTT,
-        Huginn §1.6). With a cache, `ids` continue a sequence whose first `start` tokens are cached.
+        With `backprop_depth` k (one for all groups, or one per group) only the last k iterations of each group
+        keep gradients (truncated BPTT, Huginn §1.6). With a cache, `ids` continue a sequence whose first `start`
+        tokens are cached.
         """
         steps = self.resolve_steps(num_steps)
+        depths = self.resolve_steps(backprop_depth) if backprop_depth is not None else None
         if cache is not None:
             self._check_cache_depth(cache, steps)
         ctx = AttnContext(start=start, cache=cache)
@@ -159,19 +173,22 @@ class LoopedLM(nn.Module):
                 x = stage.run(x, ctx)
                 continue
             r = steps[g]
+            no_grad_steps = r - depths[g] if depths is not None else 0
             g += 1
             s = stage.init(x, self._noise(stage, x, generator))
-            no_grad_steps = r - backprop_depth if backprop_depth is not None else 0
             for i in range(r):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and i >= no_grad_steps):
                     s = stage.step(s, x, ctx.at_slot(i))
             x = stage.finish(s)
         return self.head(x)
 
-    def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """Logits "if we exited now": finish group `group_index` from `state`, run the rest at default depth."""
+    def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext,
+                steps: Sequence[int] | None = None) -> torch.Tensor:
+        """Logits "if we exited now": finish group `group_index` from `state`, run the rest at default depth
+        (or at `steps`, one per loop group, e.g. when a cache holds fewer iterations than the default)."""
         stages = self.stages()
         groups = self.loop_groups()
+        depth = list(steps) if steps is not None else [g.default_steps for g in groups]
         pos = stages.index(groups[group_index])
         x = groups[group_index].finish(state)
         for stage in stages[pos + 1 :]:
@@ -179,7 +196,7 @@ class LoopedLM(nn.Module):
                 x = stage.run(x, ctx)
             else:
                 s = stage.init(x, self._noise(stage, x, None))
-                for i in range(stage.default_steps):
+                for i in range(depth[groups.index(stage)]):
                     s = stage.step(s, x, ctx.at_slot(i))
                 x = stage.finish(s)
         return self.head(x)

@@ -221,19 +221,6 @@ class Raven(LoopedLM):
     def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         return self.transformer.wte(ids) * self.emb_scale
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.transformer.ln_f(x)).float()
-
-    def head_modules(self) -> list[nn.Module]:
-        return [self.lm_head]
-
-    @property
-    def output_size(self) -> int:
-        return self.lm_head.out_features
-
-    def cache_geometry(self) -> tuple[int, int]:
-        return self.config.n_heads, self.config.head_dim
-
     def layer_split(self) -> dict[str, int]:
         c = self.config
         return {"prelude": c.n_layers_in_prelude, "core": c.n_layers_in_recurrent_block, "coda": c.n_layers_in_coda}
@@ -246,6 +233,10 @@ class Raven(LoopedLM):
         if not self.config.tie_embeddings:
             parts["lm_head"] = count(self.lm_head)
         return parts
+
+    @property
+    def tied_head(self) -> bool:
+        return self.config.tie_embeddings
 
     def checkpoint_extras(self) -> dict[str, torch.Tensor]:
         """Tensors Huginn's files carry beyond our parameters: the RoPE table (and the tied head, via state_dict)."""

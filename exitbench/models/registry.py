@@ -4,11 +4,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointError
+from .gpt2 import LoopedGPT2
 from .looped import LoopedLM
 from .raven import Raven
 
-ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven}
-_HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture}
+ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2}
+# A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
+_MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture}
+_HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
+                   "GPT2LMHeadModel": LoopedGPT2.architecture}
 
 
 def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
@@ -19,6 +23,7 @@ def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
         if name is None:
             raise CheckpointError(f"config.json names no known architecture (model_type missing, architectures="
                                   f"{classes}); known model_type values: {', '.join(sorted(ARCHITECTURES))}")
+    name = _MODEL_TYPE_ALIASES.get(name, name)
     if name not in ARCHITECTURES:
         raise CheckpointError(f"unknown architecture {name!r} in config.json (model_type); "
                               f"known: {', '.join(sorted(ARCHITECTURES))}")

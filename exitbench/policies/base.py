@@ -55,6 +55,7 @@ class ExitPolicy:
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
                  patience: int | None = None, relative: bool = False):
         self.threshold = self.default_threshold if threshold is None else threshold
+        self.threshold_given = threshold is not None
         self.min_steps = min_steps
         self.max_steps = max_steps
         self.patience = self.default_patience if patience is None else patience

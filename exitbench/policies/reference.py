@@ -19,7 +19,10 @@ class Fixed(ExitPolicy):
     default_grid = (1, 2, 4, 8, 16, 32)
 
     def bind(self, max_steps: int) -> "Fixed":
-        # r is the whole point of this policy: it sets the depth, whatever the group's default.
+        # r is the whole point of this policy: it sets the depth, whatever the group's default. Without
+        # one, each loop group runs its own default depth (looped GPT-2 groups may differ).
+        if not self.threshold_given:
+            self.threshold = max_steps
         self.max_steps = int(self.threshold)
         self._validate()
         return self
