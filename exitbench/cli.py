@@ -82,35 +82,46 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
 @app.command()
 @one_line_errors
 def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the new checkpoint."),
-          task: str = typer.Option("chains", help="Synthetic training task."),
-          n_chains: int = typer.Option(4, "--chains", help="Interleaved chains per program."),
-          max_hop: int = typer.Option(12, help="Chain length: the hardest difficulty level."),
+          arch: str = typer.Option("huginn_raven", help="huginn_raven (synthetic chains) or looped_gpt2 (GSM8K text)."),
+          task: str = typer.Option("chains", help="huginn_raven: synthetic training task."),
+          n_chains: int = typer.Option(4, "--chains", help="huginn_raven: interleaved chains per program."),
+          max_hop: int = typer.Option(12, help="huginn_raven: chain length, the hardest difficulty level."),
           n_embd: int = typer.Option(128, help="Hidden size."),
           n_heads: int = typer.Option(4, help="Attention heads."),
-          intermediate_size: int = typer.Option(256, help="Gated MLP inner size."),
-          prelude_layers: int = typer.Option(0, help="Prelude layers (attention there lets the loop idle)."),
-          core_layers: int = typer.Option(1, help="Layers in the recurrent core."),
-          coda_layers: int = typer.Option(0, help="Coda layers."),
-          mean_recurrence: int = typer.Option(16, help="Mean sampled r; also the default r at inference."),
-          max_recurrence: int = typer.Option(32, help="Deepest r the checkpoint is meant to run."),
-          backprop_depth: int = typer.Option(8, help="Iterations that keep gradients (truncated BPTT)."),
-          batch_size: int = typer.Option(64, help="Programs per step."),
-          lr: float = typer.Option(2e-3, help="Peak learning rate (AdamW, cosine decay)."),
+          intermediate_size: int = typer.Option(256, help="huginn_raven: gated MLP inner size."),
+          prelude_layers: int = typer.Option(0, help="huginn_raven: prelude layers (attention there lets the loop idle)."),
+          core_layers: int = typer.Option(1, help="huginn_raven: layers in the recurrent core."),
+          coda_layers: int = typer.Option(0, help="huginn_raven: coda layers."),
+          n_layer: int = typer.Option(6, help="looped_gpt2: layers."),
+          loop_groups: str = typer.Option("1;2,3;4", help="looped_gpt2: loop groups, ';' between groups, ',' "
+                                          "between layers."),
+          context: int = typer.Option(128, help="looped_gpt2: training window length (the model's context is 2×)."),
+          vocab_size: int = typer.Option(2048, help="looped_gpt2: size of the byte-level BPE fitted to the text."),
+          gsm8k_dir: Optional[str] = typer.Option(None, help="looped_gpt2: local GSM8K (train.jsonl); default: the "
+                                                  "hub's openai/gsm8k."),
+          mean_recurrence: Optional[int] = typer.Option(None, help="Mean sampled r per loop group "
+                                                        "[huginn_raven 16, looped_gpt2 4]."),
+          max_recurrence: Optional[int] = typer.Option(None, help="Deepest r the checkpoint is meant to run [32, 12]."),
+          backprop_depth: Optional[int] = typer.Option(None, help="Iterations that keep gradients [8, 12]."),
+          batch_size: Optional[int] = typer.Option(None, help="Sequences per step [64, 32]."),
+          lr: Optional[float] = typer.Option(None, help="Peak learning rate, AdamW with cosine decay [2e-3, 1e-3]."),
           steps: int = typer.Option(2000, help="Optimizer steps."),
           time_budget: Optional[float] = typer.Option(None, help="Stop after this many seconds."),
           save_every: Optional[int] = typer.Option(None, help="Keep a checkpoint every N steps."),
           seed: int = typer.Option(0, help="Seed: same seed, same checkpoint."),
           threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
           resume: bool = typer.Option(False, help="Continue the run saved in --out.")):
-    """Train a Raven-architecture model from scratch on the synthetic chains task (CPU-sized)."""
+    """Train a looped model from scratch: Raven on synthetic chains, or looped GPT-2 on GSM8K text (CPU-sized)."""
     from .train import TrainConfig, train as run_training
     from .progress import training_progress
 
-    cfg = TrainConfig(out=str(out), task=task, n_chains=n_chains, max_hop=max_hop, n_embd=n_embd, n_heads=n_heads,
-                      intermediate_size=intermediate_size, prelude_layers=prelude_layers, core_layers=core_layers,
-                      coda_layers=coda_layers, mean_recurrence=mean_recurrence, max_recurrence=max_recurrence,
-                      backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps,
-                      time_budget=time_budget, save_every=save_every, seed=seed, threads=threads, resume=resume)
+    cfg = TrainConfig.for_arch(
+        str(out), arch, task=task, n_chains=n_chains, max_hop=max_hop, n_embd=n_embd, n_heads=n_heads,
+        intermediate_size=intermediate_size, prelude_layers=prelude_layers, core_layers=core_layers,
+        coda_layers=coda_layers, n_layer=n_layer, loop_groups=loop_groups, context=context, vocab_size=vocab_size,
+        gsm8k_dir=gsm8k_dir, mean_recurrence=mean_recurrence, max_recurrence=max_recurrence,
+        backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps, time_budget=time_budget,
+        save_every=save_every, seed=seed, threads=threads, resume=resume)
     with training_progress(console, cfg) as on_step:
         path = run_training(cfg, on_step=on_step)
     console.print(f"saved {path}")
@@ -212,6 +223,43 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.plot(cell_list, plot, cost)
         err_console.print(f"wrote {plot}")
+
+
+@app.command()
+@one_line_errors
+def geometry(checkpoint: Optional[str] = CheckpointOpt,
+             checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="Comma-separated checkpoints of "
+                                                       "one model across training; DIR:training expands to the "
+                                                       "step-N checkpoints `exitbench train --save-every` kept."),
+             task: Optional[str] = typer.Option(None, "--task", "-t", help="Measure on this lm-eval task's documents."),
+             text: Optional[str] = typer.Option(None, "--text", help="Measure on this text file (blank-line "
+                                                "separated documents)."),
+             data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+             steps: Optional[int] = typer.Option(None, "--steps", "-n", help="Iterations per loop group "
+                                                 "[the group's max]."),
+             tokens: int = typer.Option(4096, "--tokens", help="Tokens of --task/--text to measure on."),
+             programs: int = typer.Option(128, "--programs", help="Held-out programs (chains-trained checkpoints, "
+                                          "no --task/--text)."),
+             seed: int = typer.Option(0, "--seed", help="Seed of held-out programs and initial states."),
+             out: Path = typer.Option(Path("results/geometry"), "--out", "-o", help="Directory for geometry.json "
+                                      "and the figures."),
+             dtype: str = DtypeOpt):
+    """Two-scale geometry of the loop iterates: step norms, cosines, accelerations, hand-off drift, PCA paths."""
+    from .embedded import expand_checkpoints, open_checkpoint
+    from .geometry import geometry_report, write_report
+    from .geometry_plot import plot_handoffs, plot_pca, plot_steps
+    from .report import geometry_tables
+
+    if checkpoint and checkpoints:
+        raise ExitbenchError("give --checkpoint or --checkpoints, not both")
+    cks = [open_checkpoint(c, dtype) for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
+    rep = geometry_report(cks, task=task, text=text, data_dir=data_dir, steps=steps, max_tokens=tokens,
+                          programs=programs, seed=seed)
+    for t in geometry_tables(rep):
+        console.print(t)
+    written = [write_report(rep, out / "geometry.json"), plot_steps(rep, out / "steps.png"),
+               plot_handoffs(rep, out / "handoffs.png"), plot_pca(rep, out / "pca.png")]
+    err_console.print("wrote " + ", ".join(str(p) for p in written if p is not None))
 
 
 @app.command()

@@ -1,9 +1,14 @@
-"""`exitbench train`: a Raven model from scratch on the synthetic chains task, the way Huginn was trained.
+"""`exitbench train`: a looped model from scratch, the way recurrent-depth models are trained.
 
-Recurrence is sampled per batch (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ), with
-gradients only through the last `backprop_depth` iterations. What makes the iterations matter on a model this
-small (shared/reference/depth-recipe.md): no attention outside the core, one token per statement, a target at
-every statement, and a hop curriculum that raises the chain length once the current level is learned.
+Two recipes share one loop:
+- `huginn_raven` on the synthetic chains task (the embedded tiny-raven). What makes the iterations matter on a
+  model this small (shared/reference/depth-recipe.md): no attention outside the core, one token per statement, a
+  target at every statement, and a hop curriculum that raises the chain length once the current level is learned.
+- `looped_gpt2` on natural text (the embedded tiny-looped-gpt2), as the two-scale paper trained on FineWeb: GSM8K's
+  training split, a byte-level BPE fitted to it, next-token loss on random windows.
+
+Recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ),
+with gradients only through the last `backprop_depth` iterations of each group.
 
 Everything random is drawn from generators keyed by (seed, step), so a run is deterministic for a seed and a
 resumed run continues with exactly the batches it would have seen.
@@ -25,10 +30,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .errors import ExitbenchError
-from .models import Raven, RavenConfig, save_checkpoint
-from .models.checkpoint import CONFIG_FILE
+from .models import LoopedGPT2, LoopedGPT2Config, LoopedLM, Raven, RavenConfig, save_checkpoint
 from .provenance import run_metadata
-from . import synthetic
+from . import synthetic, textcorpus
 
 TRAINING_DIR = "training"
 STATE_FILE = "state.json"
@@ -37,9 +41,19 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RESUMABLE = {"steps", "time_budget", "save_every", "out", "resume", "threads"}
 
 
+ARCHS = ("huginn_raven", "looped_gpt2")
+# Where the two recipes differ in their defaults; everything else is shared.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "huginn_raven": {},
+    "looped_gpt2": {"mean_recurrence": 4, "max_recurrence": 12, "backprop_depth": 12, "batch_size": 32,
+                    "lr": 1e-3, "warmup": 100, "recurrence_sigma": 0.5},
+}
+
+
 @dataclass
 class TrainConfig:
     out: str
+    arch: str = "huginn_raven"
     task: str = "chains"
     n_chains: int = 4
     max_hop: int = 12
@@ -51,6 +65,12 @@ class TrainConfig:
     prelude_layers: int = 0
     core_layers: int = 1
     coda_layers: int = 0
+    # looped_gpt2: layers, loop groups ("1;2,3;4" = [[1], [2, 3], [4]]), window length, BPE size, text source.
+    n_layer: int = 6
+    loop_groups: str = "1;2,3;4"
+    context: int = 128
+    vocab_size: int = 2048
+    gsm8k_dir: str | None = None
     mean_recurrence: int = 16
     max_recurrence: int = 32
     backprop_depth: int = 8
@@ -66,7 +86,25 @@ class TrainConfig:
     threads: int | None = None
     resume: bool = False
 
+    @classmethod
+    def for_arch(cls, out: str, arch: str = "huginn_raven", **given: Any) -> "TrainConfig":
+        """A config with `arch`'s defaults, overridden by the options the user gave (None = not given)."""
+        if arch not in ARCHS:
+            raise ExitbenchError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
+        values = {**ARCH_DEFAULTS[arch], **{k: v for k, v in given.items() if v is not None}}
+        return cls(out=out, arch=arch, **values)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        try:
+            return [[int(i) for i in part.split(",")] for part in self.loop_groups.split(";")]
+        except ValueError:
+            raise ExitbenchError(f"--loop-groups {self.loop_groups!r} must be layer indices, groups separated by "
+                                 "';' and layers by ',', e.g. '1;2,3;4'") from None
+
     def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise ExitbenchError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         positive = ["n_chains", "max_hop", "start_hop", "n_embd", "n_heads", "intermediate_size", "core_layers",
                     "mean_recurrence", "max_recurrence", "backprop_depth", "batch_size", "steps", "warmup"]
         for name in positive:
@@ -91,16 +129,28 @@ class TrainConfig:
             raise ExitbenchError(f"--save-every must be a positive number of steps, got {self.save_every}")
         if not 0 < self.level_up_accuracy <= 1:
             raise ExitbenchError(f"--level-up-accuracy must be in (0, 1], got {self.level_up_accuracy}")
-        synthetic.make_task(self.task, n_chains=self.n_chains, length=self.max_hop)
+        if self.arch == "huginn_raven":
+            synthetic.make_task(self.task, n_chains=self.n_chains, length=self.max_hop)
+        else:
+            for name in ("n_layer", "context", "vocab_size"):
+                if getattr(self, name) <= 0:
+                    raise ExitbenchError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                                         f"{getattr(self, name)}")
+            try:
+                self.gpt2_config(None)
+            except ExitbenchError as exc:
+                raise ExitbenchError(f"--loop-groups {self.loop_groups!r}: {exc}") from None
 
     def command(self) -> str:
         """The `exitbench train` command line that reproduces this run (non-default options spelled out)."""
         flags = {"n_chains": "--chains"}
-        defaults = TrainConfig(out=self.out)
+        defaults = TrainConfig.for_arch(self.out, self.arch)
         parts = ["exitbench", "train", "--out", self.out, "--steps", str(self.steps), "--seed", str(self.seed)]
+        if self.arch != "huginn_raven":
+            parts += ["--arch", self.arch]
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("out", "steps", "seed") or value == getattr(defaults, f.name):
+            if f.name in ("out", "steps", "seed", "arch") or value == getattr(defaults, f.name):
                 continue
             flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
             parts += [flag] if value is True else [flag, str(value)]
@@ -115,6 +165,17 @@ class TrainConfig:
             mean_backprop_depth=self.backprop_depth, max_recurrence=self.max_recurrence,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
+
+    def gpt2_config(self, tokenizer) -> LoopedGPT2Config:
+        groups = self.groups
+        default = min(self.mean_recurrence + 2, self.max_recurrence)  # past the sampled mean, where iterates settle
+        return LoopedGPT2Config(
+            vocab_size=tokenizer.vocab_size if tokenizer else self.vocab_size, n_embd=self.n_embd,
+            n_layer=self.n_layer, n_head=self.n_heads, n_positions=2 * self.context, loop_groups=groups,
+            loop_steps=[default] * len(groups), max_loop_steps=[self.max_recurrence] * len(groups),
+            bos_token_id=tokenizer.bos_token_id if tokenizer else None,
+            eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+            pad_token_id=tokenizer.pad_token_id if tokenizer else None)
 
 
 def sample_recurrence(rng: random.Random, mean: int, backprop_depth: int, sigma: float, cap: int
@@ -147,7 +208,7 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _optimizer(model: Raven, cfg: TrainConfig) -> torch.optim.AdamW:
+def _optimizer(model: LoopedLM, cfg: TrainConfig) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "wte" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "wte" not in n)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -206,7 +267,7 @@ def _save_training_state(out: Path, cfg: TrainConfig, state: TrainState, opt: to
     tmp.replace(directory / STATE_FILE)
 
 
-def _load_training_state(out: Path, model: Raven, opt: torch.optim.Optimizer) -> TrainState:
+def _load_training_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer) -> TrainState:
     from .models import load_checkpoint
 
     directory = out / TRAINING_DIR
@@ -223,6 +284,73 @@ def _load_training_state(out: Path, model: Raven, opt: torch.optim.Optimizer) ->
     return TrainState(**json.loads((directory / STATE_FILE).read_text())["state"])
 
 
+class ChainsRecipe:
+    """Raven on the synthetic chains task, with the hop curriculum."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.tokenizer = synthetic.build_tokenizer()
+
+    def build_model(self, generator: torch.Generator) -> Raven:
+        cfg = self.cfg
+        model = Raven(cfg.model_config(self.tokenizer))
+        model.init_weights(generator)
+        with torch.no_grad():
+            std = model.transformer.wte.weight.std().item()
+            table = synthetic.factored_embedding(self.tokenizer, cfg.n_embd, std, generator)
+            model.transformer.wte.weight[: table.shape[0]] = table
+        return model
+
+    def batch(self, state: TrainState):
+        task = synthetic.make_task(self.cfg.task, n_chains=self.cfg.n_chains, length=state.level)
+        return synthetic.batch(task, self.tokenizer, self.cfg.batch_size, _step_rng(self.cfg.seed, state.step, 0))
+
+    def after_step(self, state: TrainState, logits: torch.Tensor, targets: torch.Tensor, hops, steps: list[int]) -> None:
+        """Raise the hop level once the running accuracy at the current one passes the bar."""
+        cfg = self.cfg
+        if min(steps) < state.level:
+            return
+        at_level = hops == state.level
+        correct = (logits.argmax(-1)[at_level] == targets[at_level]).float().mean().item()
+        state.level_accuracy = 0.9 * state.level_accuracy + 0.1 * correct
+        if state.level_accuracy >= cfg.level_up_accuracy and state.level < cfg.max_hop:
+            state.history.append({"step": state.step, "level": state.level + 1, "elapsed": state.elapsed})
+            state.level += 1
+            state.level_accuracy = 0.0
+
+
+class TextRecipe:
+    """Looped GPT-2 on GSM8K's training text: next-token loss on random windows."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        texts = textcorpus.gsm8k_texts("train", cfg.gsm8k_dir)
+        self.tokenizer = textcorpus.fit_tokenizer(texts, cfg.vocab_size)
+        self.stream = textcorpus.TokenStream(texts, self.tokenizer)
+
+    def build_model(self, generator: torch.Generator) -> LoopedGPT2:
+        model = LoopedGPT2(self.cfg.gpt2_config(self.tokenizer))
+        model.init_weights(generator)
+        return model
+
+    def batch(self, state: TrainState):
+        inputs, targets = self.stream.batch(_step_rng(self.cfg.seed, state.step, 0), self.cfg.batch_size,
+                                            self.cfg.context)
+        return inputs, targets, None
+
+    def after_step(self, state, logits, targets, hops, steps) -> None:
+        pass
+
+
+def make_recipe(cfg: TrainConfig) -> ChainsRecipe | TextRecipe:
+    return ChainsRecipe(cfg) if cfg.arch == "huginn_raven" else TextRecipe(cfg)
+
+
+def status(state: TrainState, cfg: TrainConfig) -> str:
+    """What a progress line shows beside the loss."""
+    return f"hop {state.level}/{cfg.max_hop}" if cfg.arch == "huginn_raven" else f"ppl {math.exp(min(state.loss, 50)):.1f}"
+
+
 def train(cfg: TrainConfig, command: str | None = None,
           on_step: Callable[[TrainState, TrainConfig], None] | None = None) -> Path:
     """Train, save intermediate checkpoints under OUT/training/, and the final model in OUT itself."""
@@ -231,14 +359,10 @@ def train(cfg: TrainConfig, command: str | None = None,
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    tokenizer = synthetic.build_tokenizer()
-    model = Raven(cfg.model_config(tokenizer))
-    init_gen = torch.Generator().manual_seed(cfg.seed)
-    model.init_weights(init_gen)
-    with torch.no_grad():
-        std = model.transformer.wte.weight.std().item()
-        table = synthetic.factored_embedding(tokenizer, cfg.n_embd, std, init_gen)
-        model.transformer.wte.weight[: table.shape[0]] = table
+    recipe = make_recipe(cfg)
+    tokenizer = recipe.tokenizer
+    model = recipe.build_model(torch.Generator().manual_seed(cfg.seed))
+    n_groups = len(model.loop_groups())
     model.train()
     opt = _optimizer(model, cfg)
     state = TrainState(level=min(cfg.start_hop, cfg.max_hop))
@@ -250,14 +374,17 @@ def train(cfg: TrainConfig, command: str | None = None,
     while state.step < cfg.steps:
         if cfg.time_budget is not None and time.perf_counter() - started >= cfg.time_budget:
             break
-        task = synthetic.make_task(cfg.task, n_chains=cfg.n_chains, length=state.level)
-        inputs, targets, hops = synthetic.batch(task, tokenizer, cfg.batch_size, _step_rng(cfg.seed, state.step, 0))
-        no_grad, grad = sample_recurrence(_step_rng(cfg.seed, state.step, 1), cfg.mean_recurrence,
-                                          cfg.backprop_depth, cfg.recurrence_sigma, cfg.max_recurrence)
+        inputs, targets, hops = recipe.batch(state)
+        # One depth per loop group; the single-group Raven draws exactly what it always drew (stream 1).
+        draws = [sample_recurrence(_step_rng(cfg.seed, state.step, 1 + 2 * g), cfg.mean_recurrence,
+                                   cfg.backprop_depth, cfg.recurrence_sigma, cfg.max_recurrence)
+                 for g in range(n_groups)]
+        steps = [a + b for a, b in draws]
+        grad = [b for _, b in draws]
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
         for group in opt.param_groups:
             group["lr"] = _lr_at(cfg, state.step)
-        logits = model(inputs, no_grad + grad, backprop_depth=grad, generator=gen)
+        logits = model(inputs, steps, backprop_depth=grad, generator=gen)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=synthetic.IGNORE)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -269,14 +396,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         state.elapsed = time.perf_counter() - started
         ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
         state.loss = ema_loss
-        if no_grad + grad >= state.level:
-            at_level = hops == state.level
-            correct = (logits.argmax(-1)[at_level] == targets[at_level]).float().mean().item()
-            state.level_accuracy = 0.9 * state.level_accuracy + 0.1 * correct
-            if state.level_accuracy >= cfg.level_up_accuracy and state.level < cfg.max_hop:
-                state.history.append({"step": state.step, "level": state.level + 1, "elapsed": state.elapsed})
-                state.level += 1
-                state.level_accuracy = 0.0
+        recipe.after_step(state, logits, targets, hops, steps)
         if on_step:
             on_step(state, cfg)
         if cfg.save_every and state.step % cfg.save_every == 0:
@@ -291,7 +411,7 @@ def train(cfg: TrainConfig, command: str | None = None,
     return out
 
 
-def _checkpoint(model: Raven, tokenizer, path: Path, cfg: TrainConfig, state: TrainState,
+def _checkpoint(model: LoopedLM, tokenizer, path: Path, cfg: TrainConfig, state: TrainState,
                 command: str | None) -> None:
     training = {
         "command": command or cfg.command(),

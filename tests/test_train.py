@@ -124,3 +124,88 @@ def test_cli_train_runs_and_records_its_command(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["exitbench"]["training"]["train_config"]["max_hop"] == 3
     assert "--max-hop 3" in config["exitbench"]["training"]["command"]
+
+
+# ---- looped GPT-2 on text ------------------------------------------------------------------------------
+GSM8K_ROWS = [
+    {"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+     "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+    for a, b in [(3, 4), (10, 7), (21, 5), (8, 8), (14, 30), (2, 9), (40, 11), (6, 13)]
+]
+TEXT_TINY = dict(n_embd=32, n_heads=2, n_layer=4, loop_groups="1;2", context=16, vocab_size=300,
+                 mean_recurrence=2, max_recurrence=4, backprop_depth=4, batch_size=4, steps=4, warmup=2)
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    return d
+
+
+def text_cfg(out, data, **kw) -> TrainConfig:
+    return TrainConfig.for_arch(str(out), "looped_gpt2", gsm8k_dir=str(data), **{**TEXT_TINY, **kw})
+
+
+def test_looped_gpt2_trains_on_text_deterministically_and_resumes(tmp_path, gsm8k_dir):
+    out = train(text_cfg(tmp_path / "a", gsm8k_dir, save_every=2))
+    ck = load_checkpoint(out)
+    model = ck.model
+    assert model.architecture == "looped_gpt2"
+    assert model.config.loop_groups == [[1], [2]]
+    assert [g.max_steps for g in model.loop_groups()] == [4, 4]
+    # A byte-level BPE fitted to the training text, <|endoftext|> as BOS/EOS.
+    assert ck.tokenizer.vocab_size == model.config.vocab_size <= 300
+    assert ck.tokenizer.token(ck.tokenizer.bos_token_id) == "<|endoftext|>"
+    text = GSM8K_ROWS[0]["question"]
+    assert ck.tokenizer.decode(ck.tokenizer.encode(text)) == text
+    assert (out / "training" / "step-000002" / "config.json").exists()
+    training = ck.provenance["training"]
+    assert "--arch looped_gpt2" in training["command"] and training["steps_done"] == 4
+    assert math.isfinite(training["final_loss"])
+    b = load_checkpoint(train(text_cfg(tmp_path / "b", gsm8k_dir))).model
+    for (name, pa), pb in zip(model.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    train(text_cfg(tmp_path / "r", gsm8k_dir, steps=2))
+    resumed = load_checkpoint(train(text_cfg(tmp_path / "r", gsm8k_dir, steps=4, resume=True))).model
+    for (name, pa), pr in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.allclose(pa, pr, atol=1e-6), name
+
+
+def test_looped_gpt2_training_lowers_the_loss(tmp_path, gsm8k_dir):
+    """The text recipe learns: the loss after training is well below the loss of the initial model."""
+    from exitbench.train import TextRecipe, TrainState
+
+    cfg = text_cfg(tmp_path / "l", gsm8k_dir, steps=40, lr=3e-3)
+    recipe = TextRecipe(cfg)
+    before = recipe.build_model(torch.Generator().manual_seed(cfg.seed))
+    inputs, targets, _ = recipe.batch(TrainState(step=10_000))
+    loss = lambda m: torch.nn.functional.cross_entropy(m(inputs, 2).flatten(0, 1), targets.flatten()).item()  # noqa
+    after = load_checkpoint(train(cfg)).model
+    assert loss(after) < 0.8 * loss(before)
+
+
+@pytest.mark.parametrize("override,needle", [
+    (dict(loop_groups="1;x"), "--loop-groups"),
+    (dict(loop_groups="1;1"), "--loop-groups"),
+    (dict(loop_groups="2;7"), "--loop-groups"),
+    (dict(context=0), "--context"),
+])
+def test_bad_text_options_fail_before_writing(tmp_path, gsm8k_dir, override, needle):
+    with pytest.raises(ExitbenchError, match=needle.replace("-", r"\-")):
+        train(text_cfg(tmp_path / "run", gsm8k_dir, **override))
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_text_training_errors_are_one_line(tmp_path, gsm8k_dir):
+    res = CliRunner().invoke(app, ["train", "--arch", "looped_gpt2", "--out", str(tmp_path / "x"),
+                                   "--gsm8k-dir", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2 and "train.jsonl" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    res = CliRunner().invoke(app, ["train", "--arch", "gpt3", "--out", str(tmp_path / "y")])
+    assert res.exit_code == 2 and "looped_gpt2" in res.stderr
+    (gsm8k_dir / "train.jsonl").write_text('{"question": "no answer"}\n')
+    res = CliRunner().invoke(app, ["train", "--arch", "looped_gpt2", "--out", str(tmp_path / "z"),
+                                   "--gsm8k-dir", str(gsm8k_dir)])
+    assert res.exit_code == 2 and "train.jsonl:1" in res.stderr
+    assert not any((tmp_path / n).exists() for n in "xyz")
