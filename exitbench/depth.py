@@ -14,28 +14,18 @@ import torch.nn.functional as F
 
 from . import synthetic
 from .errors import ExitbenchError
-from .models import AttnContext, Checkpoint, LoopedLM, LoopGroup, Stage
+from .models import Checkpoint, LoopedLM, LoopGroup
 
 DEFAULT_R = (1, 2, 4, 7, 8, 16, 32)
 
 
-@torch.no_grad()
 def loop_states(model: LoopedLM, ids: torch.Tensor, steps: int, generator: torch.Generator | None = None
                 ) -> torch.Tensor:
     """States s_0 … s_steps of the first loop group for every token: (steps + 1, B, T, d)."""
-    ctx = AttnContext()
-    x = model.embed(ids)
-    for stage in model.stages():
-        if isinstance(stage, Stage):
-            x = stage.run(x, ctx)
-            continue
-        s = stage.init(x, model._noise(stage, x, generator))
-        states = [s]
-        for i in range(steps):
-            s = stage.step(s, x, ctx.at_slot(i))
-            states.append(s)
-        return torch.stack(states)
-    raise ExitbenchError("the checkpoint has no loop group, so it has no iterates to measure")
+    from .geometry import trajectories
+
+    states = trajectories(model, ids, steps, generator).groups[0]
+    return states.view(steps + 1, *ids.shape, -1)
 
 
 def heldout_batch(ck: Checkpoint, n_programs: int, seed: int):

@@ -21,7 +21,7 @@ def resolve(checkpoint: str | Path | None) -> Path:
         checkpoint = DEFAULT
     elif Path(checkpoint).exists():
         return Path(checkpoint)  # a directory on disk wins over an embedded name
-    if isinstance(checkpoint, str) and checkpoint in embedded_names():
+    if isinstance(checkpoint, str) and (checkpoint in embedded_names() or _embedded_subdir(checkpoint)):
         return EMBEDDED_DIR / checkpoint
     if checkpoint == DEFAULT:
         raise CheckpointError(f"the embedded checkpoint {DEFAULT} is missing from {EMBEDDED_DIR}; "
@@ -31,3 +31,34 @@ def resolve(checkpoint: str | Path | None) -> Path:
 
 def open_checkpoint(checkpoint: str | Path | None, dtype: str = "float32", device: str = "cpu") -> Checkpoint:
     return load_checkpoint(resolve(checkpoint), dtype=dtype, device=device)
+
+
+def _embedded_subdir(name: str) -> bool:
+    """A checkpoint inside an embedded one, e.g. tiny-raven/training/step-000500 (kept for geometry over training)."""
+    path = EMBEDDED_DIR / name
+    return ".." not in Path(name).parts and (path / "config.json").exists()
+
+
+TRAINING_SUFFIX = ":training"
+
+
+def expand_checkpoints(spec: str) -> list[str]:
+    """A comma-separated list; an entry DIR:training stands for DIR's saved training steps in order, then DIR."""
+    out: list[str] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        if not entry.endswith(TRAINING_SUFFIX):
+            out.append(entry)
+            continue
+        base = entry[: -len(TRAINING_SUFFIX)]
+        root = resolve(base)
+        saved = sorted((root / "training").glob("step-*"))
+        if not saved:
+            raise CheckpointError(f"{entry}: {root} keeps no training checkpoints (training/step-N); train with "
+                                  "--save-every to keep them")
+        out.extend(str(p) for p in saved)
+        out.append(str(root))
+    if not out:
+        raise CheckpointError("--checkpoints names no checkpoint")
+    return out

@@ -46,3 +46,28 @@ def regression_table(rows: list[dict[str, Any]], title: str) -> Table:
     for r in rows:
         table.add_row(r["what"], r["cell"], fmt(r["baseline"]), fmt(r["run"]))
     return table
+
+
+def geometry_tables(report: dict[str, Any]) -> list[Table]:
+    """Per loop group of the last checkpoint: the mean of each quantity per k; then the hand-off drift ratios."""
+    entry = report["checkpoints"][-1]
+    tables = []
+    fmt = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
+    for group in entry["groups"]:
+        t = Table(title=f"{group['name']}: mean over {entry['tokens']:,} tokens ({entry['path']})")
+        for col in ("k", "‖Δ_k‖", "‖Δ_k‖/‖s_k‖", "cos(Δ_k,Δ_k−1)", "‖Δ_k−Δ_k−1‖", "|‖Δ_k‖−‖Δ_k−1‖|"):
+            t.add_column(col, justify="right")
+        for row in group["per_k"]:
+            t.add_row(str(row["k"]), *[fmt(row[q]["mean"]) for q in ("step", "rel_step", "cosine", "accel",
+                                                                       "accel_mag")])
+        tables.append(t)
+    if report["checkpoints"][0]["handoffs"]:
+        t = Table(title="drift-to-loop ratio at hand-offs (mean over tokens)")
+        for col in ("checkpoint", "hand-off", "first step of next group", "next group's entry"):
+            t.add_column(col)
+        for e in report["checkpoints"]:
+            for h in e["handoffs"]:
+                t.add_row(str(e.get("training_step") or e["path"]), f"{h['from']} → {h['to']}",
+                          fmt(h["first_step"]["mean"]), fmt(h["entry"]["mean"]))
+        tables.append(t)
+    return tables
