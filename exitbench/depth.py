@@ -28,11 +28,20 @@ def loop_states(model: LoopedLM, ids: torch.Tensor, steps: int, generator: torch
     return states.view(steps + 1, *ids.shape, -1)
 
 
-def heldout_batch(ck: Checkpoint, n_programs: int, seed: int):
+def synthetic_training(ck: Checkpoint) -> dict[str, Any] | None:
+    """The training config of a checkpoint `exitbench train` made on a synthetic task (None for text models)."""
     training = ck.provenance.get("training", {}).get("train_config")
+    if not training or training.get("arch", "huginn_raven") != "huginn_raven" or not training.get("task"):
+        return None
+    return training
+
+
+def heldout_batch(ck: Checkpoint, n_programs: int, seed: int):
+    training = synthetic_training(ck)
     if not training:
         raise ExitbenchError(f"{ck.path} records no synthetic training task; the depth report needs a checkpoint "
-                             "made by `exitbench train`")
+                             "made by `exitbench train` on chains (for a text model, compare the fixed-depth "
+                             "baselines of `exitbench run --tasks gsm8k_text`)")
     task = synthetic.make_task(training["task"], n_chains=training["n_chains"], length=training["max_hop"])
     if ck.tokenizer is None:
         raise ExitbenchError(f"{ck.path} has no tokenizer.json")

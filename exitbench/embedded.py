@@ -43,7 +43,8 @@ TRAINING_SUFFIX = ":training"
 
 
 def expand_checkpoints(spec: str) -> list[str]:
-    """A comma-separated list; an entry DIR:training stands for DIR's saved training steps in order, then DIR."""
+    """A comma-separated list; an entry DIR:training stands for DIR's saved training steps in order, then DIR
+    (unless DIR is the last saved step itself)."""
     out: list[str] = []
     for entry in (e.strip() for e in spec.split(",")):
         if not entry:
@@ -58,7 +59,18 @@ def expand_checkpoints(spec: str) -> list[str]:
             raise CheckpointError(f"{entry}: {root} keeps no training checkpoints (training/step-N); train with "
                                   "--save-every to keep them")
         out.extend(str(p) for p in saved)
-        out.append(str(root))
+        if _steps_done(root) != _steps_done(saved[-1]):  # the final model is often also the last saved step
+            out.append(str(root))
     if not out:
         raise CheckpointError("--checkpoints names no checkpoint")
     return out
+
+
+def _steps_done(path: Path) -> int | None:
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("exitbench", {}).get("training", {}).get("steps_done")

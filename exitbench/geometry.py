@@ -266,6 +266,7 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
                     programs: int = 128, seed: int = 0) -> dict[str, Any]:
     """Measure every checkpoint on the same tokens: a task's documents, a text file, or (for a checkpoint trained
     on the synthetic chains) its held-out programs."""
+    from .depth import synthetic_training
     from .provenance import run_metadata
 
     if not cks:
@@ -287,7 +288,7 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
     entries = []
     for ck in cks:
         if docs is None:
-            if not ck.provenance.get("training", {}).get("train_config", {}).get("task"):
+            if synthetic_training(ck) is None:
                 raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE "
                                      "for the tokens to measure on")
             batches = heldout_programs(ck, programs, seed)

@@ -12,8 +12,10 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
                          ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"), ("probe", "right")]:
         table.add_column(col, justify=justify)
     for r in rows:
-        table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", f"{r['quality']:.4g}",
-                      f"{r['mean_iterations']:.2f}" if r["mean_iterations"] is not None else "-",
+        iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
+        if len(r.get("per_group", [])) > 1:  # several loop groups: their means beside the total
+            iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
+        table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", f"{r['quality']:.4g}", iters,
                       f"{r['ms_per_token']:.3f}", f"{100 * r['probe_share']:.1f}%")
     return table
 

@@ -303,6 +303,7 @@ def summary_rows(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"], "policy": p["policy"]
                      + (" (rel)" if p.get("relative") else ""), "threshold": p["threshold"],
                      "quality": c["quality"]["value"], "mean_iterations": c["iterations"]["mean"],
+                     "per_group": c["iterations"].get("per_group_mean") or [],
                      "ms_per_token": 1e3 * (c["wall_clock"]["per_token_s"] or 0.0),
                      "probe_share": c["wall_clock"]["probe_share"]})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))

@@ -498,6 +498,23 @@ def test_cli_geometry_training_expansion(cli_setup, tmp_path):
     check_png(out / "handoffs.png")
 
 
+def test_training_expansion_skips_a_final_model_that_is_the_last_step(tmp_path):
+    """`exitbench train` saves its final model both in OUT and as the last step-N: list it once."""
+    from exitbench.embedded import expand_checkpoints
+
+    run = tmp_path / "run"
+    for step, where in [(1, run / "training" / "step-000001"), (2, run / "training" / "step-000002"), (2, run)]:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "config.json").write_text(json.dumps({"exitbench": {"training": {"steps_done": step}}}))
+    assert expand_checkpoints(f"{run}:training") == [str(run / "training" / "step-000001"),
+                                                     str(run / "training" / "step-000002")]
+    assert expand_checkpoints(f"{run}:training,{run}") == [str(run / "training" / "step-000001"),
+                                                           str(run / "training" / "step-000002"), str(run)]
+    # The embedded tiny-raven ships two of its training steps beside the final model.
+    names = expand_checkpoints("tiny-raven:training")
+    assert [Path(n).name for n in names] == ["step-000250", "step-001000", "tiny-raven"]
+
+
 def assert_one_line_error(res, words: list[str]) -> None:
     assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
     assert res.stdout == ""
