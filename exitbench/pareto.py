@@ -149,7 +149,7 @@ def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     front, matched = [], []
     for group, entry in rep.items():
         for axis, pts in entry["frontiers"].items():
-            front += [{"group": group, "cost": axis, **p} for p in pts]
+            front += [{"group": group, "axis": axis, **p} for p in pts]
         matched += [{"group": group, **row} for row in entry["matched_quality"]]
     return front, matched
 
