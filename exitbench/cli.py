@@ -248,13 +248,15 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
     from .embedded import expand_checkpoints, open_checkpoint
     from .geometry import geometry_report, write_report
     from .geometry_plot import plot_handoffs, plot_pca, plot_steps
+    from .progress import batch_progress
     from .report import geometry_tables
 
     if checkpoint and checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
     cks = [open_checkpoint(c, dtype) for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
-    rep = geometry_report(cks, task=task, text=text, data_dir=data_dir, steps=steps, max_tokens=tokens,
-                          programs=programs, seed=seed)
+    with batch_progress(console, "geometry") as on_progress:
+        rep = geometry_report(cks, task=task, text=text, data_dir=data_dir, steps=steps, max_tokens=tokens,
+                              programs=programs, seed=seed, on_progress=on_progress)
     for t in geometry_tables(rep):
         console.print(t)
     written = [write_report(rep, out / "geometry.json"), plot_steps(rep, out / "steps.png"),

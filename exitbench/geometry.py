@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -168,8 +168,8 @@ def _summary(values: torch.Tensor) -> dict[str, float | None]:
 
 
 @torch.no_grad()
-def measure(ck: Checkpoint, batches: Sequence[torch.Tensor], steps: int, seed: int = 0, pca_tokens: int = 4
-            ) -> dict[str, Any]:
+def measure(ck: Checkpoint, batches: Sequence[torch.Tensor], steps: int, seed: int = 0, pca_tokens: int = 4,
+            on_batch: Callable[[], None] | None = None) -> dict[str, Any]:
     """Every quantity per group and k, the drift-to-loop ratio at each hand-off, and 2-D PCA paths of a few tokens."""
     if steps < 1:
         raise ExitbenchError(f"--steps must be ≥ 1 (iterations per loop group), got {steps}")
@@ -200,6 +200,8 @@ def measure(ck: Checkpoint, batches: Sequence[torch.Tensor], steps: int, seed: i
                 pca_paths.append([g[1 if group.random_init else 0:, idx].cpu()
                                   for g, group in zip(traj.groups, model.loop_groups())])
         n_tokens += ids.numel()
+        if on_batch is not None:
+            on_batch()
     groups_out = []
     names = [g.name for g in model.loop_groups()]
     for g, cells in enumerate(per_group):
@@ -263,7 +265,8 @@ def write_report(report: dict[str, Any], path: Path) -> Path:
 
 def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text: str | None = None,
                     data_dir: str | None = None, steps: int | None = None, max_tokens: int = 4096,
-                    programs: int = 128, seed: int = 0) -> dict[str, Any]:
+                    programs: int = 128, seed: int = 0,
+                    on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Measure every checkpoint on the same tokens: a task's documents, a text file, or (for a checkpoint trained
     on the synthetic chains) its held-out programs."""
     from .depth import synthetic_training
@@ -285,16 +288,24 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
         docs, source = task_documents(task, data_dir), {"task": task, "data_dir": data_dir}
     else:
         docs, source = None, {"heldout_programs": programs, "seed": seed}
-    entries = []
+    plans = []  # every checkpoint's batches first, so bad input fails before any measuring
     for ck in cks:
         if docs is None:
             if synthetic_training(ck) is None:
                 raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE "
                                      "for the tokens to measure on")
-            batches = heldout_programs(ck, programs, seed)
+            plans.append((ck, heldout_programs(ck, programs, seed)))
         else:
-            batches = encode_documents(ck, docs, max_tokens)
-        entries.append({**checkpoint_label(ck), **measure(ck, batches, steps, seed)})
+            plans.append((ck, encode_documents(ck, docs, max_tokens)))
+    total, done = sum(len(b) for _, b in plans), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    entries = [{**checkpoint_label(ck), **measure(ck, batches, steps, seed, on_batch=tick)} for ck, batches in plans]
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "source": source, "steps": steps,
             "checkpoints": entries, "run": run_metadata(seed=seed)}
 

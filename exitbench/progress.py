@@ -37,6 +37,22 @@ def training_progress(console: Console, cfg: TrainConfig) -> Iterator[Callable[[
         yield on_step
 
 
+@contextmanager
+def batch_progress(console: Console, label: str) -> Iterator[Callable[[int, int], None]]:
+    """A transient bar fed (done, total); silent when the console is not a terminal."""
+    if not console.is_terminal:
+        yield lambda done, total: None
+        return
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
 class SweepProgress:
     """A bar over the grid's cells and one over the requests inside the current cell."""
 

@@ -383,6 +383,11 @@ def test_geometry_report_on_text(raven_ck, tmp_path):
     assert entry["groups"] == direct["groups"] and entry["handoffs"] == direct["handoffs"] == []
     # Without --steps: the deepest the checkpoint is meant to run (tiny Raven: max_recurrence 8).
     assert geometry_report([raven_ck], text=str(f), max_tokens=4)["steps"] == 8
+    # Progress counts every batch of every checkpoint, in order, up to the total.
+    calls = []
+    geometry_report([raven_ck, raven_ck], text=str(f), steps=2, max_tokens=12,
+                    on_progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]
 
 
 def test_geometry_report_bad_input(raven_ck, tmp_path):
