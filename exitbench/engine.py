@@ -147,7 +147,7 @@ class ExitEngine:
         # The probe of the last loop group is the final readout: reuse it instead of running the coda twice.
         self._probe_is_final = [i == len(self.groups) - 1 for i in range(len(self.groups))]
         self.noise = PositionNoise(self.config.seed, self._state_dim())
-        self.flops = FlopModel(model)
+        self.flops = FlopModel(model, self._readout_steps)
         self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens"), 0.0)
         self._targets: torch.Tensor | None = None
         self._sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)

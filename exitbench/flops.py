@@ -17,13 +17,18 @@ def _linear_flops(modules: list[nn.Module]) -> float:
 
 
 class FlopModel:
-    def __init__(self, model: LoopedLM):
+    def __init__(self, model: LoopedLM, readout_steps: list[int] | None = None):
         n_heads, head_dim = model.cache_geometry()
         self.attn_width = n_heads * head_dim
         self.head = _linear_flops(model.head_modules())
         # Per stage: (is_loop, matmul flops per pass, attention layers per pass)
         self.parts = [(isinstance(s, LoopGroup), _linear_flops(s.modules), len(s.attn_layers))
                       for s in model.stages()]
+        # How many passes a readout makes through each stage after a loop group: a later loop group runs at
+        # its readout depth (default steps, unless the run caps it), a plain stage once.
+        groups = model.loop_groups()
+        depth = iter(readout_steps if readout_steps is not None else [g.default_steps for g in groups])
+        self.readout_passes = [next(depth) if is_loop else 1 for is_loop, _, _ in self.parts]
 
     def _cost(self, part: tuple[bool, float, int], context: int) -> float:
         _, matmul, attn = part
@@ -39,7 +44,8 @@ class FlopModel:
             cost = self._cost(part, context)
             if part[0]:
                 out["core"] += exit_steps[g] * cost
-                rest = sum(self._cost(p, context) for p in self.parts[i + 1:]) + self.head
+                rest = sum(n * self._cost(p, context)
+                           for p, n in zip(self.parts[i + 1:], self.readout_passes[i + 1:])) + self.head
                 out["probe"] += probes[g] * rest
                 g += 1
                 seen_loop = True

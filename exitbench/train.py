@@ -168,7 +168,8 @@ class TrainConfig:
 
     def gpt2_config(self, tokenizer) -> LoopedGPT2Config:
         groups = self.groups
-        default = min(self.mean_recurrence + 2, self.max_recurrence)  # past the sampled mean, where iterates settle
+        # Default depth a little past the sampled mean (E[K] = mean + 1): where held-out quality stops improving.
+        default = min(self.mean_recurrence + 2, self.max_recurrence)
         return LoopedGPT2Config(
             vocab_size=tokenizer.vocab_size if tokenizer else self.vocab_size, n_embd=self.n_embd,
             n_layer=self.n_layer, n_head=self.n_heads, n_positions=2 * self.context, loop_groups=groups,

@@ -651,3 +651,27 @@ def test_info_gpt2_without_loop_groups_one_line(tmp_path, gpt2):
     assert res.exit_code == 2, (res.output, res.exception)
     assert res.stdout == "" and res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
     assert "loop_groups" in res.stderr
+
+
+# ---- FLOPs per token: later groups read out at their default depth ----------------------------------------------
+
+def test_flops_count_each_later_group_at_its_readout_depth(gpt2):
+    """Per token: a block costs 2·12d² (c_attn, c_proj, c_fc, c_proj) + 4·context·d (attention), the head 2·V·d;
+    a probe of group g runs every later stage, a later loop group at its default depth."""
+    eng = ExitEngine(gpt2, ExitConfig(policy="kl", threshold=1e-3))
+    [res] = eng.score([(list(range(5, 25)), 3)])
+    head = 2.0 * V * D
+    for rec in res.records:
+        ctx = rec.position + 1
+        block = 24.0 * D * D + 4.0 * ctx * D
+        e0, e1, e2 = rec.exit_steps
+        readout = [2 * block * STEPS[1] + block * STEPS[2] + block + head,  # after loop 1: loops 2,3 and 4, layer 5
+                   block * STEPS[2] + block + head,                        # after loop 2,3
+                   block + head]                                           # after loop 4
+        assert rec.flops["prelude"] == pytest.approx(block, rel=1e-12)
+        assert rec.flops["core"] == pytest.approx((e0 + 2 * e1 + e2) * block, rel=1e-12)
+        assert rec.flops["probe"] == pytest.approx(e0 * readout[0] + e1 * readout[1] + e2 * readout[2], rel=1e-12)
+        assert rec.flops["coda"] == pytest.approx(block + head, rel=1e-12)
+    # Latent rules read no logits: no probe FLOPs at all.
+    [res] = ExitEngine(gpt2, ExitConfig(policy="second_order", threshold=1e-3)).score([(list(range(5, 25)), 3)])
+    assert all(rec.flops["probe"] == 0 for rec in res.records)
