@@ -675,3 +675,35 @@ def test_flops_count_each_later_group_at_its_readout_depth(gpt2):
     # Latent rules read no logits: no probe FLOPs at all.
     [res] = ExitEngine(gpt2, ExitConfig(policy="second_order", threshold=1e-3)).score([(list(range(5, 25)), 3)])
     assert all(rec.flops["probe"] == 0 for rec in res.records)
+
+
+# ---- the embedded tiny-looped-gpt2 ---------------------------------------------------------------------------
+
+def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
+    """On the shipped model and real GSM8K text, with thresholds where exits differ per token and per group.
+
+    Its residual stream grows to norms of ~35 over the loops, so float32 rounding that depends on the batch
+    shape reaches ~1e-5 in a log-probability; exits must be identical, log-probabilities within 5e-5.
+    """
+    from exitbench.embedded import open_checkpoint
+
+    ck = open_checkpoint("tiny-looped-gpt2")
+    text = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+            "her friends every day with four. She sells the remainder at the farmers' market daily for $2 per egg.")
+    ids = ck.tokenizer.encode(text, add_bos=True)
+    requests = [(ids[: 12 + 5 * i], 1 + 2 * i) for i in range(5)]
+    thresholds = {"kl": 1e-3, "minp_kl": 1e-4, "entropy_diff": 1e-2, "argmax_stability": 2, "confidence": 0.3,
+                  "first_order": 1.0, "second_order": 0.5, "second_order_magnitude": 0.1, "cosine": 1e-3,
+                  "oracle": None, "fixed": 4}
+    assert set(thresholds) == set(REGISTRY)
+    for name, tau in thresholds.items():
+        cfg = ExitConfig(policy=name, threshold=tau)
+        batched = ExitEngine(ck.model, cfg).score(requests)
+        single = [ExitEngine(ck.model, cfg).score([r])[0] for r in requests]
+        steps = [rec.exit_steps for res in batched for rec in res.records]
+        assert steps == [rec.exit_steps for res in single for rec in res.records], name
+        assert all(len(s) == 3 and all(1 <= k <= 6 for k in s) for s in steps), name
+        for a, b in zip(batched, single):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=5e-5), name
+        if name not in ("fixed", "argmax_stability"):
+            assert len({tuple(s) for s in steps}) > 1, f"{name}: every token exited alike; pick another threshold"
