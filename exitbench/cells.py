@@ -58,7 +58,7 @@ def cell_filename(cell: dict[str, Any]) -> str:
     return f"{cell['task']['name']}__{p['policy']}{rel}-{threshold}__{cell['cell_id']}.json"
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
+def atomic_write(path: Path, write: Callable[[Any], None]) -> Path:
     """Write via a temporary file in the same directory and rename: readers see a whole file or none."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
     try:
@@ -82,7 +82,7 @@ def write_cell(directory: Path, cell: dict[str, Any]) -> Path:
     def write(fh) -> None:
         json.dump(cell, fh, indent=2, sort_keys=True, default=_jsonable)
         fh.write("\n")
-    return _atomic_write(directory / cell_filename(cell), write)
+    return atomic_write(directory / cell_filename(cell), write)
 
 
 def _jsonable(value: Any) -> Any:
@@ -123,4 +123,4 @@ def write_samples(path: Path, samples: list[dict[str, Any]]) -> Path:
     def write(fh) -> None:
         for sample in samples:
             fh.write(json.dumps(sample, default=_jsonable) + "\n")
-    return _atomic_write(path, write)
+    return atomic_write(path, write)

@@ -257,10 +257,10 @@ def _describe(layout: tuple) -> str:
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:
-    from .cells import _atomic_write
+    from .cells import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _atomic_write(path, lambda fh: json.dump(report, fh, indent=1))
+    return atomic_write(path, lambda fh: json.dump(report, fh, indent=1))
 
 
 def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text: str | None = None,
