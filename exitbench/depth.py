@@ -22,10 +22,10 @@ DEFAULT_R = (1, 2, 4, 7, 8, 16, 32)
 def loop_states(model: LoopedLM, ids: torch.Tensor, steps: int, generator: torch.Generator | None = None
                 ) -> torch.Tensor:
     """States s_0 … s_steps of the first loop group for every token: (steps + 1, B, T, d)."""
-    from .geometry import trajectories
-
-    states = trajectories(model, ids, steps, generator).groups[0]
-    return states.view(steps + 1, *ids.shape, -1)
+    groups = model.iterates(ids, steps, generator)
+    if not groups:
+        raise ExitbenchError("the checkpoint has no loop group, so it has no iterates to measure")
+    return groups[0]
 
 
 def synthetic_training(ck: Checkpoint) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import ExitbenchError
-from .models import AttnContext, Checkpoint, LoopedLM, Stage
+from .models import Checkpoint, LoopedLM
 
 QUANTITIES = ("step", "rel_step", "cosine", "accel", "accel_mag")
 SCHEMA = "exitbench.geometry"
@@ -67,36 +67,22 @@ def drift_to_loop(states: torch.Tensor, handoff: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Trajectories:
-    """States of every loop group for a batch of tokens: groups[g] is (steps + 1, n, d); entries[g] is what the
-    group received (its x), firsts are taken from groups[g][1]."""
+    """States of every loop group for a batch of tokens, one row per token: groups[g] is (steps + 1, n, d);
+    entries[g] is the group's initial state s_0 (n, d), where the hand-off from group g − 1 lands."""
 
     names: list[str]
     groups: list[torch.Tensor] = field(default_factory=list)
     entries: list[torch.Tensor] = field(default_factory=list)
 
 
-@torch.no_grad()
 def trajectories(model: LoopedLM, ids: torch.Tensor, steps: int, generator: torch.Generator | None = None
                  ) -> Trajectories:
     """Run `ids` (B, T) with every loop group at `steps` iterations; keep every iterate of every token."""
-    ctx = AttnContext()
-    x = model.embed(ids)
-    out = Trajectories([g.name for g in model.loop_groups()])
-    for stage in model.stages():
-        if isinstance(stage, Stage):
-            x = stage.run(x, ctx)
-            continue
-        s = stage.init(x, model._noise(stage, x, generator))
-        states = [s]
-        for i in range(steps):
-            s = stage.step(s, x, ctx.at_slot(i))
-            states.append(s)
-        out.groups.append(torch.stack(states).flatten(1, 2))
-        out.entries.append(states[0].flatten(0, 1))
-        x = stage.finish(s)
-    if not out.groups:
+    per_group = model.iterates(ids, steps, generator)
+    if not per_group:
         raise ExitbenchError(f"the {model.architecture} checkpoint has no loop group, so it has no iterates to measure")
-    return out
+    groups = [states.flatten(1, 2) for states in per_group]
+    return Trajectories([g.name for g in model.loop_groups()], groups, [g[0] for g in groups])
 
 
 # ---- the tokens to measure on -----------------------------------------------------------------------------

@@ -182,6 +182,27 @@ class LoopedLM(nn.Module):
             x = stage.finish(s)
         return self.head(x)
 
+    @torch.no_grad()
+    def iterates(self, ids: torch.Tensor, steps: int, generator: torch.Generator | None = None
+                 ) -> list[torch.Tensor]:
+        """Every loop group at `steps` iterations, keeping each iterate: one (steps + 1, B, T, d) tensor of
+        s_0 … s_steps per group (what the depth report and the geometry measure)."""
+        ctx = AttnContext()
+        x = self.embed(ids)
+        out = []
+        for stage in self.stages():
+            if isinstance(stage, Stage):
+                x = stage.run(x, ctx)
+                continue
+            s = stage.init(x, self._noise(stage, x, generator))
+            states = [s]
+            for i in range(steps):
+                s = stage.step(s, x, ctx.at_slot(i))
+                states.append(s)
+            out.append(torch.stack(states))
+            x = stage.finish(s)
+        return out
+
     def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext,
                 steps: Sequence[int] | None = None) -> torch.Tensor:
         """Logits "if we exited now": finish group `group_index` from `state`, run the rest at default depth
