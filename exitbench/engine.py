@@ -348,10 +348,10 @@ class ExitEngine:
         if self.config.warm_start and self.warm[g] is not None:
             sel = ctx.rows if ctx.rows is not None else slice(None)
             s = torch.where(self.warm_valid[sel].view(-1, 1, 1).to(s.device), self.warm[g][sel].unsqueeze(1), s)
-        # A lone CPU float32 token runs a latent rule as a closure over numpy views: the same formula at a
-        # fraction of the dispatch cost (policies/latent.py). Everything else works on tensors.
-        host = policy.host_arrays and n == 1 and s.device.type == "cpu" and s.dtype == torch.float32
-        probe = policy.host_probe(s.numpy()) if host else None
+        # A lone CPU float32 token runs a latent rule as one closure over its states' addresses: the same
+        # formula at a fraction of the dispatch cost (policies/latent.py). Everything else works on tensors.
+        host = policy.has_host_probe and n == 1 and s.device.type == "cpu" and s.dtype == torch.float32
+        probe = policy.host_probe(s.contiguous()) if host else None
         memory = {} if host else policy.start(s[:, 0])
         exit_steps = torch.full((n,), K, dtype=torch.long)
         final = torch.empty_like(s)
@@ -382,7 +382,7 @@ class ExitEngine:
                 if record:
                     sig_log[slice(None) if active is None else active, i] = float(k)
             elif probe is not None:
-                leaving, sig = probe(k, s_a.numpy())
+                leaving, sig = probe(k, s_a if s_a.is_contiguous() else s_a.contiguous())
                 if record:
                     sig_log[0, i] = sig
             else:

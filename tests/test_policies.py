@@ -11,7 +11,7 @@ import yaml
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
-from exitbench.policies import policy_names
+from exitbench.policies import latent, policy_names
 
 from engine_fixtures import (EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close, direct_signals,
                              direct_trajectory, engine, expected_exit, oracle_exit, tiny)
@@ -92,15 +92,23 @@ def never_fires(policy):
 
 
 MODES = [pytest.param("single", id="single"), pytest.param("batched", id="batched")]
+LATENT = {"first_order", "second_order", "second_order_magnitude", "cosine"}
+# A lone token's latent rule runs in the C probe (exitbench._probe); "single_tensor" switches it off to test
+# the tensor path a build without a compiler uses at batch size 1.
+MODE_VARIANTS = [pytest.param(m, p, r, id=f"{p}{'-relative' if r else ''}-{m}")
+                 for p, r in VARIANTS for m in ("single", "batched") + (("single_tensor",) if p in LATENT else ())]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("policy,relative", [
-    pytest.param(p, r, id=f"{p}{'-relative' if r else ''}")
-    for p, r in VARIANTS])
-def test_recorded_signals_match_direct_formula(both_inits, policy, relative, mode):
+def row_groups(mode, monkeypatch):
+    if mode == "single_tensor":
+        monkeypatch.setattr(latent, "native", None)
+    return [list(range(len(T0)))] if mode == "batched" else [[b] for b in range(len(T0))]
+
+
+@pytest.mark.parametrize("mode,policy,relative", MODE_VARIANTS)
+def test_recorded_signals_match_direct_formula(both_inits, policy, relative, mode, monkeypatch):
     model, states, logps = both_inits
-    groups = [[b] for b in range(len(T0))] if mode == "single" else [list(range(len(T0)))]
+    groups = row_groups(mode, monkeypatch)
     for rows in groups:
         res = run(model, rows, policy, threshold=never_fires(policy), relative=relative)
         for b, r in zip(rows, res):
@@ -158,14 +166,12 @@ def _combos(policy, relative, rows_signals):
     return combos
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("policy,relative", [pytest.param(p, r, id=f"{p}{'-relative' if r else ''}")
-                                             for p, r in VARIANTS])
-def test_exit_step_is_first_step_where_rule_holds(setup, policy, relative, mode):
+@pytest.mark.parametrize("mode,policy,relative", MODE_VARIANTS)
+def test_exit_step_is_first_step_where_rule_holds(setup, policy, relative, mode, monkeypatch):
     model, states, logps = setup
     rows_signals = [direct_signals(policy, states[b], logps[b], relative) for b in range(len(T0))]
     above = policy in EXITS_ABOVE
-    groups = [[b] for b in range(len(T0))] if mode == "single" else [list(range(len(T0)))]
+    groups = row_groups(mode, monkeypatch)
     seen = set()
     for tau, min_steps, patience in _combos(policy, relative, rows_signals):
         depth = int(tau) if policy == "fixed" else K

@@ -49,8 +49,8 @@ class ExitPolicy:
     retrospective: ClassVar[bool] = False
     # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
     signal_free: ClassVar[bool] = False
-    # Implements `host_signal`: a lone CPU token's rule on numpy views (see policies/latent.py).
-    host_arrays: ClassVar[bool] = False
+    # Implements `host_signal`: a lone CPU float32 token's rule without tensor ops (see policies/latent.py).
+    has_host_probe: ClassVar[bool] = False
 
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
                  patience: int | None = None, relative: bool = False):
@@ -117,7 +117,7 @@ class ExitPolicy:
         return streak >= self.patience
 
     def host_signal(self, s0):
-        """For `host_arrays` policies: a closure (k, s) -> float over numpy views of one token's states."""
+        """For `has_host_probe` policies: a closure (k, s_k) -> signal over one token's contiguous states."""
         raise NotImplementedError
 
     def host_probe(self, s0) -> Callable[[int, Any], tuple[bool, float]]:

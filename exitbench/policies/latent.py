@@ -2,24 +2,30 @@
 
 Each rule has two implementations of the same formula. `signal` works on torch tensors (n, d) for a batch
 of active tokens. `host_signal` serves a lone token on the CPU (batch size 1, the honest benchmark): a
-closure over numpy views of the states, keeping what it carries in local variables. At this size a torch op
-costs about a microsecond of dispatch, as much as its arithmetic, and the probe has to stay a small fraction
-of a core iteration; the tests check both paths against the formula.
+closure that keeps what it carries in local variables and does its arithmetic in the C extension
+exitbench._probe, on the states' addresses. On a small model a core iteration is ~180 µs of dispatch, and
+the probe must stay under 2% of it; getting at a state through torch or numpy alone costs a microsecond or
+more (bench/RESULTS.md). Without the extension the engine runs these rules on tensors; the tests check both
+paths against the formula.
 """
 from __future__ import annotations
 
 import math
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .base import ExitPolicy, Memory, log_grid, register
 
+try:
+    from .. import _probe as native
+except ImportError:  # built without a C compiler: the tensor path serves every batch size
+    native = None
+
 # Absolute step norms scale with ‖s‖ (≈ sqrt(d) after the core's final RMSNorm), so the grid reaches 1.
 LATENT_GRID = log_grid(1e-4, 1.0, per_decade=2)
 
-HostSignal = Callable[[int, np.ndarray], float]
+HostSignal = Callable[[int, torch.Tensor], float]
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +43,10 @@ def _undefined(like: torch.Tensor) -> torch.Tensor:
     return torch.full((like.shape[0],), math.inf, device=like.device)
 
 
-def _host_norm(x: np.ndarray) -> float:
-    return math.sqrt(np.vdot(x, x))
-
-
 class _LatentRule(ExitPolicy):
-    host_arrays = True
+    @property
+    def has_host_probe(self) -> bool:
+        return native is not None
 
 
 class _StepRule(_LatentRule):
@@ -69,15 +73,16 @@ class FirstOrder(_StepRule):
         memory["prev"] = s
         return self._scale(value, s)
 
-    def host_signal(self, s0: np.ndarray) -> HostSignal:
-        prev, relative = s0, self.relative
+    def host_signal(self, s0: torch.Tensor) -> HostSignal:
+        prev, n, relative = s0, s0.numel(), self.relative
+        sqdist, sqnorm, sqrt = native.sqdist, native.sqnorm, math.sqrt
 
-        def f(k: int, s: np.ndarray) -> float:
+        def f(k: int, s: torch.Tensor) -> float:
             nonlocal prev
-            d = s - prev
-            prev = s
-            value = math.sqrt(np.vdot(d, d))
-            return value / _host_norm(s) if relative else value
+            a = s.data_ptr()
+            value = sqrt(sqdist(a, prev.data_ptr(), n))
+            prev = s  # held, so the address stays valid for the next call
+            return value / sqrt(sqnorm(a, n)) if relative else value
         return f
 
 
@@ -102,18 +107,18 @@ class SecondOrder(_StepRule):
             return _undefined(s)
         return self._scale(_dist(delta, prev_delta), s)
 
-    def host_signal(self, s0: np.ndarray) -> HostSignal:
-        prev, prev_delta, relative = s0, None, self.relative
+    def host_signal(self, s0: torch.Tensor) -> HostSignal:
+        prev, prev2, n, relative = s0, None, s0.numel(), self.relative
+        sqdist2, sqnorm, sqrt = native.sqdist2, native.sqnorm, math.sqrt
 
-        def f(k: int, s: np.ndarray) -> float:
-            nonlocal prev, prev_delta
-            delta = s - prev
-            prev, last, prev_delta = s, prev_delta, delta
-            if last is None:
+        def f(k: int, s: torch.Tensor) -> float:
+            nonlocal prev, prev2
+            older, prev2, prev = prev2, prev, s
+            if older is None:
                 return math.inf
-            e = delta - last
-            value = math.sqrt(np.vdot(e, e))
-            return value / _host_norm(s) if relative else value
+            a = s.data_ptr()
+            value = sqrt(sqdist2(a, prev2.data_ptr(), older.data_ptr(), n))
+            return value / sqrt(sqnorm(a, n)) if relative else value
         return f
 
 
@@ -138,18 +143,19 @@ class SecondOrderMagnitude(_StepRule):
             return _undefined(s)
         return self._scale((step - prev_step).abs(), s)
 
-    def host_signal(self, s0: np.ndarray) -> HostSignal:
-        prev, prev_step, relative = s0, None, self.relative
+    def host_signal(self, s0: torch.Tensor) -> HostSignal:
+        prev, prev_step, n, relative = s0, None, s0.numel(), self.relative
+        sqdist, sqnorm, sqrt = native.sqdist, native.sqnorm, math.sqrt
 
-        def f(k: int, s: np.ndarray) -> float:
+        def f(k: int, s: torch.Tensor) -> float:
             nonlocal prev, prev_step
-            d = s - prev
-            step = math.sqrt(np.vdot(d, d))
+            a = s.data_ptr()
+            step = sqrt(sqdist(a, prev.data_ptr(), n))
             prev, last, prev_step = s, prev_step, step
             if last is None:
                 return math.inf
             value = abs(step - last)
-            return value / _host_norm(s) if relative else value
+            return value / sqrt(sqnorm(a, n)) if relative else value
         return f
 
 
@@ -173,17 +179,12 @@ class Cosine(_LatentRule):
         value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
         return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)
 
-    def host_signal(self, s0: np.ndarray) -> HostSignal:
-        prev, prev_norm = s0, _host_norm(s0)
+    def host_signal(self, s0: torch.Tensor) -> HostSignal:
+        prev, n, cosgap = s0, s0.numel(), native.cosgap
 
-        def f(k: int, s: np.ndarray) -> float:
-            nonlocal prev, prev_norm
-            norm = _host_norm(s)
-            if min(norm, prev_norm) < 1e-12:
-                value = 1.0
-            else:
-                d = s / norm - prev / prev_norm
-                value = 0.5 * float(np.vdot(d, d))
-            prev, prev_norm = s, norm
+        def f(k: int, s: torch.Tensor) -> float:
+            nonlocal prev
+            value = cosgap(s.data_ptr(), prev.data_ptr(), n)
+            prev = s
             return value
         return f
