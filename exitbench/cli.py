@@ -289,6 +289,60 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
     console.print(f"no regression: {run_dir} matches {baseline} within the tolerances")
 
 
+@app.command()
+@one_line_errors
+def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help="The exit policy to calibrate."),
+              epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's "
+                                            "tokens whose prediction differs from full depth."),
+              delta: float = typer.Option(0.1, "--delta", help="Allowed probability that the chosen threshold's "
+                                          "risk exceeds epsilon."),
+              thresholds: Optional[str] = typer.Option(None, help="Comma-separated thresholds (default: the "
+                                                       "policy's grid)."),
+              checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+              task: Optional[str] = typer.Option(None, "--task", "-t", help="Calibrate on this lm-eval task's "
+                                                 "documents."),
+              text: Optional[str] = typer.Option(None, "--text", help="Calibrate on this text file (blank-line "
+                                                 "separated documents)."),
+              data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+              tokens: int = typer.Option(8192, "--tokens", help="Tokens of --task/--text to use."),
+              programs: int = typer.Option(256, "--programs", help="Held-out programs (chains-trained "
+                                           "checkpoints, no --task/--text)."),
+              test_fraction: float = typer.Option(0.5, "--test-fraction", help="Documents held out to check the "
+                                                  "chosen threshold."),
+              min_steps: int = typer.Option(1, "--min-steps"), max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+              patience: Optional[int] = typer.Option(None, "--patience"),
+              relative: bool = typer.Option(False, help="Relative form of the latent rules (divide by ‖s_k‖)."),
+              batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
+              seed: int = typer.Option(0, help="Seed of the held-out split, programs and initial-state noise."),
+              out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/"
+                                                 "<checkpoint>-<policy>.json].")):
+    """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
+    from .calibrate import calibrate as run_calibration
+    from .calibrate import check_calibratable, load_documents, write_report
+    from .embedded import open_checkpoint
+    from .engine import ExitConfig
+    from .policies import REGISTRY
+    from .progress import batch_progress
+    from .report import calibration_table
+    from .sweep import parse_thresholds
+
+    config = ExitConfig(policy=policy, min_steps=min_steps, max_steps=max_steps, patience=patience,
+                        relative=relative, seed=seed)
+    config.build_policy()  # an unknown policy or bad knob fails before the checkpoint loads
+    check_calibratable(policy)
+    grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
+    ck = open_checkpoint(checkpoint, dtype)
+    docs, source = load_documents(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
+                                  programs=programs, seed=seed)
+    with batch_progress(console, "calibrate") as on_progress:
+        rep = run_calibration(ck.model, docs, config, grid, epsilon=epsilon, delta=delta,
+                              test_fraction=test_fraction, seed=seed, batch_size=batch_size, on_progress=on_progress)
+    rep.update(source=source, checkpoint=str(ck.path))
+    console.print(calibration_table(rep))
+    path = write_report(rep, out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json")
+    err_console.print(f"wrote {path}")
+
+
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
     if not text:
         return None

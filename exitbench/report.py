@@ -73,3 +73,30 @@ def geometry_tables(report: dict[str, Any]) -> list[Table]:
                           fmt(h["first_step"]["mean"]), fmt(h["entry"]["mean"]))
         tables.append(t)
     return tables
+
+
+def calibration_table(report: dict[str, Any]) -> Table:
+    """Every threshold from the most conservative, with the one calibration chose marked."""
+    eps, delta = report["epsilon"], report["delta"]
+    cfg = report["config"]
+    t = Table(title=f"calibrate {cfg['policy']}: risk ≤ {eps:g} with probability ≥ {1 - delta:g} "
+                    f"({report['documents']['calibration']} documents; full depth "
+                    f"{report['full_depth_iterations']:.2f} iterations)")
+    for col in ("threshold", "risk", "p-value", "mean iterations", ""):
+        t.add_column(col, justify="right")
+    chosen = report["chosen"]
+    for row in report["thresholds"]:
+        mark = "chosen" if chosen is not None and row["threshold"] == chosen["threshold"] else (
+            "safe" if row["accepted"] else "")
+        t.add_row(f"{row['threshold']:.3g}", f"{row['risk']:.4f}", f"{row['p_value']:.3g}",
+                  f"{row['mean_iterations']:.2f}", mark)
+    if chosen is None:
+        t.caption = "no threshold passed: even the most conservative one could not be shown safe; use full depth"
+        if report["documents"]["calibration"] < report["documents_needed"]:
+            t.caption += (f" (with ε = {eps:g} and δ = {delta:g} that takes at least {report['documents_needed']} "
+                          "calibration documents)")
+    elif report["held_out"]:
+        h = report["held_out"]
+        t.caption = (f"held out ({h['documents']} documents): risk {h['risk']:.4f}, "
+                     f"{h['mean_iterations']:.2f} mean iterations")
+    return t
