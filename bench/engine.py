@@ -90,24 +90,25 @@ def median_times(engines: dict[str, ExitEngine], reqs, batch: int, repeats: int)
 
 
 def paired_extra(engines: dict[str, ExitEngine], base: str, reqs, repeats: int,
-                 tensor_path: set[str]) -> dict[str, list[float]]:
-    """Per repeat, the total time each engine spent over `base` on the same requests (one at a time).
+                 tensor_path: set[str], batch: int = 1) -> dict[str, list[float]]:
+    """Per repeat, the total time each engine spent over `base` on the same requests, `batch` at a time.
 
     The engines take turns on each request, in an order that rotates every repeat, so a drift in machine
     speed lands on all of them alike; whole-run interleaving left a spread of ±5 µs per iteration on this
     machine, larger than the 3.6 µs budget being measured. Engines in `tensor_path` run with the C probe off.
     """
     names = list(engines)
-    times = {name: [[0.0] * repeats for _ in reqs] for name in names}
+    chunks = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
+    times = {name: [[0.0] * repeats for _ in chunks] for name in names}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]
-        for q, req in enumerate(reqs):
+        for q, chunk in enumerate(chunks):
             for name in order:
                 with c_probe_off(name in tensor_path):
                     t0 = time.perf_counter()
-                    engines[name].score([req])
+                    engines[name].score(chunk)
                     times[name][q][r] = time.perf_counter() - t0
-    return {name: [sum(times[name][q][r] - times[base][q][r] for q in range(len(reqs))) for r in range(repeats)]
+    return {name: [sum(times[name][q][r] - times[base][q][r] for q in range(len(chunks))) for r in range(repeats)]
             for name in names if name != base}
 
 
@@ -196,6 +197,25 @@ def main() -> int:
         print(f"{name:32} {extra * 1e6:>10.2f}µs {stderr * 1e6:>6.2f}µs {100 * extra / core_per_iter:>12.2f}% "
               f"{timed * 1e6:>10.2f}µs {100 * timed / core_per_iter:>12.2f}%")
     print(f"(core iteration: {core_per_iter * 1e6:.1f}µs at batch size 1)")
+
+    # 2b. The same with all programs in one batch: one C call serves every token in the loop.
+    batch = len(reqs)
+    print(f"\n[probe overhead per iteration, batch size {batch}]  (no target; the sweeps run batched)")
+    engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
+    for policy, relative in DECODING_FREE[::2]:
+        engines[policy] = ExitEngine(model, ExitConfig(policy, relative=relative, min_steps=K))
+    tensor_path = {f"{p} (tensor path)": ExitEngine(model, ExitConfig(p, min_steps=K)) for p, _ in DECODING_FREE[:3:2]}
+    engines.update(tensor_path)
+    extra_by_repeat = paired_extra(engines, "fixed", reqs, args.repeats, set(tensor_path), batch)
+    fixed = engines["fixed"]
+    core_batched = fixed.stats["core"] / (fixed.stats["tokens"] / batch * K)  # one iteration of the batch
+    for name, diffs in extra_by_repeat.items():
+        per_iter = statistics.median(diffs) / (n_tokens / batch * K)
+        stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 / (n_tokens / batch * K)
+        figures[f"probe_bs{batch}_{name}"] = {"extra_seconds_per_iteration": per_iter, "standard_error_seconds": stderr,
+                                              "share_of_core_iteration": per_iter / core_batched}
+        print(f"{name:32} {per_iter * 1e6:>10.2f}µs {stderr * 1e6:>6.2f}µs {100 * per_iter / core_batched:>12.2f}%")
+    print(f"(core iteration of the batch: {core_batched * 1e6:.1f}µs)")
 
     # 3. The same probe measurement on a wider random model of the same layout: a probe costs a fixed few
     # microseconds of Python and numpy dispatch, so its share shrinks as the core iteration grows.

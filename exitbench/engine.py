@@ -348,10 +348,10 @@ class ExitEngine:
         if self.config.warm_start and self.warm[g] is not None:
             sel = ctx.rows if ctx.rows is not None else slice(None)
             s = torch.where(self.warm_valid[sel].view(-1, 1, 1).to(s.device), self.warm[g][sel].unsqueeze(1), s)
-        # A lone CPU float32 token runs a latent rule as one closure over its states' addresses: the same
-        # formula at a fraction of the dispatch cost (policies/latent.py). Everything else works on tensors.
-        host = policy.has_host_probe and n == 1 and s.device.type == "cpu" and s.dtype == torch.float32
-        probe = policy.host_probe(s.contiguous()) if host else None
+        # CPU float32 tokens run a latent rule on their states' addresses: the same formula at a fraction of
+        # the dispatch cost (policies/host.py). Everything else works on tensors.
+        host = policy.has_host_probe and s.device.type == "cpu" and s.dtype == torch.float32
+        probe = policy.host_probe(s) if host else None
         memory = {} if host else policy.start(s[:, 0])
         exit_steps = torch.full((n,), K, dtype=torch.long)
         final = torch.empty_like(s)
@@ -382,9 +382,12 @@ class ExitEngine:
                 if record:
                     sig_log[slice(None) if active is None else active, i] = float(k)
             elif probe is not None:
-                leaving, sig = probe(k, s_a if s_a.is_contiguous() else s_a.contiguous())
+                leave, sig = probe.step(k, s_a)
+                leaving = leave is not None
+                if leaving and not all(leave):
+                    done = torch.tensor(leave)
                 if record:
-                    sig_log[0, i] = sig
+                    sig_log[slice(None) if active is None else active, i] = torch.tensor(sig, dtype=torch.float32)
             else:
                 # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's
                 # rounding noise, which varies with batch shape; in float64 batching cannot flip an exit.
@@ -413,10 +416,12 @@ class ExitEngine:
             if need_logits:
                 final_logits[tok] = logits[done_idx].float()
             cache.carry_forward(group.attn_layers, all_rows[tok], ctx.start, i)
-            keep = ~done
-            active = keep.nonzero().flatten() if active is None else active[keep]
-            s_a, x_a = s_a[keep], x_a[keep]
-            memory = {name: v[keep] for name, v in memory.items()}
+            kept = (~done).nonzero().flatten()
+            active = kept if active is None else active[kept]
+            s_a, x_a = s_a[kept], x_a[kept]
+            memory = {name: v[kept] for name, v in memory.items()}
+            if probe is not None:
+                probe.keep(kept)
             ctx_a = AttnContext(ctx.start, cache, all_rows[active], 0)
         if policy.retrospective:
             final, final_logits, exit_steps = self._settle_oracle(g, group, policy, trajectory, ctx, all_rows)

@@ -1,6 +1,8 @@
-"""The C probe (exitbench._probe): its four sums against float64 torch, its argument checks, and that the
-engine really uses it for a lone CPU token (and only then)."""
+"""The C probe (exitbench._probe): its four per-row sums against float64 torch, its argument checks, and that
+the engine really uses it for CPU float32 tokens (and only then)."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -15,26 +17,34 @@ native = latent.native
 
 def test_c_probe_is_built():
     # Without it every test still passes on the tensor path, which costs 12% of a core iteration instead of
-    # 0.6% (bench/RESULTS.md); a build that silently lost it must not look green.
+    # under 1% (bench/RESULTS.md); a build that silently lost it must not look green.
     assert native is not None, ("exitbench._probe was not built: install a C compiler and the Python headers, "
                                 "then reinstall (pip install -e .)")
 
 
-def states(n: int, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+def states(rows: int, width: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=g) * scale for _ in range(3)]
+    return [torch.randn(rows, 1, width, generator=g) for _ in range(3)]
 
 
-@pytest.mark.parametrize("n", [1, 7, 128, 1000])
-def test_sums_match_float64(n):
-    a, b, c = states(n, n)
-    A, B, C = a.double(), b.double(), c.double()
-    assert native.sqnorm(a.data_ptr(), n) == pytest.approx(float(A @ A), rel=1e-12)
-    assert native.sqdist(a.data_ptr(), b.data_ptr(), n) == pytest.approx(float((A - B) @ (A - B)), rel=1e-12)
-    e = (A - B) - (B - C)
-    assert native.sqdist2(a.data_ptr(), b.data_ptr(), c.data_ptr(), n) == pytest.approx(float(e @ e), rel=1e-12)
-    cos = float(A @ B / (A.norm() * B.norm()))
-    assert native.cosgap(a.data_ptr(), b.data_ptr(), n) == pytest.approx(1 - cos, rel=1e-9)
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 128), (3, 7), (16, 128), (2, 1000)])
+def test_per_row_values_match_float64(rows, width):
+    a, b, c = states(rows, width, rows * width)
+    A, B, C = (t.double().reshape(rows, width) for t in (a, b, c))
+    norm = A.norm(dim=1)
+    want = {"dist": (A - B).norm(dim=1), "dist2": ((A - B) - (B - C)).norm(dim=1),
+            "stepgap": ((A - B).norm(dim=1) - (B - C).norm(dim=1)).abs(),
+            "cosgap": 1 - (A * B).sum(1) / (norm * B.norm(dim=1))}
+    pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
+    got = {"dist": native.dist(pa, pb, rows, width, False), "dist2": native.dist2(pa, pb, pc, rows, width, False),
+           "stepgap": native.stepgap(pa, pb, pc, rows, width, False), "cosgap": native.cosgap(pa, pb, rows, width)}
+    relative = {"dist": native.dist(pa, pb, rows, width, True), "dist2": native.dist2(pa, pb, pc, rows, width, True),
+                "stepgap": native.stepgap(pa, pb, pc, rows, width, True)}
+    for name, values in got.items():
+        assert isinstance(values, list) and len(values) == rows, name
+        assert values == pytest.approx(want[name].tolist(), rel=1e-9), name
+    for name, values in relative.items():
+        assert values == pytest.approx((want[name] / norm).tolist(), rel=1e-9), name
 
 
 def test_tiny_steps_survive_large_states():
@@ -43,23 +53,25 @@ def test_tiny_steps_survive_large_states():
     a = torch.full((128,), 10.0)
     b = a.clone()
     b[::2] += 8e-6  # lands on the nearest float32, about 8 ulps of 10; the stored difference is what counts
-    want = float(((a.double() - b.double()) ** 2).sum())
+    want = float((a.double() - b.double()).norm())
     assert want > 0
-    assert native.sqdist(a.data_ptr(), b.data_ptr(), 128) == pytest.approx(want, rel=1e-9)
+    assert native.dist(a.data_ptr(), b.data_ptr(), 1, 128, False) == [pytest.approx(want, rel=1e-9)]
 
 
 def test_cosgap_of_a_zero_state_is_one():
     z, a = torch.zeros(16), torch.randn(16)
-    assert native.cosgap(z.data_ptr(), a.data_ptr(), 16) == 1.0
-    assert native.cosgap(a.data_ptr(), z.data_ptr(), 16) == 1.0
-    assert native.cosgap(a.data_ptr(), a.data_ptr(), 16) == pytest.approx(0.0, abs=1e-15)
+    assert native.cosgap(z.data_ptr(), a.data_ptr(), 1, 16) == [1.0]
+    assert native.cosgap(a.data_ptr(), z.data_ptr(), 1, 16) == [1.0]
+    assert native.cosgap(a.data_ptr(), a.data_ptr(), 1, 16) == [pytest.approx(0.0, abs=1e-15)]
 
 
 @pytest.mark.parametrize("call,error,message", [
-    (lambda a: native.sqdist(a, 0, 4), ValueError, "address 1 is null"),
-    (lambda a: native.sqnorm(a, 0), ValueError, "length must be >= 1"),
-    (lambda a: native.sqdist2(a, a, 4), TypeError, "takes 3 addresses and a length"),
-    (lambda a: native.cosgap("x", a, 4), TypeError, "integer"),
+    (lambda a: native.dist(a, 0, 1, 4, False), ValueError, "address 1 is null"),
+    (lambda a: native.dist(a, a, 0, 4, False), ValueError, "rows and width must be >= 1"),
+    (lambda a: native.cosgap(a, a, 1, 0), ValueError, "rows and width must be >= 1"),
+    (lambda a: native.dist2(a, a, 1, 4, False), TypeError, "takes 3 addresses, rows, width and relative"),
+    (lambda a: native.cosgap(a, a, 1, 4, True), TypeError, "takes 2 addresses, rows, width, got 5"),
+    (lambda a: native.cosgap("x", a, 1, 4), TypeError, "integer"),
 ])
 def test_bad_arguments_raise(call, error, message):
     a = torch.zeros(4)
@@ -83,18 +95,23 @@ class Counting:
 
 
 @pytest.mark.parametrize("policy", ["first_order", "second_order", "second_order_magnitude", "cosine"])
-def test_engine_uses_the_c_probe_for_a_lone_cpu_token_only(policy, monkeypatch):
+def test_engine_uses_the_c_probe_on_cpu_float32_only(policy, monkeypatch):
     counting = Counting(native)
     monkeypatch.setattr(latent, "native", counting)
     model = tiny(init_scale=1.0)
-    eng = ExitEngine(model, ExitConfig(policy=policy, threshold=1e-30, max_steps=6))
+    knobs = dict(policy=policy, threshold=1e-30, max_steps=6)
     reqs = [([5, 7, 9], 1), ([3, 4, 8], 1)]
-    eng.score(reqs[:1])
-    # Two scored tokens, six iterations each, one C call per iteration (second_order has no signal at k = 1).
-    assert counting.calls == 2 * (5 if policy == "second_order" else 6)
-    before = counting.calls
-    eng.score(reqs)  # two tokens in every loop: the tensor path
-    assert counting.calls == before
+    # One C call per iteration for all tokens in the loop together (the second-order rules have no signal at
+    # k = 1): two scored positions of six iterations.
+    want = 2 * (5 if policy.startswith("second_order") else 6)
+    ExitEngine(model, ExitConfig(**knobs)).score(reqs[:1])
+    assert counting.calls == want
+    counting.calls = 0
+    ExitEngine(model, ExitConfig(**knobs)).score(reqs)  # two rows: still one call per iteration
+    assert counting.calls == want
+    counting.calls = 0
+    ExitEngine(model.to(torch.float64), ExitConfig(**knobs)).score(reqs)  # not float32: the tensor path
+    assert counting.calls == 0
 
 
 def test_a_strided_state_reaches_the_c_probe_as_a_contiguous_copy(monkeypatch):
@@ -117,3 +134,39 @@ def test_a_strided_state_reaches_the_c_probe_as_a_contiguous_copy(monkeypatch):
     tensor_path = ExitEngine(model, ExitConfig(**knobs)).score([([5, 7], 1)])[0].records[0].signals[0]
     assert max(tensor_path) < 1e5  # the interleaved 1e6 entries were skipped by the stride
     assert c_path == pytest.approx(tensor_path, rel=1e-5)
+
+
+def test_relative_signal_of_a_zero_state_follows_torch():
+    """A relative rule divides by ‖s_k‖: where it is 0 the host path gives what the tensor path gives (x/0 =
+    inf, 0/0 = nan), and neither counts as a hit."""
+    from exitbench.policies import make_policy
+
+    policy = make_policy("first_order", threshold=1.0, relative=True, max_steps=4)
+    zero, other = torch.zeros(2, 1, 8), torch.randn(2, 1, 8)
+    other[1] = 0
+    host = policy.host_values(zero, [other], 2, 8)
+    tensor = policy.signal(1, zero[:, 0], {"prev": other[:, 0]}, None).tolist()
+    assert host[0] == math.inf == tensor[0]
+    assert math.isnan(host[1]) and math.isnan(tensor[1])
+    probe = policy.host_probe(other)
+    leave, values = probe.step(1, zero)
+    assert leave is None and probe.streaks == [0, 0]
+
+
+def test_host_probe_keeps_only_the_rows_that_stay():
+    from exitbench.policies import make_policy
+
+    policy = make_policy("second_order", threshold=1e9, patience=1, min_steps=3, max_steps=8)
+    s0, s1, s2 = (torch.randn(3, 1, 4) for _ in range(3))
+    probe = policy.host_probe(s0)
+    assert probe.step(1, s1) == (None, [math.inf] * 3)
+    probe.step(2, s2)
+    assert probe.streaks == [1, 1, 1]
+    probe.keep(torch.tensor([0, 2]))
+    assert [h.shape[0] for h in probe.history] == [2, 2] and probe.streaks == [1, 1]
+    s3 = torch.randn(2, 1, 4)
+    leave, values = probe.step(3, s3)
+    assert leave == [True, True]
+    rows = torch.tensor([0, 2])
+    want = ((s3 - s2[rows]) - (s2[rows] - s1[rows])).double().flatten(1).norm(dim=1).tolist()
+    assert values == pytest.approx(want, rel=1e-6)

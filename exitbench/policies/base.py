@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
 from ..errors import ExitbenchError
+
+if TYPE_CHECKING:
+    from .host import HostProbe
 
 Memory = dict[str, torch.Tensor]
 
@@ -49,7 +52,7 @@ class ExitPolicy:
     retrospective: ClassVar[bool] = False
     # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
     signal_free: ClassVar[bool] = False
-    # Implements `host_signal`: a lone CPU float32 token's rule without tensor ops (see policies/latent.py).
+    # Implements `host_values`: CPU float32 tokens' rule without tensor ops (see policies/host.py).
     has_host_probe: ClassVar[bool] = False
 
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
@@ -116,27 +119,19 @@ class ExitPolicy:
             return torch.zeros_like(hit)
         return streak >= self.patience
 
-    def host_signal(self, s0):
-        """For `has_host_probe` policies: a closure (k, s_k) -> signal over one token's contiguous states."""
+    # ---- the host path (`has_host_probe` policies, see policies/host.py) -----------------------------
+    host_history: ClassVar[int] = 1  # earlier states host_values reads
+
+    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
+        """The signal of each of `rows` contiguous float32 states s (rows, 1, width), given history[j] =
+        s_{k−1−j} (None before s_0), computed without tensor ops."""
         raise NotImplementedError
 
-    def host_probe(self, s0) -> Callable[[int, Any], tuple[bool, float]]:
-        """The whole exit rule for a lone CPU token as one closure: (k, s_k) -> (leave now?, signal).
+    def host_probe(self, s0: torch.Tensor) -> "HostProbe":
+        """The whole exit rule for CPU float32 tokens starting at states s0: (k, s_k) -> (leaving, signals)."""
+        from .host import HostProbe
 
-        Its state lives in closure variables, not in tensors or dicts: at batch size 1 the probe must cost a
-        few microseconds next to a core iteration (see policies/latent.py).
-        """
-        signal = self.host_signal(s0)
-        threshold, below = self.threshold, self.exits_below
-        patience, min_steps, max_steps = self.patience, self.min_steps, self.max_steps
-        streak = 0
-
-        def probe(k: int, s) -> tuple[bool, float]:
-            nonlocal streak
-            value = signal(k, s)
-            streak = streak + 1 if (value < threshold if below else value >= threshold) else 0
-            return k >= max_steps or (k >= min_steps and streak >= patience), value
-        return probe
+        return HostProbe(self, s0)
 
     def first_exit(self, signals: list[float]) -> int:
         """The exit step the rule gives for one token's recorded signal trajectory (s_1 … s_max): for tests."""

@@ -1,17 +1,14 @@
 """Decoding-free rules: they read only the latent states, so their probe costs a few vector norms.
 
-Each rule has two implementations of the same formula. `signal` works on torch tensors (n, d) for a batch
-of active tokens. `host_signal` serves a lone token on the CPU (batch size 1, the honest benchmark): a
-closure that keeps what it carries in local variables and does its arithmetic in the C extension
-exitbench._probe, on the states' addresses. On a small model a core iteration is ~180 µs of dispatch, and
-the probe must stay under 2% of it; getting at a state through torch or numpy alone costs a microsecond or
-more (bench/RESULTS.md). Without the extension the engine runs these rules on tensors; the tests check both
-paths against the formula.
+Each rule has two implementations of the same formula. `signal` works on torch tensors (n, d), on any
+device and dtype. `host_values` serves CPU float32 tokens: its arithmetic runs in the C extension
+exitbench._probe on the states' addresses, and policies/host.py keeps the streaks and decides, because on a
+small model the probe's budget (2% of a ~180 µs core iteration) is about two torch ops (bench/RESULTS.md).
+Without the extension the engine runs these rules on tensors; the tests check both paths against the formula.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
@@ -24,8 +21,6 @@ except ImportError:  # built without a C compiler: the tensor path serves every 
 
 # Absolute step norms scale with ‖s‖ (≈ sqrt(d) after the core's final RMSNorm), so the grid reaches 1.
 LATENT_GRID = log_grid(1e-4, 1.0, per_decade=2)
-
-HostSignal = Callable[[int, torch.Tensor], float]
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -73,17 +68,8 @@ class FirstOrder(_StepRule):
         memory["prev"] = s
         return self._scale(value, s)
 
-    def host_signal(self, s0: torch.Tensor) -> HostSignal:
-        prev, n, relative = s0, s0.numel(), self.relative
-        sqdist, sqnorm, sqrt = native.sqdist, native.sqnorm, math.sqrt
-
-        def f(k: int, s: torch.Tensor) -> float:
-            nonlocal prev
-            a = s.data_ptr()
-            value = sqrt(sqdist(a, prev.data_ptr(), n))
-            prev = s  # held, so the address stays valid for the next call
-            return value / sqrt(sqnorm(a, n)) if relative else value
-        return f
+    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
+        return native.dist(s.data_ptr(), history[0].data_ptr(), rows, width, self.relative)
 
 
 @register
@@ -107,19 +93,13 @@ class SecondOrder(_StepRule):
             return _undefined(s)
         return self._scale(_dist(delta, prev_delta), s)
 
-    def host_signal(self, s0: torch.Tensor) -> HostSignal:
-        prev, prev2, n, relative = s0, None, s0.numel(), self.relative
-        sqdist2, sqnorm, sqrt = native.sqdist2, native.sqnorm, math.sqrt
+    host_history = 2
 
-        def f(k: int, s: torch.Tensor) -> float:
-            nonlocal prev, prev2
-            older, prev2, prev = prev2, prev, s
-            if older is None:
-                return math.inf
-            a = s.data_ptr()
-            value = sqrt(sqdist2(a, prev2.data_ptr(), older.data_ptr(), n))
-            return value / sqrt(sqnorm(a, n)) if relative else value
-        return f
+    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
+        prev, older = history
+        if older is None:
+            return [math.inf] * rows
+        return native.dist2(s.data_ptr(), prev.data_ptr(), older.data_ptr(), rows, width, self.relative)
 
 
 @register
@@ -143,20 +123,13 @@ class SecondOrderMagnitude(_StepRule):
             return _undefined(s)
         return self._scale((step - prev_step).abs(), s)
 
-    def host_signal(self, s0: torch.Tensor) -> HostSignal:
-        prev, prev_step, n, relative = s0, None, s0.numel(), self.relative
-        sqdist, sqnorm, sqrt = native.sqdist, native.sqnorm, math.sqrt
+    host_history = 2
 
-        def f(k: int, s: torch.Tensor) -> float:
-            nonlocal prev, prev_step
-            a = s.data_ptr()
-            step = sqrt(sqdist(a, prev.data_ptr(), n))
-            prev, last, prev_step = s, prev_step, step
-            if last is None:
-                return math.inf
-            value = abs(step - last)
-            return value / sqrt(sqnorm(a, n)) if relative else value
-        return f
+    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
+        prev, older = history
+        if older is None:
+            return [math.inf] * rows
+        return native.stepgap(s.data_ptr(), prev.data_ptr(), older.data_ptr(), rows, width, self.relative)
 
 
 @register
@@ -179,12 +152,5 @@ class Cosine(_LatentRule):
         value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
         return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)
 
-    def host_signal(self, s0: torch.Tensor) -> HostSignal:
-        prev, n, cosgap = s0, s0.numel(), native.cosgap
-
-        def f(k: int, s: torch.Tensor) -> float:
-            nonlocal prev
-            value = cosgap(s.data_ptr(), prev.data_ptr(), n)
-            prev = s
-            return value
-        return f
+    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
+        return native.cosgap(s.data_ptr(), history[0].data_ptr(), rows, width)
