@@ -130,7 +130,7 @@ static PyObject *py_stepgap(PyObject *self, PyObject *const *args, Py_ssize_t na
     return per_row(args, nargs, 3, 1, stepgap, "stepgap");
 }
 static PyObject *py_cosgap(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    return per_row(args, nargs, 2, 0, cosgap, "cosgap");
+    return per_row(args, nargs, 2, 1, cosgap, "cosgap");  /* relative is always 0: one signature for all */
 }
 
 #define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
@@ -139,7 +139,7 @@ static PyMethodDef methods[] = {
                                 "float32 buffers at addresses a, b."},
     {"dist2", FASTCALL(py_dist2), "dist2(a, b, c, rows, width, relative) -> [‖(a_r − b_r) − (b_r − c_r)‖ (/ ‖a_r‖)]."},
     {"stepgap", FASTCALL(py_stepgap), "stepgap(a, b, c, rows, width, relative) -> [|‖a_r − b_r‖ − ‖b_r − c_r‖| (/ ‖a_r‖)]."},
-    {"cosgap", FASTCALL(py_cosgap), "cosgap(a, b, rows, width) -> [1 − cos(a_r, b_r)], 1 where either is 0."},
+    {"cosgap", FASTCALL(py_cosgap), "cosgap(a, b, rows, width, relative) -> [1 − cos(a_r, b_r)], 1 where either is 0."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,7 +37,7 @@ def test_per_row_values_match_float64(rows, width):
             "cosgap": 1 - (A * B).sum(1) / (norm * B.norm(dim=1))}
     pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
     got = {"dist": native.dist(pa, pb, rows, width, False), "dist2": native.dist2(pa, pb, pc, rows, width, False),
-           "stepgap": native.stepgap(pa, pb, pc, rows, width, False), "cosgap": native.cosgap(pa, pb, rows, width)}
+           "stepgap": native.stepgap(pa, pb, pc, rows, width, False), "cosgap": native.cosgap(pa, pb, rows, width, False)}
     relative = {"dist": native.dist(pa, pb, rows, width, True), "dist2": native.dist2(pa, pb, pc, rows, width, True),
                 "stepgap": native.stepgap(pa, pb, pc, rows, width, True)}
     for name, values in got.items():
@@ -60,18 +60,18 @@ def test_tiny_steps_survive_large_states():
 
 def test_cosgap_of_a_zero_state_is_one():
     z, a = torch.zeros(16), torch.randn(16)
-    assert native.cosgap(z.data_ptr(), a.data_ptr(), 1, 16) == [1.0]
-    assert native.cosgap(a.data_ptr(), z.data_ptr(), 1, 16) == [1.0]
-    assert native.cosgap(a.data_ptr(), a.data_ptr(), 1, 16) == [pytest.approx(0.0, abs=1e-15)]
+    assert native.cosgap(z.data_ptr(), a.data_ptr(), 1, 16, False) == [1.0]
+    assert native.cosgap(a.data_ptr(), z.data_ptr(), 1, 16, False) == [1.0]
+    assert native.cosgap(a.data_ptr(), a.data_ptr(), 1, 16, False) == [pytest.approx(0.0, abs=1e-15)]
 
 
 @pytest.mark.parametrize("call,error,message", [
     (lambda a: native.dist(a, 0, 1, 4, False), ValueError, "address 1 is null"),
     (lambda a: native.dist(a, a, 0, 4, False), ValueError, "rows and width must be >= 1"),
-    (lambda a: native.cosgap(a, a, 1, 0), ValueError, "rows and width must be >= 1"),
+    (lambda a: native.cosgap(a, a, 1, 0, False), ValueError, "rows and width must be >= 1"),
     (lambda a: native.dist2(a, a, 1, 4, False), TypeError, "takes 3 addresses, rows, width and relative"),
-    (lambda a: native.cosgap(a, a, 1, 4, True), TypeError, "takes 2 addresses, rows, width, got 5"),
-    (lambda a: native.cosgap("x", a, 1, 4), TypeError, "integer"),
+    (lambda a: native.cosgap(a, a, 1, 4), TypeError, "takes 2 addresses, rows, width and relative, got 4"),
+    (lambda a: native.cosgap("x", a, 1, 4, False), TypeError, "integer"),
 ])
 def test_bad_arguments_raise(call, error, message):
     a = torch.zeros(4)
@@ -144,12 +144,11 @@ def test_relative_signal_of_a_zero_state_follows_torch():
     policy = make_policy("first_order", threshold=1.0, relative=True, max_steps=4)
     zero, other = torch.zeros(2, 1, 8), torch.randn(2, 1, 8)
     other[1] = 0
-    host = policy.host_values(zero, [other], 2, 8)
+    probe = policy.host_probe(other)
+    leave, host = probe.step(1, zero)
     tensor = policy.signal(1, zero[:, 0], {"prev": other[:, 0]}, None).tolist()
     assert host[0] == math.inf == tensor[0]
     assert math.isnan(host[1]) and math.isnan(tensor[1])
-    probe = policy.host_probe(other)
-    leave, values = probe.step(1, zero)
     assert leave is None and probe.streaks == [0, 0]
 
 
@@ -170,3 +169,19 @@ def test_host_probe_keeps_only_the_rows_that_stay():
     rows = torch.tensor([0, 2])
     want = ((s3 - s2[rows]) - (s2[rows] - s1[rows])).double().flatten(1).norm(dim=1).tolist()
     assert values == pytest.approx(want, rel=1e-6)
+
+
+def test_a_batch_that_shrinks_to_one_token_carries_its_history_and_streak():
+    from exitbench.policies import make_policy
+
+    policy = make_policy("second_order", threshold=1e9, patience=3, max_steps=8)
+    s0, s1, s2, s3 = (torch.randn(2, 1, 4) for _ in range(4))
+    probe = policy.host_probe(s0)
+    probe.step(1, s1)
+    probe.step(2, s2)  # streaks [1, 1]: the signal exists from k = 2
+    probe.keep(torch.tensor([1]))
+    leave, values = probe.step(3, s3[1:])  # lone from here on: streak 2 < patience 3
+    want = ((s3[1] - s2[1]) - (s2[1] - s1[1])).double().norm().item()
+    assert leave is None and values == [pytest.approx(want, rel=1e-6)]
+    leave, _ = probe.step(4, torch.randn(1, 1, 4))  # third hit in a row
+    assert leave == [True]

@@ -52,7 +52,7 @@ class ExitPolicy:
     retrospective: ClassVar[bool] = False
     # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
     signal_free: ClassVar[bool] = False
-    # Implements `host_values`: CPU float32 tokens' rule without tensor ops (see policies/host.py).
+    # Has a `host_kernel`: CPU float32 tokens' rule without tensor ops (see policies/host.py).
     has_host_probe: ClassVar[bool] = False
 
     def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
@@ -120,12 +120,8 @@ class ExitPolicy:
         return streak >= self.patience
 
     # ---- the host path (`has_host_probe` policies, see policies/host.py) -----------------------------
-    host_history: ClassVar[int] = 1  # earlier states host_values reads
-
-    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
-        """The signal of each of `rows` contiguous float32 states s (rows, 1, width), given history[j] =
-        s_{k−1−j} (None before s_0), computed without tensor ops."""
-        raise NotImplementedError
+    host_kernel: ClassVar[str] = ""  # the function of exitbench._probe that computes the signal
+    host_history: ClassVar[int] = 1  # earlier states it reads besides s_k
 
     def host_probe(self, s0: torch.Tensor) -> "HostProbe":
         """The whole exit rule for CPU float32 tokens starting at states s0: (k, s_k) -> (leaving, signals)."""

@@ -1,10 +1,11 @@
 """Decoding-free rules: they read only the latent states, so their probe costs a few vector norms.
 
 Each rule has two implementations of the same formula. `signal` works on torch tensors (n, d), on any
-device and dtype. `host_values` serves CPU float32 tokens: its arithmetic runs in the C extension
-exitbench._probe on the states' addresses, and policies/host.py keeps the streaks and decides, because on a
-small model the probe's budget (2% of a ~180 µs core iteration) is about two torch ops (bench/RESULTS.md).
-Without the extension the engine runs these rules on tensors; the tests check both paths against the formula.
+device and dtype. For CPU float32 tokens the formula is a C function of exitbench/_probe.c (`host_kernel`,
+reading the current state and `host_history` earlier ones), and policies/host.py keeps the streaks and
+decides, because on a small model the probe's budget (2% of a ~180 µs core iteration) is about two torch ops
+(bench/RESULTS.md). Without the extension the engine runs these rules on tensors; the tests check both paths
+against the formula.
 """
 from __future__ import annotations
 
@@ -68,8 +69,7 @@ class FirstOrder(_StepRule):
         memory["prev"] = s
         return self._scale(value, s)
 
-    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
-        return native.dist(s.data_ptr(), history[0].data_ptr(), rows, width, self.relative)
+    host_kernel = "dist"
 
 
 @register
@@ -93,13 +93,7 @@ class SecondOrder(_StepRule):
             return _undefined(s)
         return self._scale(_dist(delta, prev_delta), s)
 
-    host_history = 2
-
-    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
-        prev, older = history
-        if older is None:
-            return [math.inf] * rows
-        return native.dist2(s.data_ptr(), prev.data_ptr(), older.data_ptr(), rows, width, self.relative)
+    host_kernel, host_history = "dist2", 2
 
 
 @register
@@ -123,13 +117,7 @@ class SecondOrderMagnitude(_StepRule):
             return _undefined(s)
         return self._scale((step - prev_step).abs(), s)
 
-    host_history = 2
-
-    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
-        prev, older = history
-        if older is None:
-            return [math.inf] * rows
-        return native.stepgap(s.data_ptr(), prev.data_ptr(), older.data_ptr(), rows, width, self.relative)
+    host_kernel, host_history = "stepgap", 2
 
 
 @register
@@ -152,5 +140,4 @@ class Cosine(_LatentRule):
         value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
         return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)
 
-    def host_values(self, s: torch.Tensor, history: list, rows: int, width: int) -> list[float]:
-        return native.cosgap(s.data_ptr(), history[0].data_ptr(), rows, width)
+    host_kernel = "cosgap"
