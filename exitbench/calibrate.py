@@ -195,21 +195,11 @@ def load_documents(ck, *, task: str | None = None, text: str | None = None, data
                    ) -> tuple[list[list[int]], dict[str, Any]]:
     """Token lists to calibrate on: a task's documents, a text file's paragraphs, or (for a checkpoint trained
     on the synthetic chains) its held-out programs; the same sources `exitbench geometry` reads."""
-    from .depth import synthetic_training
-    from .geometry import encode_documents, heldout_programs, task_documents, text_documents
+    from .geometry import document_source, token_batches
 
-    if task and text:
-        raise ExitbenchError("give --task or --text, not both")
     if max_tokens < 2 or programs < 1:
         raise ExitbenchError(f"calibrate: --tokens must be ≥ 2 and --programs ≥ 1, got {max_tokens}, {programs}")
-    if text:
-        batches, source = encode_documents(ck, text_documents(text), max_tokens), {"text": str(text)}
-    elif task:
-        batches, source = encode_documents(ck, task_documents(task, data_dir), max_tokens), {"task": task}
-    elif synthetic_training(ck) is None:
-        raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE for the "
-                             "documents to calibrate on")
-    else:
-        batches, source = heldout_programs(ck, programs, seed), {"heldout_programs": programs, "seed": seed}
-    docs = [row.tolist() for b in batches for row in (b if b.dim() == 2 else b.unsqueeze(0))]
-    return [d for d in docs if len(d) >= 2], source
+    docs, source = document_source(task, text, data_dir, programs, seed)
+    batches = token_batches(ck, docs, max_tokens, programs, seed, "calibrate on")
+    rows = [row.tolist() for b in batches for row in (b if b.dim() == 2 else b.unsqueeze(0))]
+    return [r for r in rows if len(r) >= 2], source

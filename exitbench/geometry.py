@@ -144,6 +144,31 @@ def heldout_programs(ck: Checkpoint, n_programs: int, seed: int) -> list[torch.T
     return [inputs]
 
 
+def document_source(task: str | None, text: str | None, data_dir: str | None, programs: int, seed: int
+                    ) -> tuple[list[str] | None, dict[str, Any]]:
+    """The documents of --task or --text (None: the checkpoint's held-out programs), and how to name them."""
+    if task and text:
+        raise ExitbenchError("give --task or --text, not both")
+    if text:
+        return text_documents(text), {"text": str(text)}
+    if task:
+        return task_documents(task, data_dir), {"task": task, "data_dir": data_dir}
+    return None, {"heldout_programs": programs, "seed": seed}
+
+
+def token_batches(ck: Checkpoint, docs: Sequence[str] | None, max_tokens: int, programs: int, seed: int,
+                  purpose: str) -> list[torch.Tensor]:
+    """Token ids of `docs` for this checkpoint, or its held-out programs when there are no documents."""
+    from .depth import synthetic_training
+
+    if docs is not None:
+        return encode_documents(ck, docs, max_tokens)
+    if synthetic_training(ck) is None:
+        raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE for the "
+                             f"tokens to {purpose}")
+    return heldout_programs(ck, programs, seed)
+
+
 # ---- the measurement --------------------------------------------------------------------------------------
 def _summary(values: torch.Tensor) -> dict[str, float | None]:
     """Mean and median over tokens of one (group, k) cell, ignoring undefined entries."""
@@ -255,7 +280,6 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
                     on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Measure every checkpoint on the same tokens: a task's documents, a text file, or (for a checkpoint trained
     on the synthetic chains) its held-out programs."""
-    from .depth import synthetic_training
     from .provenance import run_metadata
 
     if not cks:
@@ -264,25 +288,11 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
         raise ExitbenchError(f"--steps must be ≥ 1 (iterations per loop group), got {steps}")
     if max_tokens < 1:
         raise ExitbenchError(f"--tokens must be ≥ 1, got {max_tokens}")
-    if task and text:
-        raise ExitbenchError("give --task or --text, not both")
     check_compatible(cks)
     steps = steps or max(g.max_steps for g in cks[0].model.loop_groups())
-    if text:
-        docs, source = text_documents(text), {"text": str(text)}
-    elif task:
-        docs, source = task_documents(task, data_dir), {"task": task, "data_dir": data_dir}
-    else:
-        docs, source = None, {"heldout_programs": programs, "seed": seed}
-    plans = []  # every checkpoint's batches first, so bad input fails before any measuring
-    for ck in cks:
-        if docs is None:
-            if synthetic_training(ck) is None:
-                raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE "
-                                     "for the tokens to measure on")
-            plans.append((ck, heldout_programs(ck, programs, seed)))
-        else:
-            plans.append((ck, encode_documents(ck, docs, max_tokens)))
+    docs, source = document_source(task, text, data_dir, programs, seed)
+    # every checkpoint's batches first, so bad input fails before any measuring
+    plans = [(ck, token_batches(ck, docs, max_tokens, programs, seed, "measure on")) for ck in cks]
     total, done = sum(len(b) for _, b in plans), 0
 
     def tick() -> None:

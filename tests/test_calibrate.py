@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 from exitbench.calibrate import (binom_cdf, calibrate, conservative_order, disagreement, documents_needed,
                                  fixed_sequence, hb_pvalue, split)
 from exitbench.cli import app
-from exitbench.embedded import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
