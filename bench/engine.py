@@ -218,7 +218,7 @@ def main() -> int:
     print(f"(core iteration of the batch: {core_batched * 1e6:.1f}µs)")
 
     # 3. The same probe measurement on a wider random model of the same layout: a probe costs a fixed few
-    # microseconds of Python and numpy dispatch, so its share shrinks as the core iteration grows.
+    # microseconds of Python dispatch and a C call, so its share shrinks as the core iteration grows.
     if args.wide:
         wide = wide_model(ck.model.config, args.wide)
         wide_reqs = [(t[:24], n) for t, n in reqs[:4]]
