@@ -1,0 +1,147 @@
+"""exitbench.quiet: lm-eval's console noise around simple_evaluate, silenced without hiding errors or
+changing a result.
+
+The evaluations run in this process, the way exitbench.sweep calls lm-eval, from a directory outside any git
+checkout. Output is read at the file-descriptor level (capfd), where git's stderr lands.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from exitbench.quiet import _git_describe_without_stderr, lm_eval_output
+
+NOISE = ("bootstrapping for stddev", "fatal:", "WARNING", "Custom kwargs", "it/s]", "Generating train split")
+
+
+@pytest.fixture
+def outside_git(tmp_path, monkeypatch):
+    """cwd in tmp_path, where git finds no repository (the ceiling stops it searching the parents)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    return tmp_path
+
+
+class StderrNow(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (pytest swaps it between setup and call)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+@pytest.fixture
+def lm_eval_console():
+    """lm-eval's loggers as a fresh process has them on a console: WARNING and up, printed to stderr.
+
+    Earlier tests leave the `lm_eval` logger at ERROR (simple_evaluate's verbosity) or with a handler bound to
+    a closed stream; pytest's own capture would otherwise take records that reach the root logger.
+    """
+    import lm_eval.utils
+
+    logger = logging.getLogger("lm_eval")
+    saved = logger.handlers[:], logger.level, logger.propagate, lm_eval.utils._LOGGING_CONFIGURED
+    logger.handlers = [StderrNow()]
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    lm_eval.utils._LOGGING_CONFIGURED = True  # keeps simple_evaluate from adding a second handler
+    yield
+    logger.handlers, level, logger.propagate, lm_eval.utils._LOGGING_CONFIGURED = saved
+    logger.setLevel(level)
+
+
+def evaluate(quiet: bool, cache_dir) -> dict:
+    """chains (generation) and chains_lambada (perplexity, a bootstrapped stderr), as a sweep cell runs them,
+    with an empty datasets cache so the data is prepared (and its progress bar drawn) again."""
+    import datasets.config
+    import lm_eval
+
+    from exitbench.embedded import open_checkpoint
+    from exitbench.engine import ExitConfig
+    from exitbench.lm import ExitbenchLM
+    from exitbench.tasks import resolve_tasks
+
+    saved_cache = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = str(cache_dir)
+    try:
+        task_set = resolve_tasks(["chains", "chains_lambada"])
+        lm = ExitbenchLM.from_checkpoint(open_checkpoint(None), ExitConfig("second_order", threshold=0.1),
+                                         batch_size=16)
+        with lm_eval_output(quiet=quiet):
+            return lm_eval.simple_evaluate(
+                model=lm, tasks=task_set.specs, task_manager=task_set.manager, limit=4, bootstrap_iters=1000,
+                random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+                verbosity="ERROR")
+    finally:
+        datasets.config.HF_DATASETS_CACHE = saved_cache
+
+
+def test_quiet_evaluation_prints_nothing_and_computes_the_same(outside_git, lm_eval_console, capfd):
+    capfd.readouterr()
+    loud = evaluate(quiet=False, cache_dir=outside_git / "cache-loud")
+    heard = capfd.readouterr()
+    # The noise is really there without quiet, so its absence below means something; git's is gone anyway.
+    assert "bootstrapping for stddev: perplexity" in heard.out
+    assert "Custom kwargs can be passed to `--metadata`" in heard.err
+    assert "it/s]" in heard.err and "Generating train split" in heard.err
+    assert "fatal:" not in heard.err + heard.out and "Logging error" not in heard.err
+
+    # simple_evaluate(verbosity="ERROR") left lm-eval at ERROR for the rest of the process (so a sweep's first
+    # cell is the noisy one); back to a fresh console's WARNING, so the quiet run has to do the silencing.
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    quiet = evaluate(quiet=True, cache_dir=outside_git / "cache-quiet")
+    heard = capfd.readouterr()
+    for noise in NOISE:
+        assert noise not in heard.out + heard.err, (noise, heard)
+    assert heard.out.strip() == "" and heard.err.strip() == "", heard
+    assert quiet["results"] == loud["results"]
+    assert isinstance(quiet["results"]["chains_lambada"]["perplexity_stderr,none"], float)
+    assert quiet["git_hash"] is None  # outside a checkout, as lm-eval itself reports it
+
+
+def test_quiet_keeps_errors_and_restores_everything(lm_eval_console, capfd):
+    import datasets
+    import lm_eval.api.metrics
+    import lm_eval.api.task
+
+    before = (lm_eval.api.metrics.bootstrap_stderr, lm_eval.api.task.tqdm, logging.getLogger("lm_eval").level,
+              datasets.is_progress_bar_enabled())
+    capfd.readouterr()
+    with pytest.raises(ZeroDivisionError):
+        with lm_eval_output(quiet=True):
+            logging.getLogger("lm_eval.api.task").warning("a warning the quiet run drops")
+            logging.getLogger("lm_eval.api.task").error("an error it keeps")
+            1 / 0
+    heard = capfd.readouterr()
+    assert "an error it keeps" in heard.err
+    assert "a warning the quiet run drops" not in heard.err
+    after = (lm_eval.api.metrics.bootstrap_stderr, lm_eval.api.task.tqdm, logging.getLogger("lm_eval").level,
+             datasets.is_progress_bar_enabled())
+    assert after == before
+
+
+def test_git_lookup_keeps_lm_evals_answer_without_its_noise(outside_git, monkeypatch, capfd):
+    """Same answer as lm-eval's own lookup, inside a repository and outside one; only git's stderr goes."""
+    from lm_eval.loggers.utils import get_git_commit_hash
+
+    capfd.readouterr()
+    assert get_git_commit_hash() is None
+    assert "fatal: not a git repository" in capfd.readouterr().err  # what lm-eval does on its own
+    assert _git_describe_without_stderr() is None
+    assert capfd.readouterr().err == ""
+
+    repo = outside_git / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    (repo / "sub").mkdir()
+    monkeypatch.chdir(repo / "sub")
+    assert _git_describe_without_stderr() == get_git_commit_hash() and len(get_git_commit_hash()) >= 7
