@@ -363,17 +363,15 @@ def _limit(limit: Optional[float]) -> Optional[float]:
     return int(limit) if limit >= 1 else limit
 
 
-@app.command(name="lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# No help option of its own: `--help` belongs to lm-eval, which prints its options.
+@app.command(name="lm-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@one_line_errors
 def lm_eval_passthrough(ctx: typer.Context):
     """lm-eval's own CLI with the `exitbench` model registered: `exitbench lm-eval run --model exitbench …`."""
-    import sys as _sys
+    from .lm_eval_cli import run_lm_eval
 
-    from lm_eval.__main__ import cli_evaluate
-
-    from . import lm  # noqa: F401  (registers the model)
-
-    _sys.argv = ["lm-eval", *ctx.args]
-    cli_evaluate()
+    run_lm_eval(ctx.args)
 
 
 def main() -> None:

@@ -1,0 +1,171 @@
+"""`exitbench lm-eval …`: lm-eval's own command line, with the `exitbench` model registered.
+
+lm-eval parses the arguments and runs them; three things happen in between, on the parsed arguments:
+
+- exitbench's shipped task folder (tasks/) joins the include path, so `--tasks chains` needs no
+  `--include_path`. lm-eval's `--include_path` holds one value (a second flag replaces the first), so the
+  folder cannot simply be appended as another flag; lm-eval's TaskManager takes a list instead.
+- with `--model exitbench`, the model arguments are checked before lm-eval starts: a bad policy, threshold,
+  key, device or checkpoint file then ends with one line, instead of a traceback after lm-eval has logged its
+  setup and spent seconds indexing its tasks. The weights are not read here; the constructor loads them
+  once, later.
+- lm-eval's git lookup stops printing "fatal: not a git repository" outside a checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, ExitbenchError
+from .tasks import SHIPPED_TASKS
+
+MODEL = "exitbench"
+# lm-eval hands these to every model beside --model_args, so the same key inside --model_args makes the
+# constructor fail with "got multiple values for keyword argument".
+CLI_MODEL_KEYS = ("batch_size", "max_batch_size", "device")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def run_lm_eval(argv: list[str]) -> None:
+    """What `lm-eval ARGV` does, with the differences listed in the module docstring."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    from . import lm  # noqa: F401  (registers the model)
+    from .quiet import silence_git_lookup
+
+    setup_logging()  # as lm-eval's own entry point does, before parsing (parsing may log)
+    parser = HarnessCLI()
+    saved_argv = sys.argv
+    sys.argv = ["lm-eval", *argv]  # HarnessCLI reads sys.argv, and inserts `run` when no command is given
+    try:
+        args = parser.parse_args()
+    finally:
+        sys.argv = saved_argv
+    prepare(args)
+    silence_git_lookup()
+    parser.execute(args)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Edit lm-eval's parsed arguments in place: the shipped tasks, and the exitbench model's arguments."""
+    config = _config_file(args)
+    if hasattr(args, "include_path"):
+        args.include_path = with_shipped_tasks(args.include_path or config.get("include_path"))
+    if getattr(args, "command", None) == "run" and (args.model or config.get("model")) == MODEL:
+        _check_exitbench_run(args, config)
+
+
+def with_shipped_tasks(include: str | Path | list[str | Path] | None) -> list[str]:
+    """The user's task folders after exitbench's, unless one of them already holds or lies in it.
+
+    TaskManager lets a later folder win a name clash, so a user's task still overrides a shipped one of the
+    same name; and a folder indexed twice would warn about every task in it overriding itself.
+    """
+    paths = [] if include is None else [include] if isinstance(include, (str, Path)) else list(include)
+    for p in paths:
+        resolved = Path(p).expanduser().resolve()
+        if resolved.is_relative_to(SHIPPED_TASKS) or SHIPPED_TASKS.is_relative_to(resolved):
+            return [str(p) for p in paths]
+    return [str(SHIPPED_TASKS), *(str(p) for p in paths)]
+
+
+def _config_file(args: argparse.Namespace) -> dict[str, Any]:
+    """`run --config FILE`: lm-eval fills in from it whatever the command line leaves out."""
+    path = getattr(args, "config", None)
+    if not path:
+        return {}
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    try:
+        return EvaluatorConfig.load_yaml_config(path)
+    except (OSError, ValueError, TypeError) as exc:
+        first_line = next(iter(str(exc).splitlines()), type(exc).__name__)
+        raise ExitbenchError(f"--config {path}: {first_line}") from None
+
+
+def _check_exitbench_run(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    from lm_eval.utils import simple_parse_args_string
+
+    model_args = args.model_args or config.get("model_args") or {}
+    if isinstance(model_args, str):
+        model_args = simple_parse_args_string(model_args)
+    model_args = dict(model_args)
+    for key in CLI_MODEL_KEYS:
+        if key in model_args:
+            value, given = model_args.pop(key), _given(args, config, key)
+            if given is not None and str(given) != str(value):
+                raise ExitbenchError(f"--model_args {key}={value} and --{key} {given} disagree; give {key} once")
+            setattr(args, key, value)
+    args.model_args = model_args or None
+    check_model_args(model_args)
+    check_device(_given(args, config, "device"))
+    from .lm import ExitbenchLM
+
+    batch_size = _given(args, config, "batch_size")
+    ExitbenchLM._parse_batch_size(1 if batch_size is None else batch_size, _given(args, config, "max_batch_size"))
+
+
+def _given(args: argparse.Namespace, config: dict[str, Any], key: str) -> Any:
+    value = getattr(args, key, None)  # absent, not None, when the flag is left out (argparse.SUPPRESS)
+    return config.get(key) if value is None else value
+
+
+def check_model_args(model_args: dict[str, Any]) -> None:
+    """What ExitbenchLM(**model_args) would reject before and while loading, without reading the weights."""
+    from .engine import ExitConfig
+    from .lm import ExitbenchLM
+    from .models.checkpoint import parse_dtype
+
+    params = inspect.signature(ExitbenchLM.__init__).parameters
+    known = [name for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD]
+    unknown = sorted(set(model_args) - set(known))
+    if unknown:
+        raise ExitbenchError(f"unknown exitbench model argument {unknown[0]!r} in --model_args; "
+                             f"known: {', '.join(known)}")
+    bound = {name: model_args.get(name, params[name].default) for name in known}
+    exit_knobs = {f.name for f in dataclasses.fields(ExitConfig)} & set(bound)
+    ExitConfig(**{k: bound[k] for k in exit_knobs})
+    parse_dtype(bound["dtype"])
+    check_checkpoint(bound["checkpoint"])
+
+
+def check_device(device: Any) -> None:
+    """exitbench runs on cpu or cuda (cuda falls back to cpu on a machine without one)."""
+    import torch
+
+    if device in (None, "", "auto"):
+        return
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError:
+        kind = None
+    if kind not in DEVICE_TYPES:
+        raise ExitbenchError(f"device {device!r} is not one exitbench runs on; use cpu, cuda or cuda:N")
+
+
+def check_checkpoint(checkpoint: Any) -> None:
+    """The checks load_checkpoint makes before it reads a tensor, plus each weight file's safetensors header.
+
+    The header lists every tensor's byte range and the library checks them against the file's length, so a
+    truncated file fails here without its weights being read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from .embedded import resolve
+    from .models.checkpoint import read_config, weight_files
+    from .models.registry import architecture_of
+
+    path = resolve(None if checkpoint is None else str(checkpoint)).expanduser()
+    config = read_config(path)
+    architecture_of(config).config_class.from_dict(config)
+    for shard in weight_files(path):
+        try:
+            with safe_open(str(path / shard), framework="pt"):
+                pass
+        except SafetensorError as exc:
+            raise CheckpointError(f"{path / shard} is truncated or corrupt: {exc}") from None
