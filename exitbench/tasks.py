@@ -7,6 +7,7 @@ hub. Shipped tasks that need local data (gsm8k_text) receive the directory as ta
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from .errors import ExitbenchError
 SHIPPED_TASKS = Path(__file__).resolve().parent.parent / "tasks"
 GSM8K_HUB = "openai/gsm8k"
 NEEDS_DATA_DIR = {"gsm8k_text"}
+_IGNORED_DIRS = {"__pycache__", ".ipynb_checkpoints"}  # as lm-eval's task index
+_NAMING_KEY = re.compile(r"^\s*-?\s*(task|group|tag)\s*:")
 
 
 @dataclass
@@ -56,18 +59,31 @@ def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
         if not p.exists():
             raise ExitbenchError(f"--include-path {p} does not exist")
     tm = _manager(include, False, data)
-    if any(n not in tm.all_tasks for n in names):
+    broken: list[tuple[Path, str]] = []
+    missing = [n for n in names if n not in tm.all_tasks]
+    if missing:
+        broken = unparsed_task_files(include)
+        for name in missing:
+            for path, error in broken:
+                if defines(path, name):
+                    raise ExitbenchError(f"task {name!r}: {path} does not parse: {error}")
         tm = _manager(include, True, data)  # lm-eval's own index costs seconds: build it only when needed
     specs, fingerprints = [], {}
     for name in names:
         if name not in tm.all_tasks:
             close = difflib.get_close_matches(name, tm.all_tasks, n=3)
             hint = f"; closest: {', '.join(close)}" if close else ""
+            if broken:
+                path, error = broken[0]
+                hint += (f"; {len(broken)} task file(s) under the include paths do not parse, "
+                         f"e.g. {path}: {error}")
             raise ExitbenchError(f"unknown task {name!r}{hint}")
         if name in NEEDS_DATA_DIR and data is None:
             raise ExitbenchError(f"task {name} reads local GSM8K text: pass --data-dir DIR with test.jsonl")
         entry = tm.task_index[name]
         yaml_path = Path(entry.yaml_path) if entry.yaml_path else None
+        if yaml_path is not None:
+            _check_loads(name, yaml_path)
         files = [yaml_path] if yaml_path else []
         if yaml_path and yaml_path.is_relative_to(SHIPPED_TASKS):
             files += sorted(yaml_path.parent.glob("*.jsonl"))
@@ -79,6 +95,68 @@ def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
         fingerprints[name] = file_fingerprint(files) if files else name
         specs.append(spec)
     return TaskSet(tm, specs, list(names), fingerprints)
+
+
+def unparsed_task_files(roots: list[Path]) -> list[tuple[Path, str]]:
+    """(file, error) of each task YAML under `roots` that lm-eval's task index skips.
+
+    The index loads every YAML with lm-eval's own loader (functions unresolved, includes followed) and drops
+    one that fails with only a debug log line, so its task would look merely unknown. Same loader, same
+    options here; only on the path where a name was not found.
+    """
+    from lm_eval.tasks._index import TaskIndex
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).glob("**/*.yaml")):
+            if any(part in _IGNORED_DIRS for part in path.parts):
+                continue
+            try:
+                TaskIndex.process_cfg(load_yaml(path, resolve_func=False, recursive=True), path, {})
+            except Exception as exc:  # noqa: BLE001  (whatever made lm-eval skip the file, reported as it is)
+                out.append((path, _one_line(exc)))
+    return out
+
+
+def defines(path: Path, name: str) -> bool:
+    """Whether an unparseable task file looks like the definition of `name`: named after it, or a
+    task/group/tag line naming it (a guess from the raw text, since the file does not parse)."""
+    if path.stem == name:
+        return True
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key = _NAMING_KEY.match(line)
+        if key and name in re.findall(r"[\w.\-]+", line[key.end():]):
+            return True
+    return False
+
+
+def _check_loads(name: str, yaml_path: Path) -> None:
+    """Load the task's YAML as lm-eval will when it builds the task, functions resolved: the index does not
+    resolve `!function`, so a missing module or function would otherwise surface as a traceback mid-run."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        load_yaml(yaml_path, resolve_func=True, recursive=True)
+    except Exception as exc:  # noqa: BLE001  (a user's YAML and the Python it names can fail in any way)
+        raise ExitbenchError(f"task {name!r}: {yaml_path} does not load: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: YAML errors as what went wrong and where, others with their lines joined."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError):
+        def at(what: str | None, mark: Any) -> str | None:
+            return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if what and mark else what
+
+        return ", ".join(p for p in (at(exc.problem, exc.problem_mark), at(exc.context, exc.context_mark)) if p)
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _redirect_gsm8k(yaml_path: Path, data: Path) -> dict[str, Any]:
