@@ -7,6 +7,11 @@
   than the context.
 - `generate_until`: greedy, each new token with its own exit; stops at EOS, a stop string or `max_gen_toks`.
 
+Text becomes tokens exactly as lm-eval's `hf` model makes them, so the same weights give the same numbers under
+both: the tokenizer's post-processor decides special tokens (or `add_bos_token` forces BOS on or special tokens
+off), a string that already starts with the BOS text gets none added, and the prefix token (BOS, else EOS)
+conditions an empty context and the first rolling window.
+
 Each request's exit steps, iterations, FLOPs and wall-clock are kept in a side table keyed by
 (task, doc_id, idx), which `exitbench run` joins into lm-eval's samples and task results.
 """
@@ -62,7 +67,7 @@ class ExitbenchLM(LM):
                  patience: int | None = None, relative: bool = False, prefill: str = "full",
                  warm_start: bool = False, seed: int = 0, batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
-                 max_gen_toks: int = 256, **kwargs: Any):
+                 max_gen_toks: int = 256, add_bos_token: bool | None = None, **kwargs: Any):
         super().__init__()
         if kwargs:
             raise ExitbenchError(f"unknown exitbench model argument {sorted(kwargs)[0]!r}")
@@ -71,29 +76,42 @@ class ExitbenchLM(LM):
         exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
                                  patience=patience, relative=relative, prefill=prefill, warm_start=warm_start,
                                  seed=seed)
-        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks)
+        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
 
     @classmethod
     def from_checkpoint(cls, ck: Checkpoint, exit_config: ExitConfig, batch_size: int | str = 1,
                         max_batch_size: int | None = None, max_length: int | None = None, max_gen_toks: int = 256,
-                        on_progress: Callable[[int, int], None] | None = None) -> "ExitbenchLM":
+                        on_progress: Callable[[int, int], None] | None = None,
+                        add_bos_token: bool | None = None) -> "ExitbenchLM":
         """An adapter over an already loaded checkpoint (a sweep loads the model once for all its cells)."""
         self = cls.__new__(cls)
         LM.__init__(self)
         self._init_distributed()
         self._device = ck.model.device
-        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks)
+        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
         self.on_progress = on_progress
         return self
 
     def _setup(self, ck: Checkpoint, exit_config: ExitConfig, batch_size, max_batch_size, max_length,
-               max_gen_toks) -> None:
+               max_gen_toks, add_bos_token) -> None:
         self.ck = ck
         if ck.tokenizer is None:
             raise ExitbenchError(f"{ck.path} has no tokenizer.json; lm-eval tasks need text in and out")
         self.tok = ck.tokenizer
-        if self.tok.bos_token_id is None:
-            raise ExitbenchError(f"{ck.path} names no bos_token_id; exitbench conditions every request on it")
+        if self.tok.bos_token_id is None and self.tok.eos_token_id is None:
+            raise ExitbenchError(f"{ck.path} names neither bos_token_id nor eos_token_id; an empty context and the "
+                                 "first rolling window are conditioned on one of them")
+        if add_bos_token is not None and not isinstance(add_bos_token, bool):
+            raise ExitbenchError(f"add_bos_token must be true, false or none (the tokenizer decides), "
+                                 f"got {add_bos_token!r}")
+        if add_bos_token and self.tok.bos_token_id is None:
+            raise ExitbenchError(f"add_bos_token=true, but {ck.path} names no bos_token_id to add; name one in "
+                                 "config.json or leave add_bos_token unset")
+        self.add_bos_token = add_bos_token
+        # Decoded with special tokens kept, as lm-eval's hf model compares it against the start of each string.
+        self._prefix_text = self.tok.decode([self.prefix_token_id], skip_special_tokens=False)
+        bos = self.tok.bos_token_id
+        self._bos_text = None if bos is None else self.tok.token(bos)
         self.exit_config = exit_config
         self.engine = ExitEngine(ck.model, exit_config)
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
@@ -162,13 +180,54 @@ class ExitbenchLM(LM):
     def eot_token_id(self) -> int:
         return self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.bos_token_id
 
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
+
+    def _encode_specials(self, text: str, add_special_tokens: bool) -> list[int]:
+        # lm-eval hands add_bos_token to the tokenizer's from_pretrained, and transformers then rebuilds the
+        # post-processor as a "<bos> $A" template: with add_bos_token=true, special tokens mean BOS alone.
+        if add_special_tokens and self.add_bos_token:
+            return self.tok.encode(text, add_bos=True)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def tok_encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """lm-eval hf's `tok_encode`: `add_special_tokens` when given, else none for a string that already starts
+        with the prefix token's text (it would be doubled), else as `add_bos_token` says, else as the tokenizer's
+        post-processor does."""
+        if add_special_tokens is None:
+            add_special_tokens = not text.startswith(self._prefix_text) and self.add_bos_token is not False
+        return self._encode_specials(text, add_special_tokens)
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """A generation prompt as lm-eval hf's `tok_batch_encode` encodes it: it checks the BOS token's own
+        text, where `tok_encode` checks the prefix token's."""
+        starts_with_bos = self._bos_text is not None and text.startswith(self._bos_text)
+        return self._encode_specials(text, not starts_with_bos and self.add_bos_token is not False)
+
+    def _encode_request(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's `loglikelihood` encoding: an empty context becomes the prefix token (unless the continuation
+        already starts with it), any other goes through `_encode_pair`."""
+        if context:
+            return self._encode_pair(context, continuation)
+        cont = self.tok_encode(continuation, add_special_tokens=False)
+        if not cont:
+            raise ExitbenchError(f"continuation {continuation!r} encodes to no tokens")
+        if cont[0] == self.prefix_token_id:
+            return cont[:1], cont[1:]
+        return [self.prefix_token_id], cont
+
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Tokens of context and continuation, split where the whole string's tokens split (as HF models do)."""
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-        whole = self.tok.encode(context + continuation, add_bos=True)
-        ctx = self.tok.encode(context, add_bos=True)
+        whole = self.tok_encode(context + continuation)
+        ctx = self.tok_encode(context)
+        if not ctx:
+            # A whitespace-only context, under a tokenizer that adds nothing: lm-eval's hf model asserts here;
+            # conditioning on the prefix token is what it does for an empty context.
+            return [self.prefix_token_id], whole
         return ctx, whole[len(ctx):]
 
     def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], int]:
@@ -211,7 +270,7 @@ class ExitbenchLM(LM):
         pairs = []
         for req in requests:
             context, continuation = req.args
-            ctx, cont = self._encode_pair(context, continuation)
+            ctx, cont = self._encode_request(context, continuation)
             if not cont:
                 raise ExitbenchError(f"continuation {continuation!r} encodes to no tokens")
             pairs.append((self._fit(ctx, cont), len(cont)))
@@ -243,8 +302,8 @@ class ExitbenchLM(LM):
         encoded = []
         for req in requests:
             (text,) = req.args
-            tokens = self.tok.encode(text)
-            windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.tok.bos_token_id,
+            tokens = self.tok_encode(text)
+            windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.prefix_token_id,
                                                 max_seq_len=self.max_length, context_len=1)
             encoded.append([(ctx + cont, len(ctx)) for ctx, cont in map(make_disjoint_window, windows)])
         results, seconds = self._run_scoring(encoded)
@@ -268,7 +327,8 @@ class ExitbenchLM(LM):
                 n_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
                 n_new = max(1, min(n_new, self.max_length // 2))
                 limits.append(n_new)
-                ids = self.tok.encode(context, add_bos=True)
+                # A model needs a token to condition on; lm-eval's hf model cannot generate from none.
+                ids = self._encode_prompt(context) or [self.prefix_token_id]
                 prompts.append(ids[-(self.max_length - n_new):])
 
             def stop(row: int, generated: list[int]) -> bool:
@@ -293,7 +353,8 @@ class ExitbenchLM(LM):
     # ---- reporting ---------------------------------------------------------------------------------
     def get_model_info(self) -> dict[str, Any]:
         return {"exitbench": {"checkpoint": str(self.ck.path), "architecture": self.ck.model.architecture,
-                              "exit": self.exit_config.to_dict(), "batch_size": self.batch_size}}
+                              "exit": self.exit_config.to_dict(), "batch_size": self.batch_size,
+                              "add_bos_token": self.add_bos_token}}
 
     @property
     def tokenizer_name(self) -> str:

@@ -34,14 +34,16 @@ IGNORE = -100
 
 
 def build_tokenizer() -> Tokenizer:
-    """Word-level vocabulary: specials, the ten digits, then every statement `x=d` and `x=y` (x ≠ y)."""
+    """Word-level vocabulary: specials, the ten digits, then every statement `x=d` and `x=y` (x ≠ y); an encode
+    with special tokens puts <bos> first."""
     words = SPECIAL + DIGITS
     words += [f"{x}={d}" for x in NAMES for d in DIGITS]
     words += [f"{x}={y}" for x in NAMES for y in NAMES if x != y]
     backend = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens(SPECIAL)
-    return Tokenizer(backend, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    # The model is trained with <bos> first; the post-processor makes lm-eval-style encodes put it there too.
+    return Tokenizer(backend, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).add_bos_post_processor()
 
 
 def factored_embedding(tokenizer: Tokenizer, n_embd: int, std: float, generator: torch.Generator) -> torch.Tensor:

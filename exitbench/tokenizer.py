@@ -5,8 +5,9 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ExitbenchError
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -35,8 +36,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. By default no special tokens, and BOS only when `add_bos` asks for it (what
+        training, calibration and tracing were written against). `add_special_tokens=True` is Hugging Face's
+        default instead: the tokenizer's own post-processor decides which special tokens to add, as lm-eval's
+        `hf` model encodes."""
+        if add_bos and add_special_tokens:
+            raise ExitbenchError("encode takes add_bos (prepend BOS here) or add_special_tokens (let the "
+                                 "tokenizer's post-processor add its tokens), not both")
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
@@ -50,6 +58,20 @@ class Tokenizer:
     def special_tokens(self) -> dict[str, tuple[int, str | None]]:
         named = {"bos": self.bos_token_id, "eos": self.eos_token_id, "pad": self.pad_token_id}
         return {k: (v, self.token(v)) for k, v in named.items() if v is not None}
+
+    def add_bos_post_processor(self) -> "Tokenizer":
+        """Make the tokenizer put BOS first by itself (a "<bos> $A" template), so an encode with special tokens,
+        as Hugging Face and lm-eval do by default, conditions on BOS the way exitbench trains."""
+        if self.bos_token_id is None:
+            raise ExitbenchError("a BOS post-processor needs a bos_token_id; name one in the tokenizer")
+        bos = self.token(self.bos_token_id)
+        if bos is None:
+            raise ExitbenchError(f"bos_token_id {self.bos_token_id} is not in the vocabulary "
+                                 f"(size {self.vocab_size}); name a token the tokenizer has")
+        # Pairs are Llama's template: each segment opens with BOS.
+        self.backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, self.bos_token_id)])
+        return self
 
     def describe(self) -> str:
         return json.dumps({"vocab_size": self.vocab_size, "special": self.special_tokens()})

@@ -201,7 +201,10 @@ def test_rolling_windows_longer_than_the_context(raven, cfg):
     got = lm.loglikelihood_rolling(requests)
     bos = raven.tokenizer.bos_token_id
     for text, value, stats in zip(texts, got, lm.request_stats):
-        tokens = raven.tokenizer.encode(text)
+        # lm-eval's hf model rolls over the text as the tokenizer encodes it with its special tokens, so the
+        # post-processor's BOS is scored after the prefix BOS of the first window.
+        tokens = raven.tokenizer.encode(text, add_special_tokens=True)
+        assert tokens[:2] == [bos, raven.tokenizer.encode(text)[0]]
         windows = [make_disjoint_window(w) for w in
                    get_rolling_token_windows(token_list=tokens, prefix_token=bos, max_seq_len=max_length,
                                              context_len=1)]
@@ -253,7 +256,8 @@ def test_max_gen_toks_is_respected(random18):
     ck = lm.ck
     prompt = "the cat sat on"
     (ref,) = ExitEngine(ck.model, ExitConfig("fixed", threshold=4)).generate(
-        [ck.tokenizer.encode(prompt, add_bos=True)], 20, stop_ids=[ck.tokenizer.eos_token_id])
+        # conftest's tokenizer has no post-processor, so (as under lm-eval's hf model) the prompt gets no BOS
+        [ck.tokenizer.encode(prompt, add_special_tokens=True)], 20, stop_ids=[ck.tokenizer.eos_token_id])
     assert len(ref.tokens) == 20  # this prompt never reaches EOS within 20 tokens
     for n in (1, 3, 7):
         out = lm.generate_until([req("generate_until", (prompt, {"until": [], "max_gen_toks": n}))])[0]
@@ -362,7 +366,7 @@ def test_request_stats_rows(raven):
     assert [(r["task_name"], r["doc_id"], r["idx"], r["kind"]) for r in rows] == [
         ("chains_lambada", 7, 0, "loglikelihood"), ("chains_lambada", 9, 0, "loglikelihood"),
         ("chains", 3, 0, "generate_until"), ("rolling", 5, 2, "loglikelihood_rolling")]
-    n_rolling = len(raven.tokenizer.encode(d2["prompt"]))
+    n_rolling = len(raven.tokenizer.encode(d2["prompt"], add_special_tokens=True))  # BOS included, as lm-eval
     assert [r["tokens"] for r in rows] == [1, 2, 2, n_rolling]  # generation: the digit, then EOS
     for r in rows:
         assert len(r["exit_steps"]) == r["tokens"]

@@ -37,6 +37,8 @@ def test_trainer_end_to_end_writes_a_loadable_checkpoint(tmp_path):
     assert (out / "training" / "step-000006" / "config.json").exists()
     ids = torch.tensor([[synthetic.BOS] + ck.tokenizer.encode("a=3 b=a")])
     assert torch.isfinite(ck.model(ids, 2)).all()
+    # The saved tokenizer puts <bos> first by itself, so lm-eval-style encodes condition as training did.
+    assert ck.tokenizer.encode("a=3 b=a", add_special_tokens=True) == ids[0].tolist()
 
 
 def test_same_seed_same_checkpoint_and_resume_continues_exactly(tmp_path):
@@ -155,11 +157,14 @@ def test_looped_gpt2_trains_on_text_deterministically_and_resumes(tmp_path, gsm8
     assert model.architecture == "looped_gpt2"
     assert model.config.loop_groups == [[1], [2]]
     assert [g.max_steps for g in model.loop_groups()] == [4, 4]
-    # A byte-level BPE fitted to the training text, <|endoftext|> as BOS/EOS.
+    # A byte-level BPE fitted to the training text, <|endoftext|> as BOS/EOS ...
     assert ck.tokenizer.vocab_size == model.config.vocab_size <= 300
     assert ck.tokenizer.token(ck.tokenizer.bos_token_id) == "<|endoftext|>"
     text = GSM8K_ROWS[0]["question"]
     assert ck.tokenizer.decode(ck.tokenizer.encode(text)) == text
+    # ... which the saved tokenizer puts first by itself (documents are trained after it)
+    bos = ck.tokenizer.bos_token_id
+    assert ck.tokenizer.encode(text, add_special_tokens=True) == [bos] + ck.tokenizer.encode(text)
     assert (out / "training" / "step-000002" / "config.json").exists()
     training = ck.provenance["training"]
     assert "--arch looped_gpt2" in training["command"] and training["steps_done"] == 4
