@@ -59,6 +59,9 @@ class ContentIdentity:
     digest: str
     files: dict[str, str] = field(default_factory=dict)
 
+    def __hash__(self) -> int:  # the digest already covers the files; lets identities key dicts and sets
+        return hash(self.digest)
+
     @property
     def short(self) -> str:
         return self.digest[:16]

@@ -120,6 +120,7 @@ def test_a_copied_checkpoint_keeps_its_identity(tiny_checkpoint, tmp_path):
     settle(copy, age_ns=5 * HOUR_NS)  # different mtimes and inodes, same bytes
     (copy / "README.md").write_text("notes are not part of the model\n")
     assert checkpoint_identity(copy) == original
+    assert len({original, checkpoint_identity(copy)}) == 1
 
 
 def test_sharded_identity_covers_index_and_every_shard(tiny_checkpoint):
