@@ -17,9 +17,7 @@ Each request's exit steps, iterations, FLOPs and wall-clock are kept in a side t
 """
 from __future__ import annotations
 
-import os
 import time
-from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -28,36 +26,13 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from . import cells
+from .devices import resolve_device
+from .distributed import init_distributed
 from .embedded import open_checkpoint
 from .engine import ExitConfig, ExitEngine, SequenceResult
-from .distributed import init_distributed
 from .errors import ExitbenchError
 from .models import Checkpoint
-
-
-def _stats(results: list[SequenceResult], seconds: float) -> dict[str, Any]:
-    """What one request cost: exit steps per token, iterations, FLOPs, wall-clock and the probe's share."""
-    records = [r for res in results for r in res.records]
-    iterations = [sum(r.exit_steps) for r in records]
-    phase = defaultdict(float)
-    for r in records:
-        for k, v in r.time_s.items():
-            phase[k] += v
-    core_probe = phase["core"] + phase["probe"]
-    # `seconds` is the request's share of its batches' wall-clock, prefill included; `token_seconds` only
-    # what the scored tokens' own loops cost (the part exits change).
-    return {
-        "tokens": len(records),
-        "exit_steps": [r.exit_steps for r in records],
-        "iterations": iterations,
-        "mean_iterations": sum(iterations) / len(iterations) if iterations else 0.0,
-        "flops": sum(r.flops["total"] for r in records),
-        "probe_flops": sum(r.flops["probe"] for r in records),
-        "seconds": seconds,
-        "token_seconds": sum(phase.values()),
-        "phase_seconds": dict(phase),
-        "probe_share": phase["probe"] / core_probe if core_probe else 0.0,
-    }
 
 
 @register_model("exitbench")
@@ -67,12 +42,14 @@ class ExitbenchLM(LM):
                  patience: int | None = None, relative: bool = False, prefill: str = "full",
                  warm_start: bool = False, seed: int = 0, batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
-                 max_gen_toks: int = 256, add_bos_token: bool | None = None, **kwargs: Any):
+                 max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
+                 **kwargs: Any):
         super().__init__()
         if kwargs:
             raise ExitbenchError(f"unknown exitbench model argument {sorted(kwargs)[0]!r}")
         self._init_distributed()
-        ck = open_checkpoint(checkpoint, dtype=dtype, device=self._pick_device(device))
+        self._device = torch.device(resolve_device(device))
+        ck = open_checkpoint(checkpoint, dtype=dtype, device=str(self._device), allow_nonfinite=allow_nonfinite)
         exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
                                  patience=patience, relative=relative, prefill=prefill, warm_start=warm_start,
                                  seed=seed)
@@ -123,21 +100,6 @@ class ExitbenchLM(LM):
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:
         self._rank, self._world_size = init_distributed()
-
-    @staticmethod
-    def resolve_device(device: str | None) -> str:
-        if device in (None, "", "auto"):
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if str(device).startswith("cuda") and not torch.cuda.is_available():
-            device = "cpu"  # lm-eval's CLI defaults to cuda:0 even on machines without one
-        if str(device).startswith("cuda") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        return str(device)
-
-    def _pick_device(self, device: str | None) -> str:
-        device = self.resolve_device(device)
-        self._device = torch.device(device)
-        return device
 
     def _progress(self, done: int, total: int) -> None:
         if self.on_progress is not None:
@@ -240,7 +202,7 @@ class ExitbenchLM(LM):
         return [items[i:i + self.batch_size] for i in range(0, len(items), self.batch_size)]
 
     def _record(self, req, kind: str, results: list[SequenceResult], seconds: float) -> None:
-        stats = _stats(results, seconds)
+        stats = cells.request_stats([r for res in results for r in res.records], seconds)
         self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx,
                                    "kind": kind, **stats})
 

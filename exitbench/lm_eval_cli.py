@@ -27,7 +27,6 @@ MODEL = "exitbench"
 # lm-eval hands these to every model beside --model_args, so the same key inside --model_args makes the
 # constructor fail with "got multiple values for keyword argument".
 CLI_MODEL_KEYS = ("batch_size", "max_batch_size", "device")
-DEVICE_TYPES = ("cpu", "cuda")
 
 
 def run_lm_eval(argv: list[str]) -> None:
@@ -104,6 +103,11 @@ def _check_exitbench_run(args: argparse.Namespace, config: dict[str, Any]) -> No
     args.model_args = model_args or None
     check_model_args(model_args)
     check_device(_given(args, config, "device"))
+    if _given(args, config, "device") is None:
+        # lm-eval's own default is cuda:0 even on a machine without CUDA; exitbench's is "auto".
+        from .devices import resolve_device
+
+        args.device = resolve_device("auto")
     from .lm import ExitbenchLM
 
     batch_size = _given(args, config, "batch_size")
@@ -135,17 +139,11 @@ def check_model_args(model_args: dict[str, Any]) -> None:
 
 
 def check_device(device: Any) -> None:
-    """exitbench runs on cpu or cuda (cuda falls back to cpu on a machine without one)."""
-    import torch
+    """The same rule as every exitbench command: a device that is asked for must be there."""
+    from .devices import resolve_device
 
-    if device in (None, "", "auto"):
-        return
-    try:
-        kind = torch.device(str(device)).type
-    except RuntimeError:
-        kind = None
-    if kind not in DEVICE_TYPES:
-        raise ExitbenchError(f"device {device!r} is not one exitbench runs on; use cpu, cuda or cuda:N")
+    if device not in (None, ""):
+        resolve_device(str(device))
 
 
 def check_checkpoint(checkpoint: Any) -> None:

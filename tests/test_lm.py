@@ -314,10 +314,11 @@ def test_constructor_batch_sizes_and_device():
         with pytest.raises(ExitbenchError, match="batch_size"):
             ExitbenchLM(batch_size=bad)
     if not torch.cuda.is_available():
-        lm = ExitbenchLM(device="cuda:0")
-        assert lm.device == torch.device("cpu")
-        assert lm.ck.model.device.type == "cpu"
+        # A device asked for and missing is an error, never a silent CPU run.
+        with pytest.raises(ExitbenchError, match="no CUDA device"):
+            ExitbenchLM(device="cuda:0")
     assert ExitbenchLM(device="cpu").device == torch.device("cpu")
+    assert ExitbenchLM(device="auto").device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_constructor_exit_knobs():
@@ -344,11 +345,10 @@ def test_registered_in_lm_eval_with_cli_style_args():
     cls = get_model("exitbench")
     assert cls is ExitbenchLM
     lm = cls.create_from_arg_string("policy=fixed,threshold=16",
-                                    {"batch_size": "auto", "max_batch_size": 6, "device": "cuda:0"})
+                                    {"batch_size": "auto", "max_batch_size": 6, "device": "cpu"})
     assert lm.batch_size == 6
     assert lm.exit_config.threshold == 16
-    if not torch.cuda.is_available():
-        assert lm.device == torch.device("cpu")
+    assert lm.device == torch.device("cpu")
     lm = cls.create_from_arg_obj({"policy": "second_order", "threshold": 0.1}, {"batch_size": 2, "device": None})
     assert lm.batch_size == 2
 
