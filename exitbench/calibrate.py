@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .cells import atomic_write
+from .files import atomic_write
 from .engine import ExitConfig, ExitEngine
 from .errors import ExitbenchError
 from .policies import make_policy

@@ -41,8 +41,10 @@ def label(cell: dict[str, Any]) -> str:
     return f"{cell['task']['name']} {p['policy']}{rel} τ={p['threshold']:g}"
 
 
-def _worse(run: float, base: float, tol: float, higher: bool) -> bool:
-    return not pareto.within(run, base, tol, higher)
+def _worse(run: float | None, base: float | None, tol: float, higher: bool) -> bool:
+    if base is None:
+        return False
+    return run is None or not pareto.within(run, base, tol, higher)
 
 
 def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
@@ -50,10 +52,43 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
     return a / b if a and b else None
 
 
-def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], tol: Tolerances
-            ) -> list[dict[str, Any]]:
-    """Every regression, as rows naming the cell (or frontier point), what moved, and by how much."""
+@dataclass
+class Verdict:
+    """What a check compared and found: regressions as rows naming the cell (or frontier point), what moved
+    and by how much; and the counts behind them."""
+
+    regressions: list[dict[str, Any]]
+    baseline_cells: int
+    compared: int
+    missing: int
+    ignored_missing: int
+    frontier_points: int
+
+    @property
+    def passed_cells(self) -> int:
+        failed = {r["cell"] for r in self.regressions if not r["what"].startswith(("frontier", "missing"))}
+        return self.compared - len(failed)
+
+    def summary(self) -> str:
+        text = (f"compared {self.compared} of the baseline's {self.baseline_cells} cells: {self.passed_cells} within "
+                f"the tolerances, {self.compared - self.passed_cells} not; {self.frontier_points} frontier points "
+                "checked")
+        if self.missing:
+            text += f"; {self.missing} baseline cells are missing from the run (pass --present-only to compare " \
+                    "only the cells the run has)"
+        if self.ignored_missing:
+            text += f"; {self.ignored_missing} baseline cells not in the run were left out (--present-only)"
+        return text
+
+
+def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], tol: Tolerances,
+            present_only: bool = False) -> Verdict:
+    """Compare a run with a baseline. With `present_only`, baseline cells the run does not have are left
+    out, the frontier included (a partial sweep is checked on what it ran)."""
     run = {identity(c): c for c in run_cells}
+    all_base = len(base_cells)
+    if present_only:
+        base_cells = [c for c in base_cells if identity(c) in run]
     regressions = []
 
     def add(what: str, cell_label: str, base_value: Any, run_value: Any) -> None:
@@ -63,11 +98,14 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
                 if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
     full_base = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(base_cells).items()
                  if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
+    compared = missing = 0
     for base in sorted(base_cells, key=label):
         key, name = identity(base), label(base)
         if key not in run:
             add("missing cell", name, "present", "missing")
+            missing += 1
             continue
+        compared += 1
         cell = run[key]
         higher = base["quality"]["higher_is_better"]
         if _worse(cell["quality"]["value"], base["quality"]["value"], tol.quality, higher):
@@ -81,12 +119,14 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
                 b_t, r_t = _relative_time(base, full_base[group]), _relative_time(cell, full_run[group])
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
                     add("time / full-depth time", name, b_t, r_t)
-    regressions += compare_frontiers(run_cells, base_cells, tol)
-    return regressions
+    frontier, points = compare_frontiers(run_cells, base_cells, tol)
+    return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points)
 
 
-def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> list[dict[str, Any]]:
+def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict[str, Any]], int]:
+    """Frontier regressions, and how many (ε, policy) frontier points of the baseline were checked."""
     out = []
+    points = 0
     run_groups = pareto.groups(run_cells)
     for group, base_points in pareto.groups(base_cells).items():
         if group not in run_groups or not any(p.cell["policy"]["policy"] == "fixed" for p in run_groups[group]):
@@ -98,6 +138,7 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> list[dict[str, 
         run_rows = {(r["tolerance"], r["policy"]): r
                     for r in pareto.matched_quality(run_groups[group], reference=reference)}
         for (eps, policy), b in sorted(base_rows.items()):
+            points += 1
             where = f"{group[0]} {policy} at ε={100 * eps:g}%"
             r = run_rows.get((eps, policy))
             if r is None:
@@ -106,8 +147,8 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> list[dict[str, 
             elif r["mean_iterations"] > b["mean_iterations"] * (1 + tol.iterations):
                 out.append({"what": "frontier: cheapest point within ε", "cell": where,
                             "baseline": b["mean_iterations"], "run": r["mean_iterations"]})
-    return out
+    return out, points
 
 
-def check_dirs(run: Path, baseline: Path, tol: Tolerances) -> list[dict[str, Any]]:
-    return compare(pareto.load([run]), pareto.load([baseline]), tol)
+def check_dirs(run: Path, baseline: Path, tol: Tolerances, present_only: bool = False) -> Verdict:
+    return compare(pareto.load([run]), pareto.load([baseline]), tol, present_only)

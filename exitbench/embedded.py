@@ -4,9 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import CheckpointError
-from .models.checkpoint import EMBEDDED_DIR, Checkpoint, load_checkpoint
+from .models.checkpoint import Checkpoint, load_checkpoint
 
 DEFAULT = "tiny-raven"
+EMBEDDED_DIR = Path(__file__).resolve().parent / "checkpoints"
+
+
+def source_label(path: Path) -> str:
+    """How reports name a checkpoint: `embedded:NAME` for one shipped in the package, else its path."""
+    try:
+        return f"embedded:{Path(path).resolve().relative_to(EMBEDDED_DIR)}"
+    except ValueError:
+        return str(path)
 
 
 def embedded_names() -> list[str]:
@@ -29,8 +38,9 @@ def resolve(checkpoint: str | Path | None) -> Path:
     return Path(checkpoint)
 
 
-def open_checkpoint(checkpoint: str | Path | None, dtype: str = "float32", device: str = "cpu") -> Checkpoint:
-    return load_checkpoint(resolve(checkpoint), dtype=dtype, device=device)
+def open_checkpoint(checkpoint: str | Path | None, dtype: str = "float32", device: str = "cpu",
+                    allow_nonfinite: bool = False) -> Checkpoint:
+    return load_checkpoint(resolve(checkpoint), dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
 
 
 def _embedded_subdir(name: str) -> bool:

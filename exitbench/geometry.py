@@ -268,7 +268,7 @@ def _describe(layout: tuple) -> str:
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:
-    from .cells import atomic_write
+    from .files import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, lambda fh: json.dump(report, fh, indent=1))

@@ -3,19 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .models.checkpoint import EMBEDDED_DIR, Checkpoint
+from .embedded import source_label
+from .models.checkpoint import Checkpoint
 
 
 def describe(ck: Checkpoint) -> dict[str, Any]:
     model = ck.model
     groups = model.loop_groups()
     tok = ck.tokenizer
-    try:
-        source = f"embedded:{ck.path.resolve().relative_to(EMBEDDED_DIR)}"
-    except ValueError:
-        source = str(ck.path)
     return {
-        "source": source,
+        "source": source_label(ck.path),
         "architecture": model.architecture,
         "parameters": model.num_parameters(),
         "parameter_breakdown": model.parameter_breakdown(),

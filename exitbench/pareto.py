@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import cells
 from .errors import ExitbenchError
@@ -45,22 +45,31 @@ class Point:
         return self.cell[section][key]
 
 
-def load(directories: list[Path]) -> list[dict[str, Any]]:
-    found = []
+def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None) -> list[dict[str, Any]]:
+    """Every cell under the directories (recursively). JSON files that are not cells (calibration and geometry
+    reports) are skipped and passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
+    found, skipped = [], []
     for d in directories:
         d = Path(d)
         if not d.is_dir():
             raise ExitbenchError(f"{d} is not a directory of result cells")
-        files = sorted(p for p in d.rglob("*.json"))
-        found += [cells.read_cell(p) for p in files]
+        cells_here, skipped_here = cells.scan(d.rglob("*.json"))
+        found += [cell for _, cell in cells_here]
+        skipped += skipped_here
     if not found:
-        raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}")
+        extra = f" ({len(skipped)} JSON file(s) there are not cells, e.g. {skipped[0]})" if skipped else ""
+        raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}{extra}")
+    if skipped and on_skip is not None:
+        on_skip(skipped)
     return found
 
 
 def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
+    """Points per (task, metric); a cell without a quality number (a non-finite metric) is no point."""
     out: dict[tuple[str, str], list[Point]] = {}
     for c in cell_list:
+        if c["quality"]["value"] is None:
+            continue
         out.setdefault((c["task"]["name"], c["quality"]["metric"]), []).append(Point(c))
     return out
 
@@ -121,8 +130,19 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 "speedup": ref_time / time if ref_time and time else None,
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
                                            if oracle and oracle[0].cost("iterations") else None),
+                # A speed-up is a ratio of two cells' timings: only comparable when one run measured both.
+                "same_run": run_id(best.cell) == run_id(ref.cell),
             })
     return rows
+
+
+def run_id(cell: dict[str, Any]) -> str | None:
+    return cell["run"].get("run_id")
+
+
+def mixed_runs(rep: dict[str, Any]) -> list[str]:
+    """The groups whose matched-quality speed-ups compare cells measured by different runs."""
+    return [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
 
 
 def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,6 +164,14 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+TABLES = ("frontier", "matched")
+
+
+def check_table(table: str | None) -> None:
+    if table is not None and table not in TABLES:
+        raise ExitbenchError(f"--table must be one of {', '.join(TABLES)}; got {table!r}")
+
+
 def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Flat rows for output: frontier points (per group and cost axis) and matched-quality rows."""
     front, matched = [], []
@@ -154,14 +182,19 @@ def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
     return front, matched
 
 
-def format_tables(rep: dict[str, Any], fmt: str) -> str:
-    """md / csv / json text of a report (the terminal's rich tables live in report.py)."""
+def format_tables(rep: dict[str, Any], fmt: str, table: str | None = None) -> str:
+    """md / csv / json text of a report (the terminal's rich tables live in report.py). CSV is one table per
+    stream (the frontier unless `table` says matched); md and json hold both unless `table` picks one."""
     import json
 
     from tabulate import tabulate
 
+    check_table(table)
     if fmt == "json":
-        return json.dumps(rep, indent=2)
+        if table is None:
+            return json.dumps(rep, indent=2)
+        front, matched = table_rows(rep)
+        return json.dumps(front if table == "frontier" else matched, indent=2)
     if fmt not in ("md", "csv"):
         raise ExitbenchError(f"--format must be one of rich, md, csv, json; got {fmt!r}")
     front, matched = table_rows(rep)
@@ -169,17 +202,27 @@ def format_tables(rep: dict[str, Any], fmt: str) -> str:
         import csv
         import io
 
+        rows = matched if table == "matched" else front
         buf = io.StringIO()
-        for rows in (front, matched):
-            if rows:
-                writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
-            buf.write("\n")
+        if rows:
+            writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
         return buf.getvalue()
-    return ("## Pareto frontiers\n\n" + tabulate(front, headers="keys", tablefmt="github", floatfmt=".4g")
-            + "\n\n## Matched quality\n\n" + tabulate(matched, headers="keys", tablefmt="github", floatfmt=".4g")
-            + "\n")
+    parts = []
+    if table in (None, "frontier"):
+        parts.append("## Pareto frontiers\n\n" + tabulate(front, headers="keys", tablefmt="github", floatfmt=".4g"))
+    if table in (None, "matched"):
+        parts.append("## Matched quality\n\n" + tabulate(matched, headers="keys", tablefmt="github", floatfmt=".4g"))
+    return "\n\n".join(parts) + "\n"
+
+
+def check_plot_target(path: Path, axis: str) -> None:
+    """Bad plot arguments fail before any cell is read."""
+    if axis not in COSTS:
+        raise ExitbenchError(f"plot cost must be one of {', '.join(COSTS)}; got {axis!r}")
+    if Path(path).suffix not in (".png", ".svg"):
+        raise ExitbenchError(f"--plot must name a .png or .svg file, got {path}")
 
 
 def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
@@ -190,8 +233,7 @@ def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if axis not in COSTS:
-        raise ExitbenchError(f"plot cost must be one of {', '.join(COSTS)}; got {axis!r}")
+    check_plot_target(path, axis)
     grouped = sorted(groups(cell_list).items())
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
     for ax, ((task, metric), points) in zip(axes[0], grouped):
@@ -217,7 +259,6 @@ def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
-    if path.suffix not in (".png", ".svg"):
-        raise ExitbenchError(f"--plot must name a .png or .svg file, got {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return fig

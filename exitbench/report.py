@@ -15,14 +15,30 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
         if len(r.get("per_group", [])) > 1:  # several loop groups: their means beside the total
             iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
-        table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", f"{r['quality']:.4g}", iters,
+        quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
+        table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", quality, iters,
                       f"{r['ms_per_token']:.3f}", f"{100 * r['probe_share']:.1f}%")
     return table
 
 
-def pareto_tables(rep: dict[str, Any]) -> list[Table]:
+def reuse_note(reused: list[dict[str, Any]], out) -> str | None:
+    """What a rerun takes from disk instead of computing: how many cells, and when they were measured."""
+    if not reused:
+        return None
+    started = sorted(c["run"]["started"] for c in reused)
+    runs = len({c["run"].get("run_id") for c in reused})
+    when = started[0] if started[0] == started[-1] else f"{started[0]} to {started[-1]}"
+    return (f"reusing {len(reused)} cell(s) already in {out}, measured {when} by {runs} earlier run(s); "
+            "their timings are as measured then (use a fresh --out to measure everything now)")
+
+
+def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
+    """Per group: the matched-quality table, then the frontier over mean iterations (or only `table`)."""
     out = []
     for group, entry in rep.items():
+        if table == "frontier":
+            out.append(_frontier_table(group, entry))
+            continue
         t = Table(title=f"{group}: matched quality (ε relative to full depth)")
         for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
@@ -31,13 +47,18 @@ def pareto_tables(rep: dict[str, Any]) -> list[Table]:
                       f"{r['mean_iterations']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}×",
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
         out.append(t)
-        f = Table(title=f"{group}: frontier over mean iterations")
-        for col in ("policy", "τ", "quality", "mean iters"):
-            f.add_column(col, justify="left" if col == "policy" else "right")
-        for p in entry["frontiers"]["iterations"]:
-            f.add_row(p["policy"], f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
-        out.append(f)
+        if table is None:
+            out.append(_frontier_table(group, entry))
     return out
+
+
+def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
+    f = Table(title=f"{group}: frontier over mean iterations")
+    for col in ("policy", "τ", "quality", "mean iters"):
+        f.add_column(col, justify="left" if col == "policy" else "right")
+    for p in entry["frontiers"]["iterations"]:
+        f.add_row(p["policy"], f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
+    return f
 
 
 def regression_table(rows: list[dict[str, Any]], title: str) -> Table:

@@ -7,20 +7,22 @@ every rank runs every cell on its share of the documents (lm-eval shards them) a
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import Counter
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import cells
+import torch
+
+from . import __version__, cells, results
 from .distributed import init_distributed
 from .engine import ExitConfig
 from .errors import ExitbenchError
+from .identity import checkpoint_identity
 from .models import Checkpoint
 from .policies import REGISTRY, make_policy
-from .provenance import run_metadata
+from .provenance import package_version, run_metadata
 from .tasks import TaskSet
 
 
@@ -40,6 +42,8 @@ class SweepConfig:
     min_steps: int = 1
     patience: int | None = None
     bootstrap_iters: int = 1000
+    add_bos_token: bool | None = None
+    quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -56,8 +60,12 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 
 
 def parse_thresholds(text: str | None) -> list[float] | None:
-    if text is None or text.strip() == "":
+    """None when the option was not given (each policy's own grid); an empty value is an error, not the grid."""
+    if text is None:
         return None
+    if not text.strip():
+        raise ExitbenchError("--thresholds is empty; give comma-separated numbers, e.g. 1e-4,1e-3, or leave the "
+                             "option out for each policy's own grid")
     out = []
     for part in text.split(","):
         try:
@@ -92,7 +100,12 @@ def default_baselines(max_steps: int) -> list[int]:
 def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
     """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds."""
     configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed) for r in (cfg.baselines or default_baselines(default_steps))]
-    for name in expand_policies(cfg.policies):
+    names = expand_policies(cfg.policies)
+    if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
+        raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
+                             f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
+                             "the oracle has no threshold to sweep")
+    for name in names:
         cls = REGISTRY[name]
         if cls.retrospective:
             thresholds = [cls.default_threshold]
@@ -100,8 +113,11 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
             thresholds = cfg.thresholds or list(cls.default_grid)
         relative = cfg.relative and cls.uses_relative
         for tau in thresholds:
+            if cls.integer_threshold and float(tau) != int(tau):
+                raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
+                                     "whole numbers; sweep it in a run of its own")
             if cls.integer_threshold:
-                tau = max(1, round(tau))
+                tau = int(tau)
             configs.append(ExitConfig(name, threshold=tau, relative=relative, min_steps=cfg.min_steps,
                                       patience=cfg.patience, seed=cfg.seed))
     unique = {tuple(sorted(c.to_dict().items())): c for c in configs}
@@ -109,90 +125,48 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
 
 
 def model_record(ck: Checkpoint) -> dict[str, Any]:
-    from .embedded import EMBEDDED_DIR
+    from .embedded import source_label
 
-    files = [ck.path / f for f in ck.files]
-    try:
-        source = f"embedded:{ck.path.resolve().relative_to(EMBEDDED_DIR)}"
-    except ValueError:
-        source = str(ck.path)
-    return {"path": str(ck.path), "source": source, "architecture": ck.model.architecture,
-            "parameters": ck.model.num_parameters(), "fingerprint": cells.file_fingerprint(files),
+    ident = checkpoint_identity(ck.path)
+    return {"path": str(ck.path), "source": source_label(ck.path), "architecture": ck.model.architecture,
+            "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
             "dtype": ck.dtype}
 
 
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
              device: str, world_size: int = 1) -> dict[str, Any]:
-    # Everything that can change a number in the cell; batch size, device and world size only change times.
+    """Everything that can change a number in the cell (README, "What a cell's key holds"). Batch size, device
+    and world size change only timings, but a cell's timings are results too."""
     return {"model": model["fingerprint"], "dtype": model["dtype"], "task": task, "task_fingerprint": task_fingerprint,
             "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
-            "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size}
-
-
-def summarize_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """Iterations, wall-clock and FLOPs of a cell from the adapter's per-request table."""
-    its = [k for s in stats for k in s["iterations"]]
-    tokens = len(its)
-    # Each token's exit step per loop group (looped GPT-2 has several groups; iterations above are their sum).
-    per_token = [steps for s in stats for steps in s["exit_steps"]]
-    per_group = [statistics.fmean(g) for g in zip(*per_token)] if per_token else []
-    seconds = sum(s["seconds"] for s in stats)
-    token_seconds = sum(s["token_seconds"] for s in stats)
-    phases = Counter()
-    for s in stats:
-        phases.update(s["phase_seconds"])
-    core_probe = phases["core"] + phases["probe"]
-    ordered = sorted(its)
-    return {
-        "iterations": {
-            "mean": statistics.fmean(its) if its else None, "median": statistics.median(its) if its else None,
-            "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
-            "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
-            "tokens": tokens, "requests": len(stats), "per_group_mean": per_group},
-        "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
-                       "request_s": seconds / len(stats) if stats else None,
-                       "probe_share": phases["probe"] / core_probe if core_probe else 0.0,
-                       "phases_s": dict(phases)},
-        "flops": {"per_token": sum(s["flops"] for s in stats) / tokens if tokens else None,
-                  "probe_per_token": sum(s["probe_flops"] for s in stats) / tokens if tokens else None},
-    }
-
-
-def task_record(results: dict[str, Any], name: str, cfg: SweepConfig) -> dict[str, Any]:
-    r = results["results"][name]
-    skip = {"alias", "name", "sample_len", " ", ""}
-    metrics = {k: v for k, v in r.items() if k not in skip and "_stderr," not in k and isinstance(v, (int, float))}
-    stderr = {k.replace("_stderr,", ","): v for k, v in r.items() if "_stderr," in k}
-    hib_raw = results.get("higher_is_better", {}).get(name, {})
-    higher = {k: bool(hib_raw.get(k.split(",")[0], True)) for k in metrics}
-    if not metrics:
-        raise ExitbenchError(f"lm-eval reported no metric for task {name}")
-    primary = next(iter(metrics))
-    return {"name": name, "version": results.get("versions", {}).get(name),
-            "n_shot": results.get("n-shot", {}).get(name), "limit": cfg.limit,
-            "n_samples": results.get("n-samples", {}).get(name), "metrics": metrics, "stderr": stderr,
-            "higher_is_better": higher, "primary_metric": primary}
+            "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
+            "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,
+            "versions": {"exitbench": __version__, "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
+                         "torch": torch.__version__}}
 
 
 def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: ExitConfig, cfg: SweepConfig,
-               model: dict, keys: list[dict], on_requests: Callable[[int, int], None] | None = None
+               model: dict, keys: list[dict], run_id: str, on_requests: Callable[[int, int], None] | None = None
                ) -> list[tuple[dict, list | None]]:
     """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0."""
     import lm_eval
 
     from .lm import ExitbenchLM
+    from .quiet import lm_eval_output
 
     names = [tasks.names[i] for i in indices]
-    lm = ExitbenchLM.from_checkpoint(ck, exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests)
-    started = run_metadata(seed=cfg.seed, batch_size=cfg.batch_size, device=str(lm.device), dtype=ck.dtype,
-                           world_size=lm.world_size)
+    lm = ExitbenchLM.from_checkpoint(ck, exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
+                                     add_bos_token=cfg.add_bos_token)
+    started = run_metadata(seed=cfg.seed, run_id=run_id, batch_size=cfg.batch_size, device=str(lm.device),
+                           dtype=ck.dtype, world_size=lm.world_size)
     t0 = time.perf_counter()
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=[tasks.specs[i] for i in indices], task_manager=tasks.manager, limit=cfg.limit,
-            num_fewshot=cfg.num_fewshot, log_samples=cfg.log_samples, bootstrap_iters=cfg.bootstrap_iters,
-            random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
-            fewshot_random_seed=cfg.seed, verbosity="ERROR")
+        with lm_eval_output(quiet=cfg.quiet):
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=[tasks.specs[i] for i in indices], task_manager=tasks.manager, limit=cfg.limit,
+                num_fewshot=cfg.num_fewshot, log_samples=cfg.log_samples, bootstrap_iters=cfg.bootstrap_iters,
+                random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
+                fewshot_random_seed=cfg.seed, verbosity="ERROR")
     except ExitbenchError:
         raise
     except (ConnectionError, OSError, ValueError) as exc:
@@ -211,22 +185,14 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
             unique.setdefault((s["task_name"], s["doc_id"], s["idx"]), s)
     stats = list(unique.values())
     policy = lm.engine.policies[0]
+    resolved = {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
+                "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
+                "needs_logits": policy.needs_logits}
     out = []
     for name, key in zip(names, keys):
         mine = [s for s in stats if s["task_name"] == name]
-        task = task_record(results, name, cfg)
-        primary = task["primary_metric"]
-        cell = {
-            "schema": cells.SCHEMA, "schema_version": cells.SCHEMA_VERSION, "cell_id": cells.cell_id(key),
-            "key": key, "model": model, "task": task,
-            "quality": {"metric": primary, "value": task["metrics"][primary], "stderr": task["stderr"].get(primary),
-                        "higher_is_better": task["higher_is_better"][primary]},
-            "policy": {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
-                       "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
-                       "needs_logits": policy.needs_logits},
-            **summarize_stats(mine),
-            "run": started,
-        }
+        task = cells.task_record(results, name, cfg.limit)
+        cell = cells.build(key, model, task, resolved, mine, started, samples=cfg.log_samples)
         cell["wall_clock"]["cell_s"] = elapsed * len(mine) / max(1, len(stats))
         samples = results.get("samples", {}).get(name) if cfg.log_samples else None
         if samples is not None:
@@ -235,7 +201,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                 by_doc.setdefault(s["doc_id"], []).append(s)
             for sample in samples:
                 doc = by_doc.get(sample.get("doc_id"), [])
-                sample["exitbench"] = {"requests": len(doc), **summarize_stats(doc)["iterations"],
+                sample["exitbench"] = {"requests": len(doc), **cells.summarize(doc)["iterations"],
                                        "exit_steps": [e for s in doc for e in s["exit_steps"]]}
         out.append((cell, samples))
     return out
@@ -244,8 +210,13 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
 @dataclass
 class SweepPlan:
     cells: list[tuple[int, ExitConfig, dict[str, Any]]]   # (task index, exit config, key) of this shard
-    done: dict[str, Path]                                 # cell_id → finished file
+    done: dict[str, results.Stored]                       # cell_id → a finished cell on disk
     model: dict[str, Any]                                 # model_record of the checkpoint
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def reused(self) -> list[dict[str, Any]]:
+        """The cells of this shard already on disk: a rerun reuses them instead of computing them again."""
+        return [self.done[cells.cell_id(key)].cell for _, _, key in self.cells if cells.cell_id(key) in self.done]
 
 
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str) -> SweepPlan:
@@ -256,43 +227,126 @@ def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: st
                   for t in range(len(tasks.names)) for c in configs]
     i, n = cfg.shard
     mine = [cell for j, cell in enumerate(everything) if j % n == i]
-    return SweepPlan(mine, cells.existing_cells(out), model)
+    # A cell asked for with samples is finished only with its samples file beside it.
+    done = {cid: stored for cid, stored in results.existing(out).items()
+            if stored.has_samples or not cfg.log_samples}
+    return SweepPlan(mine, done, model)
 
 
 def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
-              progress: Any | None = None, sweep: SweepPlan | None = None) -> list[dict[str, Any]]:
+              progress: Any | None = None, sweep: SweepPlan | None = None, poll_s: float = 1.0
+              ) -> list[dict[str, Any]]:
     """Run every cell of this shard that is not on disk yet; return all of this shard's cells.
 
     Cells of one exit config share a single lm-eval call over their tasks (lm-eval's per-call setup would
-    otherwise dominate a small model's sweep); each task still gets its own cell file.
+    otherwise dominate a small model's sweep); each task still gets its own cell file. A cell another process
+    has claimed is left to it and collected once written (or computed here, should that process die).
     """
     sweep = sweep or plan(ck, tasks, cfg, out, device)
-    model = sweep.model
-    finished = []
-    pending: dict[str, list[tuple[int, ExitConfig, dict]]] = {}
+    rank0 = init_distributed()[0] == 0
+    finished: dict[str, dict[str, Any]] = {}
+    waiting: list[tuple[int, ExitConfig, dict]] = []
     for t, exit_cfg, key in sweep.cells:
         cid = cells.cell_id(key)
         if cid in sweep.done:
-            finished.append(cells.read_cell(sweep.done[cid]))
+            finished[cid] = sweep.done[cid].cell
             if progress:
                 progress.cell_skipped(cid)
-            continue
-        pending.setdefault(cells.cell_id(exit_cfg.to_dict()), []).append((t, exit_cfg, key))
-    for group in pending.values():
-        exit_cfg = group[0][1]
-        label = f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {', '.join(tasks.names[t] for t, _, _ in group)}"
-        if progress:
-            progress.cell_started(label)
-        for cell, samples in run_config(ck, tasks, [t for t, _, _ in group], exit_cfg, cfg, model,
-                                        [k for _, _, k in group], on_requests=progress.requests if progress else None):
-            path = cells.write_cell(out, cell)
-            if samples is not None:
-                cells.write_samples(path.with_suffix(".samples.jsonl"), samples)
-            finished.append(cell)
-        if progress:
-            for _ in group:
-                progress.cell_finished(label)
-    return finished
+        else:
+            waiting.append((t, exit_cfg, key))
+    if waiting and rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    settled: set[str] = set()
+    while waiting:
+        computed_any = False
+        for group in _by_exit_config(waiting):
+            # Claim a group's cells right before computing them, so a second sweep into the same directory
+            # takes the next group instead of idling. Rank 0 claims; every rank then runs the same cells,
+            # since lm-eval's calls are collective.
+            claims = [results.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
+            granted = _agree(_claim(claims, out, cfg.log_samples) if rank0 else None)
+            mine = [(*item, claims[j] if rank0 else None) for j, item in enumerate(group) if granted[j]]
+            try:
+                if mine:
+                    _run_group(ck, tasks, cfg, out, sweep, mine, progress, finished)
+                    settled.update(cells.cell_id(key) for _, _, key, _ in mine)  # on every rank alike
+                    computed_any = True
+            finally:
+                for *_, claim in mine:
+                    if claim is not None:
+                        claim.release()
+        # What is left was claimed by another process: collect what it wrote, retry the rest (its owner may
+        # have died and freed the claim).
+        stored = results.existing(out) if rank0 else {}
+        left = []
+        for t, exit_cfg, key in waiting:
+            cid = cells.cell_id(key)
+            if cid in settled:
+                continue
+            there = stored.get(cid)
+            if _agree(there is not None and (there.has_samples or not cfg.log_samples)):
+                if there is not None:
+                    finished[cid] = there.cell
+                if progress:
+                    progress.cell_finished(f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {tasks.names[t]} "
+                                           "(computed by another run)")
+            else:
+                left.append((t, exit_cfg, key))
+        waiting = left
+        if waiting and not computed_any:
+            time.sleep(poll_s)  # every remaining cell is another process's: wait until it writes them
+    return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
+
+
+def _claim(claims: list[results.Claim], out: Path, log_samples: bool) -> list[bool]:
+    """Which cells this process now owns. A cell written by another run between our look at the directory and
+    our claim is let go: it is done, and left for the collection step."""
+    granted = [c.acquire() for c in claims]
+    if any(granted):
+        stored = results.existing(out)
+        for j, claim in enumerate(claims):
+            there = stored.get(claim.cid)
+            if granted[j] and there is not None and (there.has_samples or not log_samples):
+                claim.release()
+                granted[j] = False
+    return granted
+
+
+def _by_exit_config(items: list[tuple[int, ExitConfig, dict]]) -> list[list[tuple[int, ExitConfig, dict]]]:
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(cells.cell_id(item[1].to_dict()), []).append(item)
+    return list(groups.values())
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's value on every rank (itself in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
+    exit_cfg = group[0][1]
+    label = f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {', '.join(tasks.names[t] for t, *_ in group)}"
+    if progress:
+        progress.cell_started(label)
+    produced = run_config(ck, tasks, [t for t, *_ in group], exit_cfg, cfg, sweep.model, [k for _, _, k, _ in group],
+                          sweep.run_id, on_requests=progress.requests if progress else None)
+    for cell, samples in produced:
+        cell = cells.strict(cell)
+        results.write(out, cell, samples)
+        finished[cell["cell_id"]] = cell
+        if progress and cell.get("numerics", {}).get("nonfinite_tokens"):
+            progress.warn(f"{cells.filename(cell)}: {cell['numerics']['nonfinite_tokens']} of "
+                          f"{cell['iterations']['tokens']} tokens had a NaN or infinity in their states or logits")
+    if progress:
+        for _ in group:
+            progress.cell_finished(label)
 
 
 def summary_rows(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:

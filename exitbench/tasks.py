@@ -49,7 +49,6 @@ def _manager(include: list[Path], defaults: bool, data_dir: Path | None):
 
 def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
                   include_paths: list[str | Path] = ()) -> TaskSet:
-    from .cells import file_fingerprint
 
     if not names:
         raise ExitbenchError("--tasks names no task; give one or more, e.g. --tasks chains")
@@ -84,17 +83,31 @@ def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
         yaml_path = Path(entry.yaml_path) if entry.yaml_path else None
         if yaml_path is not None:
             _check_loads(name, yaml_path)
-        files = [yaml_path] if yaml_path else []
-        if yaml_path and yaml_path.is_relative_to(SHIPPED_TASKS):
-            files += sorted(yaml_path.parent.glob("*.jsonl"))
         spec: Any = name
         if data is not None and isinstance(entry.cfg, dict) and entry.cfg.get("dataset_path") == GSM8K_HUB:
             spec = _redirect_gsm8k(yaml_path, data)
-        if data is not None:
-            files += [data / "train.jsonl", data / "test.jsonl"]
-        fingerprints[name] = file_fingerprint(files) if files else name
+        fingerprints[name] = task_fingerprint(name, yaml_path, data)
         specs.append(spec)
     return TaskSet(tm, specs, list(names), fingerprints)
+
+
+# What a task folder's files may hold that changes its numbers: configs and their includes, the Python of
+# `!function` entries (custom datasets, filters, metrics), and local data.
+TASK_FILE_SUFFIXES = (".yaml", ".yml", ".py", ".jsonl", ".json", ".txt")
+
+
+def task_fingerprint(name: str, yaml_path: Path | None, data: Path | None) -> str:
+    """The content identity of what a task reads from disk: its folder's configs, code and data, and the
+    --data-dir files when given (a task lm-eval defines in code alone is named by its name)."""
+    from .identity import named_content_fingerprint
+
+    files: dict[str, Path] = {}
+    if yaml_path is not None:
+        files.update({f"task/{p.name}": p for p in sorted(yaml_path.parent.iterdir())
+                      if p.is_file() and p.suffix in TASK_FILE_SUFFIXES})
+    if data is not None:
+        files.update({f"data/{f}": data / f for f in ("train.jsonl", "test.jsonl")})
+    return named_content_fingerprint(files).short if files else name
 
 
 def unparsed_task_files(roots: list[Path]) -> list[tuple[Path, str]]:

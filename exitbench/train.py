@@ -353,7 +353,7 @@ def status(state: TrainState, cfg: TrainConfig) -> str:
 
 
 def train(cfg: TrainConfig, command: str | None = None,
-          on_step: Callable[[TrainState, TrainConfig], None] | None = None) -> Path:
+          on_step: Callable[[TrainState], None] | None = None) -> Path:
     """Train, save intermediate checkpoints under OUT/training/, and the final model in OUT itself."""
     cfg.validate()
     out = check_output(cfg)
@@ -399,7 +399,7 @@ def train(cfg: TrainConfig, command: str | None = None,
         state.loss = ema_loss
         recipe.after_step(state, logits, targets, hops, steps)
         if on_step:
-            on_step(state, cfg)
+            on_step(state)
         if cfg.save_every and state.step % cfg.save_every == 0:
             _checkpoint(model, tokenizer, out / TRAINING_DIR / f"step-{state.step:06d}", cfg, state, command)
             _checkpoint(model, tokenizer, out / TRAINING_DIR / "latest", cfg, state, command)

@@ -73,7 +73,7 @@ def cell_files(directory: Path) -> list[Path]:
 
 def load_cells(directory: Path) -> dict[str, dict[str, Any]]:
     """file name → parsed cell, every *.json under `directory` (each must be a readable cell)."""
-    return {p.name: cells.read_cell(p) for p in cell_files(directory)}
+    return {p.name: cells.read(p) for p in cell_files(directory)}
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
@@ -111,12 +111,12 @@ def check_cell(cell: dict[str, Any], path: Path | None = None, source: str = "em
                architecture: str = "huginn_raven") -> None:
     """Assert `cell` follows the schema documented in exitbench/cells.py (exitbench.cell, version 1)."""
     assert cell["schema"] == "exitbench.cell" == cells.SCHEMA
-    assert cell["schema_version"] == 1 == cells.SCHEMA_VERSION
+    assert cell["schema_version"] == 2 == cells.SCHEMA_VERSION
     key = cell["key"]
     assert cell["cell_id"] == cells.cell_id(key)
     assert len(cell["cell_id"]) == 16 and int(cell["cell_id"], 16) >= 0
     if path is not None:
-        assert path.name == cells.cell_filename(cell)
+        assert path.name == cells.filename(cell)
         assert path.name.endswith(f"__{cell['cell_id']}.json")
         assert path.name.startswith(f"{cell['task']['name']}__{cell['policy']['policy']}")
 

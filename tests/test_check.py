@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import cells
+from exitbench import results
 from exitbench.cli import app
 from exitbench.policies.distribution import KL
 from exitbench.sweep import SweepConfig, run_sweep
@@ -17,7 +17,7 @@ from test_pareto import ACC, PPL
 
 def write(directory, cell_list):
     for c in cell_list:
-        cells.write_cell(directory, c)
+        results.write(directory, c)
     return directory
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import cells, pareto
+from exitbench import cells, pareto, results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 
@@ -14,10 +14,13 @@ from exitbench.errors import ExitbenchError
 def cell(task, metric, higher, policy, tau, quality, iters, sec, max_steps=16):
     key = {"task": task, "policy": policy, "tau": tau}
     return {"schema": cells.SCHEMA, "schema_version": cells.SCHEMA_VERSION, "cell_id": cells.cell_id(key), "key": key,
-            "task": {"name": task}, "quality": {"metric": metric, "value": quality, "higher_is_better": higher},
+            "model": {"fingerprint": "m", "architecture": "huginn_raven", "dtype": "float32"},
+            "task": {"name": task, "limit": None, "n_shot": 0, "metrics": {metric: quality}, "primary_metric": metric},
+            "quality": {"metric": metric, "value": quality, "higher_is_better": higher},
             "policy": {"policy": policy, "threshold": tau, "relative": False, "max_steps": tau if policy == "fixed"
                        else max_steps},
-            "iterations": {"mean": iters}, "wall_clock": {"per_token_s": sec}, "flops": {"per_token": 1000 * iters}}
+            "iterations": {"mean": iters, "tokens": 100}, "wall_clock": {"per_token_s": sec, "probe_share": 0.0},
+            "flops": {"per_token": 1000 * iters}, "run": {"started": "2026-11-30T00:00:00+00:00", "run_id": "r1"}}
 
 
 ACC = [  # accuracy, higher is better; full depth = fixed 16 at 0.90, 1.0 ms/token
@@ -81,7 +84,7 @@ def test_matched_quality_lower_is_better():
 
 def write(tmp_path, cell_list):
     for c in cell_list:
-        cells.write_cell(tmp_path, c)
+        results.write(tmp_path, c)
     return tmp_path
 
 
@@ -110,7 +113,7 @@ def test_cli_formats_and_plot(tmp_path):
 
 def test_refuses_other_files_and_empty_dirs(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"schema": "something-else"}))
-    with pytest.raises(ExitbenchError, match="not an exitbench result cell"):
+    with pytest.raises(ExitbenchError, match="no result cells.*1 JSON file.*not cells"):
         pareto.load([tmp_path])
     old = dict(ACC[0], schema_version=0)
     (tmp_path / "x.json").write_text(json.dumps(old))

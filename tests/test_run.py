@@ -26,6 +26,7 @@ SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thre
          "--baselines", "1,4,16", "--limit", str(LIMIT)]
 N_CELLS = 2 * (2 + 3)
 FLOAT = dict(rel=1e-9, abs=1e-12)
+FLOAT32 = dict(rel=1e-6, abs=1e-9)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +245,7 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
     survivors = cell_files(out)
     assert 2 <= len(survivors) < 10
     for path in survivors:
-        check_cell(cells.read_cell(path), path)  # whole cells only
+        check_cell(cells.read(path), path)  # whole cells only
     before = snapshot(out)
 
     run_ok(*KILL_SWEEP, "--out", str(out))
@@ -297,9 +298,12 @@ def test_torchrun_two_processes_give_the_same_metrics(distributed):
         assert cell["run"]["world_size"] == 2 and one[name]["run"]["world_size"] == 1
         assert cell["task"]["n_samples"] == one[name]["task"]["n_samples"] == {"effective": 23, "original": 600}
         assert set(cell["task"]["metrics"]) == set(one[name]["task"]["metrics"])
+        # Float32 scale, not 1e-9: a rank scores its documents in batches of other compositions, so matmul
+        # blocking sums the same float32 products in another order (ulp 6e-8); a perplexity is exp of a mean
+        # of such log-likelihoods, so its relative change stays within a few float32 ulps. Seen: 5e-9.
         for k, v in cell["task"]["metrics"].items():
-            assert v == pytest.approx(one[name]["task"]["metrics"][k], **FLOAT), (name, k)
-        assert cell["quality"]["value"] == pytest.approx(one[name]["quality"]["value"], **FLOAT)
+            assert v == pytest.approx(one[name]["task"]["metrics"][k], **FLOAT32), (name, k)
+        assert cell["quality"]["value"] == pytest.approx(one[name]["quality"]["value"], **FLOAT32)
 
 
 def test_torchrun_iteration_stats_match_one_process(distributed):
