@@ -12,16 +12,19 @@ from rich.table import Table
 
 from .errors import ExitbenchError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Benchmark per-token exit policies of recurrent-depth transformers.")
 console = Console()
 if not console.is_terminal:
     console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
 
 CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
                              help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
-DtypeOpt = typer.Option("float32", "--dtype", help="float32 or bfloat16.")
+DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
+                            "broken checkpoints); refused by default.")
 
 
 @app.callback()
@@ -43,7 +46,7 @@ def one_line_errors(fn):
 
 @app.command()
 @one_line_errors
-def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
          as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
          depth: bool = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r "
                                     "on held-out programs of the checkpoint's synthetic task."),
@@ -53,13 +56,13 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
     from .embedded import open_checkpoint
     from .info import describe
 
-    ck = open_checkpoint(checkpoint, dtype)
+    if programs < 1:
+        raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     report = describe(ck)
     if depth:
         from .depth import depth_report
 
-        if programs < 1:
-            raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
         report["depth"] = depth_report(ck, n_programs=programs, seed=seed)
     if as_json:
         print(json.dumps(report, indent=2))
@@ -112,8 +115,9 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
           threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
           resume: bool = typer.Option(False, help="Continue the run saved in --out.")):
     """Train a looped model from scratch: Raven on synthetic chains, or looped GPT-2 on GSM8K text (CPU-sized)."""
-    from .train import TrainConfig, train as run_training
     from .progress import training_progress
+    from .train import TrainConfig, status
+    from .train import train as run_training
 
     cfg = TrainConfig.for_arch(
         str(out), arch, task=task, n_chains=n_chains, max_hop=max_hop, n_embd=n_embd, n_heads=n_heads,
@@ -122,7 +126,7 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
         gsm8k_dir=gsm8k_dir, mean_recurrence=mean_recurrence, max_recurrence=max_recurrence,
         backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps, time_budget=time_budget,
         save_every=save_every, seed=seed, threads=threads, resume=resume)
-    with training_progress(console, cfg) as on_step:
+    with training_progress(console, cfg.steps, lambda state: status(state, cfg)) as on_step:
         path = run_training(cfg, on_step=on_step)
     console.print(f"saved {path}")
 
@@ -130,8 +134,9 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
 @app.command()
 @one_line_errors
 def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
-          checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
-          policy: str = typer.Option("second_order", "--policy", "-p", help="Exit policy (see --list-policies)."),
+          checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
+          policy: str = typer.Option("second_order", "--policy", "-p", help="Exit policy (`exitbench policies` "
+                                     "lists them)."),
           threshold: Optional[float] = typer.Option(None, help="Threshold τ (default: the policy's own)."),
           min_steps: int = typer.Option(1, help="No exit before this iteration."),
           max_steps: Optional[int] = typer.Option(None, help="Cap on iterations (default: the model's default r)."),
@@ -151,7 +156,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     else:
         cfg = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
                          patience=patience, relative=relative, warm_start=warm_start, seed=seed)
-    ck = open_checkpoint(checkpoint, dtype)
+    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     console.print(trace_table(trace_prompt(ck, prompt, cfg, generate)))
 
 
@@ -162,7 +167,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                          help="Exit policy (repeatable), or 'all'."),
         thresholds: Optional[str] = typer.Option(None, help="Comma-separated thresholds (default: each policy's grid)."),
         baselines: Optional[str] = typer.Option(None, help="Fixed depths, comma-separated (default 1,2,4,…,max)."),
-        checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+        checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
         limit: Optional[float] = typer.Option(None, help="Documents per task (testing only; <1 = fraction)."),
         num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples (default: the task's)."),
         batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
@@ -172,32 +177,47 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         shard: Optional[str] = typer.Option(None, help="Run only cells j with j % n == i, as i/n."),
         data_dir: Optional[Path] = typer.Option(None, help="Local GSM8K copy (train.jsonl, test.jsonl)."),
         include_path: list[Path] = typer.Option([], help="More lm-eval task folders."),
-        log_samples: bool = typer.Option(False, help="Also write each cell's samples with per-sample exits."),
-        device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
-        quiet: bool = typer.Option(False, help="No progress bars.")):
+        log_samples: bool = typer.Option(False, "--log-samples", help="Also write each cell's samples with "
+                                         "per-sample exits."),
+        add_bos_token: Optional[bool] = typer.Option(None, "--add-bos-token/--no-add-bos-token",
+                                                     help="Force BOS on (or off) every request, as lm-eval's hf "
+                                                     "model's add_bos_token (default: the tokenizer decides)."),
+        device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default auto: cuda when "
+                                             "available)."),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress and no lm-eval chatter; warnings and the "
+                                   "table still print.")):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each."""
+    from .devices import resolve_device
     from .distributed import init_distributed
-    from .embedded import open_checkpoint
-    from .lm import ExitbenchLM
+    from .embedded import open_checkpoint, resolve
+    from .files import writable_dir
     from .progress import SweepProgress
-    from .report import summary_table
-    from .sweep import SweepConfig, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
+    from .report import reuse_note, summary_table
+    from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
     from .tasks import resolve_tasks
 
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
-                      shard=parse_shard(shard), log_samples=log_samples, relative=relative)
+                      shard=parse_shard(shard), log_samples=log_samples, relative=relative, quiet=quiet,
+                      add_bos_token=add_bos_token)
     if batch_size < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
     if num_fewshot is not None and num_fewshot < 0:
         raise ExitbenchError(f"--num-fewshot must be ≥ 0, got {num_fewshot}")
-    task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
+    device = resolve_device(device)
     rank0 = init_distributed()[0] == 0
-    ck = open_checkpoint(checkpoint, dtype, ExitbenchLM.resolve_device(device))
-    out = out or Path("results") / ck.path.name
+    out = out or Path("results") / resolve(checkpoint).name
+    if rank0:
+        writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
+    task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
+    ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
+    grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
     sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
-    with SweepProgress(console, len(sweep.cells), enabled=rank0 and not quiet) as progress:
+    note = reuse_note(sweep.reused(), out)
+    if rank0 and note:
+        err_console.print(note, highlight=False)
+    with SweepProgress(console, err_console, len(sweep.cells), enabled=rank0, quiet=quiet) as progress:
         finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
     if rank0:
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
@@ -207,19 +227,32 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
 @one_line_errors
 def pareto(directories: list[Path] = typer.Argument(..., help="Result directories (searched recursively)."),
            fmt: str = typer.Option("rich", "--format", help="rich, md, csv or json."),
+           table: Optional[str] = typer.Option(None, "--table", help="frontier or matched: one table only "
+                                               "(csv always prints one; default frontier)."),
            plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.png|svg."),
            cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
     from . import pareto as par
+    from .files import writable_file
     from .report import pareto_tables
 
-    cell_list = par.load(directories)
+    par.check_table(table)
+    if plot is not None:
+        par.check_plot_target(plot, cost)
+        writable_file(plot, "--plot")
+    cell_list = par.load(directories, on_skip=lambda skipped: err_console.print(
+        f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})", highlight=False))
     rep = par.report(cell_list)
     if fmt == "rich":
-        for t in pareto_tables(rep):
+        for t in pareto_tables(rep, table):
             console.print(t)
     else:
-        print(par.format_tables(rep, fmt))
+        print(par.format_tables(rep, fmt, table))
+    mixed = par.mixed_runs(rep)
+    if mixed:
+        err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
+                          "(a rerun reused older cells); rerun into a fresh --out to compare wall-clock",
+                          highlight=False)
     if plot is not None:
         par.plot(cell_list, plot, cost)
         err_console.print(f"wrote {plot}")
@@ -243,9 +276,10 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
              seed: int = typer.Option(0, "--seed", help="Seed of held-out programs and initial states."),
              out: Path = typer.Option(Path("results/geometry"), "--out", "-o", help="Directory for geometry.json "
                                       "and the figures."),
-             dtype: str = DtypeOpt):
+             dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt):
     """Two-scale geometry of the loop iterates: step norms, cosines, accelerations, hand-off drift, PCA paths."""
     from .embedded import expand_checkpoints, open_checkpoint
+    from .files import writable_dir
     from .geometry import geometry_report, write_report
     from .geometry_plot import plot_handoffs, plot_pca, plot_steps
     from .progress import batch_progress
@@ -253,7 +287,11 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
 
     if checkpoint and checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
-    cks = [open_checkpoint(c, dtype) for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
+    if programs < 1:
+        raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+    writable_dir(out, "--out")
+    cks = [open_checkpoint(c, dtype, allow_nonfinite=allow_nonfinite)
+           for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
     with batch_progress(console, "geometry") as on_progress:
         rep = geometry_report(cks, task=task, text=text, data_dir=data_dir, steps=steps, max_tokens=tokens,
                               programs=programs, seed=seed, on_progress=on_progress)
@@ -272,7 +310,9 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
           iterations_tol: float = typer.Option(0.05, help="Allowed relative rise of mean iterations."),
           wall_clock: bool = typer.Option(False, "--wall-clock",
                                           help="Also compare time per token, as a ratio to full depth."),
-          wall_tol: float = typer.Option(0.25, help="Allowed relative rise of that ratio.")):
+          wall_tol: float = typer.Option(0.25, help="Allowed relative rise of that ratio."),
+          present_only: bool = typer.Option(False, "--present-only", help="Compare only the baseline cells the run "
+                                            "has (a partial sweep); missing cells are not regressions.")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked)."""
     from .check import Tolerances, check_dirs
     from .report import regression_table
@@ -280,13 +320,15 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
-    regressions = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol,
-                                                             wall_tol if wall_clock else None))
-    if regressions:
-        console.print(regression_table(regressions, title=f"{len(regressions)} regressions of {run_dir} "
-                                                          f"against {baseline}"))
+    verdict = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
+                         present_only)
+    if verdict.regressions:
+        console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "
+                                                                  f"{run_dir} against {baseline}"))
+        console.print(verdict.summary(), highlight=False)
         raise typer.Exit(1)
-    console.print(f"no regression: {run_dir} matches {baseline} within the tolerances")
+    console.print(f"no regression: {run_dir} matches {baseline} within the tolerances; {verdict.summary()}",
+                  highlight=False)
 
 
 @app.command()
@@ -299,6 +341,7 @@ def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help=
               thresholds: Optional[str] = typer.Option(None, help="Comma-separated thresholds (default: the "
                                                        "policy's grid)."),
               checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
+              allow_nonfinite: bool = NonfiniteOpt,
               task: Optional[str] = typer.Option(None, "--task", "-t", help="Calibrate on this lm-eval task's "
                                                  "documents."),
               text: Optional[str] = typer.Option(None, "--text", help="Calibrate on this text file (blank-line "
@@ -321,6 +364,7 @@ def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help=
     from .calibrate import check_calibratable, load_documents, write_report
     from .embedded import open_checkpoint
     from .engine import ExitConfig
+    from .files import writable_file
     from .policies import REGISTRY
     from .progress import batch_progress
     from .report import calibration_table
@@ -331,16 +375,33 @@ def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help=
     config.build_policy()  # an unknown policy or bad knob fails before the checkpoint loads
     check_calibratable(policy)
     grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
-    ck = open_checkpoint(checkpoint, dtype)
-    docs, source = load_documents(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
-                                  programs=programs, seed=seed)
+    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    path = writable_file(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
+    with console.status("calibrate: reading the documents"):
+        docs, source = load_documents(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
+                                      programs=programs, seed=seed)
     with batch_progress(console, "calibrate") as on_progress:
         rep = run_calibration(ck.model, docs, config, grid, epsilon=epsilon, delta=delta,
                               test_fraction=test_fraction, seed=seed, batch_size=batch_size, on_progress=on_progress)
     rep.update(source=source, checkpoint=str(ck.path))
     console.print(calibration_table(rep))
-    path = write_report(rep, out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json")
+    write_report(rep, path)
     err_console.print(f"wrote {path}")
+
+
+@app.command()
+def policies():
+    """The exit policies: name, what makes a token exit, whether it decodes, default threshold and grid."""
+    from .policies import REGISTRY
+
+    table = Table(title="exit policies (τ = --threshold; `exitbench run --policy NAME` sweeps the grid)")
+    for col in ("policy", "exits when", "decodes?", "default τ", "grid"):
+        table.add_column(col)
+    for name, cls in REGISTRY.items():
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        grid = ", ".join(f"{t:g}" for t in cls.default_grid)
+        table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid)
+    console.print(table)
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:

@@ -71,8 +71,13 @@ class ExitConfig:
     def from_yaml(cls, path: str | Path) -> "ExitConfig":
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ExitbenchError(f"cannot read exit config {path}: {exc}") from None
+        except OSError as exc:
+            raise ExitbenchError(f"cannot read exit config {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ExitbenchError(f"cannot read exit config {path}: not valid YAML{where}: {problem}") from None
         if not isinstance(raw, dict):
             raise ExitbenchError(f"exit config {path} must be a mapping of knobs")
         return cls.from_dict(raw)
@@ -87,6 +92,7 @@ class TokenRecord:
     time_s: dict[str, float]
     flops: dict[str, float]
     signals: list[list[float]] | None = None
+    nonfinite: bool = False  # a NaN or infinity in the token's exit states or logits
 
 
 @dataclass
@@ -299,6 +305,7 @@ class ExitEngine:
         clock = time.perf_counter
         x = self.model.embed(token_ids.view(n, 1), pos)
         exits, signals, logits = [], [], None
+        finite = torch.ones(n, dtype=torch.bool, device=x.device)
         phase = "prelude"
         g = 0
         for stage in self.stages:
@@ -309,6 +316,7 @@ class ExitEngine:
                 times[phase] += clock() - t0
                 continue
             x, steps, sig, logits, t_core, t_probe = self._loop(g, stage, x, ctx)
+            finite &= torch.isfinite(x).flatten(1).all(-1)
             times["core"] += t_core
             times["probe"] += t_probe
             exits.append(steps)
@@ -323,6 +331,7 @@ class ExitEngine:
             self._sync()
             times["coda"] += clock() - t0
         logp = torch.log_softmax(logits.float(), dim=-1)
+        nonfinite = (~(finite.cpu() & torch.isfinite(logits.float()).all(-1).cpu())).tolist()
         for phase, seconds in times.items():
             self.stats[phase] += seconds
         per_row = {k: v / n for k, v in times.items()}  # a position's time, shared by the rows that ran it
@@ -331,7 +340,7 @@ class ExitEngine:
             steps = [int(e[j]) for e in exits]
             sigs = [s[j] for s in signals] if self.config.record_signals else None
             records.append(TokenRecord(pos, steps, dict(per_row), self.flops.token(pos + 1, steps, self._probes(steps)),
-                                       sigs))
+                                       sigs, nonfinite[j]))
         return logp, records
 
     def _probes(self, steps: list[int]) -> list[int]:

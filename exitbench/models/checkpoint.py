@@ -28,8 +28,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Embedded checkpoints live in the package; see exitbench.embedded.
-EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 
 @dataclass
@@ -111,7 +109,26 @@ def read_tensors(path: Path, shards: dict[str, list[str]], dtype: torch.dtype) -
     return tensors
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu") -> Checkpoint:
+def first_nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int, int] | None:
+    """(key, count, first flat index) of the first tensor holding a NaN or an infinity, in key order."""
+    for key in sorted(tensors):
+        t = tensors[key]
+        if not t.is_floating_point():
+            continue
+        flat = t.reshape(-1)
+        # In chunks: a bool mask of a whole 346M-entry embedding would add a third of a GB to the load's peak.
+        for start in range(0, flat.numel(), 1 << 24):
+            bad = ~torch.isfinite(flat[start:start + (1 << 24)])
+            if bool(bad.any()):
+                count = sum(int((~torch.isfinite(flat[i:i + (1 << 24)])).sum()) for i in range(0, flat.numel(), 1 << 24))
+                return key, count, start + int(bad.nonzero()[0])
+    return None
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu",
+                    allow_nonfinite: bool = False) -> Checkpoint:
+    """Load a checkpoint directory. Weights holding a NaN or an infinity are refused (one line naming the first
+    bad tensor) unless `allow_nonfinite`: a broken checkpoint otherwise "runs" every policy to max depth."""
     path = Path(path).expanduser()
     torch_dtype = parse_dtype(dtype)
     config = read_config(path)
@@ -119,6 +136,12 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: str = "cpu
     model_config = model_cls.config_class.from_dict(config)
     shards = weight_files(path)
     tensors = model_cls.adapt_checkpoint(read_tensors(path, shards, torch_dtype), model_config)
+    if not allow_nonfinite:
+        bad = first_nonfinite(tensors)
+        if bad is not None:
+            key, count, index = bad
+            raise CheckpointError(f"{path}: tensor {key} holds {count} non-finite value(s) (NaN or inf; the first at "
+                                  f"flat index {index}); pass --allow-nonfinite to load it anyway")
 
     with torch.device("meta"):
         model = model_cls(model_config)
