@@ -51,8 +51,7 @@ def gsm8k_texts(split: str, data_dir: str | Path | None = None) -> list[str]:
 
 
 def fit_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """A GPT-2-style byte-level BPE fitted to `texts`, with <|endoftext|> as id 0 (BOS, EOS and padding), which an
-    encode with special tokens puts first."""
+    """A GPT-2-style byte-level BPE fitted to `texts`, with <|endoftext|> as id 0 (BOS, EOS and padding)."""
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -60,9 +59,10 @@ def fit_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(texts, trainer)
     eot = backend.token_to_id(END_OF_TEXT)
-    # Documents are trained after <|endoftext|> (the stream separates them with it); the post-processor makes
-    # lm-eval-style encodes, which let the tokenizer add special tokens, condition on it the same way.
-    return Tokenizer(backend, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).add_bos_post_processor()
+    # No post-processor, as GPT-2's own tokenizer: lm-eval's rolling perplexity then conditions a document on one
+    # <|endoftext|> (its prefix token), which is how the stream separated documents in training. A tokenizer
+    # that added it too would be scored after two.
+    return Tokenizer(backend, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
 
 
 class TokenStream:
