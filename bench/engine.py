@@ -1,64 +1,201 @@
-"""Do exits save wall-clock, and what does a probe cost? Ratios measured in one run (no absolute times).
+"""Do exits save wall-clock, what does the harness cost, what does a probe cost? Ratios measured in one run.
 
-    python bench/engine.py [--checkpoint DIR] [--programs 8] [--repeats 7] [--threads 1]
+    python bench/engine.py --quick                     # the headline ratios, in under 3 minutes on 2 cores
+    python bench/engine.py --json bench/engine-results.json --before REV    # the full run for RESULTS.md
 
-On held-out programs of the checkpoint's synthetic task, every statement is scored teacher-forced (each
-position runs its own loop, as in decoding):
-1. For each decoding-free policy, a threshold whose mean iterations are about half of max is found on a
-   calibration split; then `time(policy) / time(fixed max)` is compared with `mean iterations / max`.
-   Target: time ratio ≤ 1.15 × iteration ratio, at batch size 1 and at batch size 16.
-2. Probe overhead per iteration: the policy with min_steps = max computes its signal and exit decision at
-   every iteration but runs exactly max iterations, like `fixed`; the extra time per iteration over
-   `fixed`, divided by the time of one core iteration, is the probe's cost (median over repeats, with its
-   standard error). Target ≤ 2% for decoding-free rules; `kl` is reported, not hidden. The decoding-free
-   rules run twice: with the C probe (exitbench._probe) and on the tensor path a build without it uses.
-Runs are interleaved and each figure is the median over repeats, so drifts in machine speed hit all
-variants alike.
+On held-out programs of the embedded checkpoint's synthetic task (every statement is a scored position, run
+with its own loop as in decoding):
+1. Exits and wall-clock. For each rule a threshold whose mean iterations are about half of max is found on a
+   calibration split; `time(policy) / time(fixed max)` is then compared with `mean iterations / max`, teacher
+   forced (scoring) and greedy (generation), at batch size 1 and 16. Targets: ≤ 1.10 at batch size 1 and
+   ≤ 1.15 at batch size 16 for the decoding-free rules; kl is reported.
+2. The harness. The engine at fixed depth against a bare loop of the same model's layers (its stage walk per
+   position through a KV cache, then the head: no exits, no bookkeeping), batch size 1. Target ≤ 1.10.
+3. The probe, on a random model of realistic width (n_embd 1024, 4 core layers): each decoding-free rule with
+   min_steps = max computes its signal and exit decision every iteration yet runs exactly as many iterations
+   as fixed depth; its extra time over fixed depth per iteration, over one core iteration. Target ≤ 2%.
+4. With --before REV: tokens per second at batch size 1 and 16 of the engine at git revision REV and of this
+   one, on the same programs, each in its own process, taking turns.
+Variants take turns within each repeat and each figure is a median, so a drift in machine speed hits them
+alike. Paired figures come with the standard error of the median difference.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 from exitbench import synthetic  # noqa: E402
 from exitbench.embedded import open_checkpoint  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
-from exitbench.policies import latent  # noqa: E402
+from exitbench.models import AttnContext  # noqa: E402
 
 DECODING_FREE = [("first_order", False), ("first_order", True), ("second_order", False),
-                 ("second_order", True), ("second_order_magnitude", False), ("cosine", False)]
+                 ("second_order_magnitude", False), ("cosine", False)]
 
 
-def requests(ck, n: int, seed: str) -> list[tuple[list[int], int]]:
+def programs(ck, n: int, seed: str) -> list[list[int]]:
     cfg = ck.provenance["training"]["train_config"]
     task = synthetic.make_task(cfg["task"], n_chains=cfg["n_chains"], length=cfg["max_hop"])
     rng = random.Random(seed)
-    return [([ck.tokenizer.bos_token_id] + ck.tokenizer.encode(task.sample(rng).text), 1) for _ in range(n)]
+    return [[ck.tokenizer.bos_token_id] + ck.tokenizer.encode(task.sample(rng).text) for _ in range(n)]
 
 
-def run(engine: ExitEngine, reqs, batch: int) -> tuple[float, float]:
-    """(seconds, mean iterations per scored token)."""
+def scoring(progs):
+    return [(p, 1) for p in progs]
+
+
+def prompts(progs, new_tokens: int):
+    return [p[: len(p) - new_tokens] for p in progs]
+
+
+def run(engine: ExitEngine, work, batch: int, generate: int = 0) -> tuple[float, float, int]:
+    """(seconds, mean iterations per token, tokens) of scoring `work` (or generating `generate` tokens)."""
     t0 = time.perf_counter()
     results = []
-    for i in range(0, len(reqs), batch):
-        results += engine.score(reqs[i:i + batch])
+    for i in range(0, len(work), batch):
+        chunk = work[i:i + batch]
+        results += engine.generate(chunk, generate) if generate else engine.score(chunk)
     seconds = time.perf_counter() - t0
     its = [k for r in results for k in r.iterations]
-    return seconds, sum(its) / len(its)
+    return seconds, sum(its) / len(its), len(its)
 
 
+def half_depth_threshold(model, policy: str, relative: bool, work, K: int) -> float:
+    """The log-grid threshold whose mean iterations come closest to K/2 on `work`."""
+    best = None
+    for tau in [10 ** (e / 4) for e in range(-28, 5)]:
+        _, mean, _ = run(ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative)), work, 16)
+        if best is None or abs(mean - K / 2) < abs(best[1] - K / 2):
+            best = (tau, mean)
+    return best[0]
+
+
+def taking_turns(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """Each variant is a no-argument callable returning seconds; per repeat they run in a rotating order."""
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(variants[name]())
+    return times
+
+
+def paired(times: dict[str, list[float]], base: str) -> dict[str, tuple[float, float]]:
+    """Per variant: median over repeats of (its time − base's time), and that median's standard error."""
+    out = {}
+    for name, ts in times.items():
+        if name == base:
+            continue
+        diffs = [a - b for a, b in zip(ts, times[base])]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        out[name] = (statistics.median(diffs), 1.2533 * se)  # s.e. of a median ≈ 1.25 × that of a mean
+    return out
+
+
+# ---- 1. exits and wall-clock ------------------------------------------------------------------------------------
+def exits_and_wall_clock(model, K, calib, progs, repeats, quick, figures):
+    rules = [("first_order", False), ("second_order", False)] if quick else DECODING_FREE
+    rules = rules + [("kl", False)]
+    taus = {r: half_depth_threshold(model, *r, scoring(calib), K) for r in rules}
+    modes = [("score", 16), ("generate", 16), ("score", 1)] + ([] if quick else [("generate", 1)])
+    for mode, batch in modes:
+        work, new = (scoring(progs), 0) if mode == "score" else (prompts(progs, 8), 8)
+        engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
+        for (policy, relative), tau in taus.items():
+            engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
+                model, ExitConfig(policy, threshold=tau, relative=relative))
+        iters = {name: run(e, work, batch, new)[1] for name, e in engines.items()}
+        times = taking_turns({name: (lambda e=e: run(e, work, batch, new)[0]) for name, e in engines.items()},
+                             repeats)
+        target = 1.10 if batch == 1 else 1.15
+        print(f"\n[exits and wall-clock: {mode}, batch size {batch}]  target (decoding-free): time ratio ≤ "
+              f"{target:.2f} × iteration ratio")
+        print(f"{'policy':28} {'τ':>9} {'iters/max':>10} {'time/fixed':>11} {'ratio':>7}")
+        base = statistics.median(times["fixed"])
+        for name in engines:
+            if name == "fixed":
+                continue
+            it_ratio = iters[name] / K
+            t_ratio = statistics.median([a / b for a, b in zip(times[name], times["fixed"])])
+            tau = engines[name].config.threshold
+            figures[f"{mode}_bs{batch}_{name}"] = {"threshold": tau, "iteration_ratio": it_ratio,
+                                                   "time_ratio": t_ratio, "ratio_over_iterations": t_ratio / it_ratio}
+            print(f"{name:28} {tau:>9.3g} {it_ratio:>10.3f} {t_ratio:>11.3f} {t_ratio / it_ratio:>7.3f}")
+        tokens = run(engines["fixed"], work, batch, new)[2]
+        print(f"(fixed depth: {tokens / base:,.0f} tokens/s)")
+
+
+# ---- 2. the harness against a bare loop ---------------------------------------------------------------------------
+@torch.no_grad()
+def bare_loop(model, work, K: int, noise) -> None:
+    """What the engine computes at fixed depth, written plainly: prefill, then each position through the stage
+    walk at depth K with the KV cache, then the head; no exits, no timers, no records."""
+    for tokens, n_ctx in work:
+        cache = model.new_cache(1, len(tokens), [K] * len(model.loop_groups()))
+        depths = [K] * len(model.loop_groups())
+        ids = torch.tensor([tokens])
+        if n_ctx > 1:
+            model.walk(model.embed(ids[:, : n_ctx - 1]), AttnContext(start=0, cache=cache), depths,
+                       noise=lambda g, x: noise.rows(0, n_ctx - 1, x.dtype, x.device).unsqueeze(0))
+        for pos in range(n_ctx - 1, len(tokens) - 1):
+            x = model.walk(model.embed(ids[:, pos:pos + 1], pos), AttnContext(start=pos, cache=cache), depths,
+                           noise=lambda g, x, pos=pos: noise.rows(pos, 1, x.dtype, x.device).unsqueeze(0))
+            logp = torch.log_softmax(model.head(x)[0, 0].float(), -1)
+            float(logp[tokens[pos + 1]])
+
+
+def harness_overhead(model, K, progs, repeats, figures):
+    work = scoring(progs)
+    engine = ExitEngine(model, ExitConfig("fixed", threshold=K))
+    # Same answers first: the bare loop is the engine's computation, not a cheaper one.
+    ref = engine.score(work[:1])[0].logprobs
+    times = taking_turns({"engine": lambda: run(engine, work, 1)[0],
+                          "bare": lambda: _timed(lambda: bare_loop(model, work, K, engine.noise))}, repeats)
+    ratio = statistics.median([a / b for a, b in zip(times["engine"], times["bare"])])
+    figures["harness_over_bare_bs1"] = {"ratio": ratio, "engine_s": statistics.median(times["engine"]),
+                                        "bare_s": statistics.median(times["bare"])}
+    print(f"\n[the harness at fixed depth {K}, batch size 1]  target ≤ 1.10 × a bare loop of the same layers")
+    print(f"engine / bare loop: {ratio:.3f}  ({len(ref)} log-probs of the first program checked equal)")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def check_bare_loop_agrees(model, K, progs) -> None:
+    engine = ExitEngine(model, ExitConfig("fixed", threshold=K))
+    work = scoring(progs[:1])
+    want = engine.score(work)[0].logprobs
+    got = []
+    tokens, n_ctx = work[0]
+    cache = model.new_cache(1, len(tokens), [K])
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        for pos in range(n_ctx - 1, len(tokens) - 1):
+            x = model.walk(model.embed(ids[:, pos:pos + 1], pos), AttnContext(start=pos, cache=cache), [K],
+                           noise=lambda g, x, pos=pos: engine.noise.rows(pos, 1, x.dtype, x.device).unsqueeze(0))
+            got.append(float(torch.log_softmax(model.head(x)[0, 0].float(), -1)[tokens[pos + 1]]))
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, "the bare loop must compute what the engine does"
+
+
+# ---- 3. the probe at realistic width ----------------------------------------------------------------------------
 def wide_model(config, n_embd: int):
-    """A random Raven with the embedded model's vocabulary and loop depths, wider and with 4 core layers."""
+    """A random Raven with the embedded model's vocabulary and loop depths, n_embd wide, 4 core layers."""
     from exitbench.models import Raven, RavenConfig
 
     cfg = RavenConfig(n_embd=n_embd, n_heads=max(1, n_embd // 64), vocab_size=config.vocab_size,
@@ -70,174 +207,112 @@ def wide_model(config, n_embd: int):
     return model.eval()
 
 
-def half_depth_threshold(model, policy: str, relative: bool, reqs, max_steps: int) -> tuple[float, float]:
-    """The grid threshold whose mean iterations are closest to max/2 (log-spaced search, then refined)."""
-    grid = [10 ** (e / 4) for e in range(-28, 5)]
-    best = None
-    for tau in grid:
-        _, mean = run(ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative)), reqs, 16)
-        if best is None or abs(mean - max_steps / 2) < abs(best[1] - max_steps / 2):
-            best = (tau, mean)
-    return best
+def probe_cost(ck, K, progs, repeats, width, quick, figures):
+    wide = wide_model(ck.model.config, width)
+    work = [(p[:16], 1) for p in progs[:2 if quick else 4]]
+    iterations = sum(len(t) - n for t, n in work) * K
+    engines = {"fixed": ExitEngine(wide, ExitConfig("fixed", threshold=K))}
+    for policy, relative in (DECODING_FREE[:3] if quick else DECODING_FREE):
+        # min_steps = max: the rule computes its signal and decides every iteration, and no token leaves early.
+        engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
+            wide, ExitConfig(policy, relative=relative, min_steps=K))
+    for name, e in engines.items():
+        assert abs(run(e, work[:1], 1)[1] - K) < 1e-9, f"{name} fired: the probe bench needs all {K} iterations"
+    times = taking_turns({n: (lambda e=e: run(e, work, 1)[0]) for n, e in engines.items()}, repeats)
+    fixed = engines["fixed"]
+    core = fixed.stats["core"] / (fixed.stats["tokens"] * K)
+    print(f"\n[the probe on a random model, n_embd {width}, 4 core layers, batch size 1]  target ≤ 2% of a core "
+          f"iteration ({core * 1e3:.2f} ms)")
+    print(f"{'policy':28} {'extra/iteration':>16} {'± s.e.':>9} {'of a core iteration':>20}")
+    for name, (extra, se) in paired(times, "fixed").items():
+        per_iter, se_iter = extra / iterations, se / iterations
+        figures[f"probe_n{width}_{name}"] = {"extra_seconds_per_iteration": per_iter, "standard_error_seconds": se_iter,
+                                             "share_of_core_iteration": per_iter / core}
+        print(f"{name:28} {per_iter * 1e6:>14.1f}µs {se_iter * 1e6:>7.1f}µs {100 * per_iter / core:>19.2f}%")
 
 
-def median_times(engines: dict[str, ExitEngine], reqs, batch: int, repeats: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            times[name].append(run(engine, reqs, batch)[0])
-    return {name: statistics.median(t) for name, t in times.items()}
+# ---- 4. before and after ------------------------------------------------------------------------------------------
+WORKER = """
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+from exitbench.embedded import open_checkpoint
+from exitbench.engine import ExitConfig, ExitEngine
+policy, tau, batch = sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+work = [(p, 1) for p in json.loads(sys.stdin.read())]
+model = open_checkpoint(None).model
+engine = ExitEngine(model, ExitConfig(policy, threshold=tau))
+engine.score(work[:batch])  # warm up
+t0 = time.perf_counter()
+n = 0
+for i in range(0, len(work), batch):
+    n += sum(len(r.records) for r in engine.score(work[i:i + batch]))
+print(json.dumps({"tokens_per_s": n / (time.perf_counter() - t0)}))
+"""
 
 
-def paired_extra(engines: dict[str, ExitEngine], base: str, reqs, repeats: int,
-                 tensor_path: set[str], batch: int = 1) -> dict[str, list[float]]:
-    """Per repeat, the total time each engine spent over `base` on the same requests, `batch` at a time.
-
-    The engines take turns on each request, in an order that rotates every repeat, so a drift in machine
-    speed lands on all of them alike; whole-run interleaving left a spread of ±5 µs per iteration on this
-    machine, larger than the 3.6 µs budget being measured. Engines in `tensor_path` run with the C probe off.
-    """
-    names = list(engines)
-    chunks = [reqs[i:i + batch] for i in range(0, len(reqs), batch)]
-    times = {name: [[0.0] * repeats for _ in chunks] for name in names}
-    for r in range(repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for q, chunk in enumerate(chunks):
-            for name in order:
-                with c_probe_off(name in tensor_path):
-                    t0 = time.perf_counter()
-                    engines[name].score(chunk)
-                    times[name][q][r] = time.perf_counter() - t0
-    return {name: [sum(times[name][q][r] - times[base][q][r] for q in range(len(chunks))) for r in range(repeats)]
-            for name in names if name != base}
+def tokens_per_second(tree: Path, policy: str, tau: float, batch: int, progs, threads: int) -> float:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(threads), policy, repr(tau), str(batch)],
+                         input=json.dumps(progs), capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-@contextlib.contextmanager
-def c_probe_off(off: bool):
-    saved = latent.native
-    if off:
-        latent.native = None
-    try:
-        yield
-    finally:
-        latent.native = saved
+def before_and_after(rev, K, second_order_tau, progs, repeats, threads, figures):
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), rev], check=True,
+                       capture_output=True)
+        try:
+            if (old / "setup.py").exists():  # that revision's optional C probe, built as its install would
+                subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=old, check=True,
+                               capture_output=True)
+            print(f"\n[tokens per second, embedded model, scoring: {rev} (before) vs this tree (after)]")
+            print(f"{'policy':24} {'batch':>5} {'before':>10} {'after':>10} {'after/before':>13}")
+            for policy, tau in (("fixed", K), ("second_order", second_order_tau)):
+                for batch in (1, 16):
+                    times = taking_turns({"before": lambda: tokens_per_second(old, policy, tau, batch, progs, threads),
+                                          "after": lambda: tokens_per_second(REPO, policy, tau, batch, progs,
+                                                                             threads)}, repeats)
+                    b, a = statistics.median(times["before"]), statistics.median(times["after"])
+                    figures[f"tokens_per_s_{policy}_bs{batch}"] = {"before": b, "after": a, "before_revision": rev}
+                    print(f"{policy + (f' τ={tau:g}' if policy != 'fixed' else ''):24} {batch:>5} {b:>10,.0f} "
+                          f"{a:>10,.0f} {a / b:>13.2f}")
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], capture_output=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=None)
-    ap.add_argument("--programs", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="The headline ratios only, fewer repeats (≤ 3 minutes).")
+    ap.add_argument("--programs", type=int, default=None, help="Timed programs [quick 8, full 16].")
+    ap.add_argument("--repeats", type=int, default=None, help="Repeats per figure [quick 3, full 7].")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wide", type=int, default=1024, help="Hidden size of the random model for the probe.")
+    ap.add_argument("--before", default=None, help="Also time the engine at this git revision (tokens/s).")
     ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
-    ap.add_argument("--wide", type=int, default=1024, help="Hidden size of the wide random model (0: skip).")
     args = ap.parse_args()
+    n_progs = args.programs or (8 if args.quick else 16)
+    repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
-    ck = open_checkpoint(args.checkpoint)
+    ck = open_checkpoint(None)
     model = ck.model
     K = model.loop_groups()[0].default_steps
-    calib = requests(ck, 16, "bench-calibration")
-    reqs = requests(ck, args.programs, "bench-timing")
-    n_tokens = sum(len(t) - n for t, n in reqs)
-    print(f"checkpoint {ck.path} · max steps {K} · {args.programs} programs, {n_tokens} scored tokens · "
-          f"{args.threads} thread(s) · median of {args.repeats}")
-
+    calib, progs = programs(ck, 16, "bench-calibration"), programs(ck, n_progs, "bench-timing")
+    print(f"embedded {ck.path.name} · max steps {K} · {n_progs} programs, {sum(len(p) - 1 for p in progs)} scored "
+          f"tokens · {args.threads} thread(s) · medians of {repeats}")
     figures: dict[str, dict] = {}
-    # 1. wall-clock vs iterations at about half depth
-    for batch in (1, 16):
-        print(f"\n[wall-clock at ~half depth, batch size {batch}]  target: time ratio ≤ 1.15 × iteration ratio")
-        print(f"{'policy':32} {'threshold':>10} {'iters/max':>10} {'time/fixed':>11} {'ratio':>7}")
-        engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
-        meta = {}
-        for policy, relative in DECODING_FREE[:3] + [("kl", False)]:
-            tau, _ = half_depth_threshold(model, policy, relative, calib, K)
-            name = f"{policy}{' (relative)' if relative else ''}"
-            engines[name] = ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative))
-            meta[name] = tau
-        iters = {name: run(e, reqs, batch)[1] for name, e in engines.items()}
-        times = median_times(engines, reqs, batch, args.repeats)
-        for name in meta:
-            it_ratio, t_ratio = iters[name] / K, times[name] / times["fixed"]
-            figures[f"halfdepth_bs{batch}_{name}"] = {"threshold": meta[name], "iteration_ratio": it_ratio,
-                                                     "time_ratio": t_ratio, "ratio_over_iterations": t_ratio / it_ratio}
-            print(f"{name:32} {meta[name]:>10.3g} {it_ratio:>10.3f} {t_ratio:>11.3f} {t_ratio / it_ratio:>7.3f}")
-
-    # 2. probe overhead per iteration
-    print("\n[probe overhead per iteration, batch size 1]  target: ≤ 2% of a core iteration (decoding-free)")
-    print(f"C probe (exitbench._probe): {'built' if latent.native is not None else 'NOT BUILT, tensor path only'}")
-    # min_steps = max: every iteration computes the signal and the exit decision, and no token leaves early.
-    engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
-    for policy, relative in DECODING_FREE:
-        engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
-            model, ExitConfig(policy, relative=relative, min_steps=K))
-    # The same rules with the C probe switched off: what a build without a compiler pays.
-    tensor_path = {f"{p} (tensor path)": ExitEngine(model, ExitConfig(p, min_steps=K)) for p, _ in DECODING_FREE[:3:2]}
-    engines.update(tensor_path)
-    engines["kl"] = ExitEngine(model, ExitConfig("kl", min_steps=K))
-    for name, engine in engines.items():
-        _, mean = run(engine, reqs[:1], 1)
-        assert abs(mean - K) < 1e-9, f"{name} fired; the probe benchmark needs it to run all {K} iterations"
-    extra_by_repeat = paired_extra(engines, "fixed", reqs, args.repeats, set(tensor_path))
-    fixed = engines["fixed"]
-    core_per_iter = fixed.stats["core"] / (fixed.stats["tokens"] * K)
-    iterations = n_tokens * K
-    # Two readings: the end-to-end difference over `fixed` (includes any knock-on cost, e.g. on memory reuse),
-    # and the engine's own probe timer around signal + exit decision, less the timer cost `fixed` shows.
-    timer_floor = fixed.stats["probe"] / (fixed.stats["tokens"] * K)
-    print(f"{'policy':32} {'extra/iter':>12} {'± s.e.':>8} {'of core iter':>13} {'probe timer':>12} {'of core iter':>13}")
-    for name, diffs in extra_by_repeat.items():
-        extra = statistics.median(diffs) / iterations
-        stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 / iterations
-        st = engines[name].stats
-        timed = st["probe"] / (st["tokens"] * K) - timer_floor
-        figures[f"probe_{name}"] = {"extra_seconds_per_iteration": extra, "standard_error_seconds": stderr,
-                                    "share_of_core_iteration": extra / core_per_iter,
-                                    "probe_timer_seconds_per_iteration": timed,
-                                    "probe_timer_share_of_core_iteration": timed / core_per_iter}
-        print(f"{name:32} {extra * 1e6:>10.2f}µs {stderr * 1e6:>6.2f}µs {100 * extra / core_per_iter:>12.2f}% "
-              f"{timed * 1e6:>10.2f}µs {100 * timed / core_per_iter:>12.2f}%")
-    print(f"(core iteration: {core_per_iter * 1e6:.1f}µs at batch size 1)")
-
-    # 2b. The same with all programs in one batch: one C call serves every token in the loop.
-    batch = len(reqs)
-    print(f"\n[probe overhead per iteration, batch size {batch}]  (no target; the sweeps run batched)")
-    engines = {"fixed": ExitEngine(model, ExitConfig("fixed", threshold=K))}
-    for policy, relative in DECODING_FREE[::2]:
-        engines[policy] = ExitEngine(model, ExitConfig(policy, relative=relative, min_steps=K))
-    tensor_path = {f"{p} (tensor path)": ExitEngine(model, ExitConfig(p, min_steps=K)) for p, _ in DECODING_FREE[:3:2]}
-    engines.update(tensor_path)
-    extra_by_repeat = paired_extra(engines, "fixed", reqs, args.repeats, set(tensor_path), batch)
-    fixed = engines["fixed"]
-    core_batched = fixed.stats["core"] / (fixed.stats["tokens"] / batch * K)  # one iteration of the batch
-    for name, diffs in extra_by_repeat.items():
-        per_iter = statistics.median(diffs) / (n_tokens / batch * K)
-        stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 / (n_tokens / batch * K)
-        figures[f"probe_bs{batch}_{name}"] = {"extra_seconds_per_iteration": per_iter, "standard_error_seconds": stderr,
-                                              "share_of_core_iteration": per_iter / core_batched}
-        print(f"{name:32} {per_iter * 1e6:>10.2f}µs {stderr * 1e6:>6.2f}µs {100 * per_iter / core_batched:>12.2f}%")
-    print(f"(core iteration of the batch: {core_batched * 1e6:.1f}µs)")
-
-    # 3. The same probe measurement on a wider random model of the same layout: a probe costs a fixed few
-    # microseconds of Python dispatch and a C call, so its share shrinks as the core iteration grows.
+    started = time.perf_counter()
+    exits_and_wall_clock(model, K, calib, progs, repeats, args.quick, figures)
+    check_bare_loop_agrees(model, K, progs)
+    harness_overhead(model, K, progs[:4] if args.quick else progs, repeats, figures)
     if args.wide:
-        wide = wide_model(ck.model.config, args.wide)
-        wide_reqs = [(t[:24], n) for t, n in reqs[:4]]
-        n_wide = sum(len(t) - n for t, n in wide_reqs)
-        engines = {"fixed": ExitEngine(wide, ExitConfig("fixed", threshold=K))}
-        for policy, relative in DECODING_FREE[:3]:
-            engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
-                wide, ExitConfig(policy, relative=relative, min_steps=K))
-        times = median_times(engines, wide_reqs, 1, max(3, args.repeats // 2))
-        core = engines["fixed"].stats["core"] / (engines["fixed"].stats["tokens"] * K)
-        print(f"\n[probe overhead on a random model with n_embd={args.wide}, 4 core layers]  core iteration "
-              f"{core * 1e6:.0f}µs")
-        for name in engines:
-            if name != "fixed":
-                extra = (times[name] - times["fixed"]) / (n_wide * K)
-                figures[f"probe_wide_{name}"] = {"extra_seconds_per_iteration": extra, "share_of_core_iteration": extra / core}
-                print(f"{name:32} {extra * 1e6:>10.2f}µs {100 * extra / core:>12.2f}%")
+        probe_cost(ck, K, progs, repeats, args.wide, args.quick, figures)
+    if args.before:
+        tau = figures.get("score_bs16_second_order", {}).get("threshold", 1.0)
+        before_and_after(args.before, K, tau, progs, repeats, args.threads, figures)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from .files import atomic_write
 from .engine import ExitConfig, ExitEngine
 from .errors import ExitbenchError
-from .policies import make_policy
+from .policies import REGISTRY
 from .provenance import run_metadata
 
 SCHEMA, SCHEMA_VERSION = "exitbench.calibration", 1
@@ -83,7 +83,7 @@ def fixed_sequence(pvalues: Sequence[float], delta: float) -> int:
 
 def conservative_order(policy: str, thresholds: Sequence[float]) -> list[float]:
     """The grid from the threshold that exits latest to the one that exits earliest."""
-    below = make_policy(policy, threshold=thresholds[0]).exits_below if thresholds else True
+    below = REGISTRY[policy].exits_below
     return sorted(set(thresholds), reverse=not below)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,32 @@ NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that 
 @app.callback()
 def _root() -> None:
     """Keeps `exitbench` a command group, so every command is spelled out."""
+
+
+def exit_knobs(*names: str, **defaults):
+    """Give a command the exit knobs `names` as options, made from ExitConfig's fields (their one definition);
+    the command receives them as one dict, `knobs`. `defaults` overrides a knob's default for this command."""
+    from .exit_config import ExitConfig
+
+    specs = {name: (kind, default, meta) for name, kind, default, meta in ExitConfig.knobs()}
+
+    def wrap(fn):
+        signature = inspect.signature(fn)
+        options = []
+        for name in names:
+            kind, default, meta = specs[name]
+            flags = meta["flags"] or (f"--{name.replace('_', '-')}",)
+            option = typer.Option(defaults.get(name, default), *flags, help=meta["help"])
+            options.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind))
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            return fn(*args, knobs={name: kwargs.pop(name) for name in names}, **kwargs)
+
+        kept = [p for p in signature.parameters.values() if p.name != "knobs"]
+        command.__signature__ = signature.replace(parameters=kept + options)
+        return command
+    return wrap
 
 
 def one_line_errors(fn):
@@ -133,35 +160,26 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
 
 @app.command()
 @one_line_errors
+@exit_knobs("policy", "threshold", "min_steps", "max_steps", "patience", "relative", "prefill", "warm_start",
+            policy="second_order")
 def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-          policy: str = typer.Option("second_order", "--policy", "-p", help="Exit policy (`exitbench policies` "
-                                     "lists them)."),
-          threshold: Optional[float] = typer.Option(None, help="Threshold τ (default: the policy's own)."),
-          min_steps: int = typer.Option(1, help="No exit before this iteration."),
-          max_steps: Optional[int] = typer.Option(None, help="Cap on iterations (default: the model's default r)."),
-          patience: Optional[int] = typer.Option(None, help="Consecutive hits needed to exit."),
-          relative: bool = typer.Option(False, help="Divide latent step norms by ‖s_k‖."),
-          warm_start: bool = typer.Option(False, help="Start each token from the previous token's final state."),
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
           exit_config: Optional[Path] = typer.Option(None, help="YAML file of exit knobs (overrides the flags)."),
-          seed: int = typer.Option(0, help="Seed of the initial-state noise.")):
+          seed: int = typer.Option(0, help="Seed of the initial-state noise."), knobs: dict = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from .embedded import open_checkpoint
-    from .engine import ExitConfig
+    from .exit_config import ExitConfig
     from .trace import trace_prompt, trace_table
 
-    if exit_config is not None:
-        cfg = ExitConfig.from_yaml(exit_config)
-    else:
-        cfg = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
-                         patience=patience, relative=relative, warm_start=warm_start, seed=seed)
+    cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     console.print(trace_table(trace_prompt(ck, prompt, cfg, generate)))
 
 
 @app.command()
 @one_line_errors
+@exit_knobs("min_steps", "max_steps", "patience", "relative", "prefill", "warm_start")
 def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
         policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
                                          help="Exit policy (repeatable), or 'all'."),
@@ -172,7 +190,6 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples (default: the task's)."),
         batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
         seed: int = typer.Option(0, help="Seed of lm-eval's sampling and the initial-state noise."),
-        relative: bool = typer.Option(False, help="Relative form of the latent rules (divide by ‖s_k‖)."),
         out: Optional[Path] = typer.Option(None, help="Result directory (default results/<checkpoint name>)."),
         shard: Optional[str] = typer.Option(None, help="Run only cells j with j % n == i, as i/n."),
         data_dir: Optional[Path] = typer.Option(None, help="Local GSM8K copy (train.jsonl, test.jsonl)."),
@@ -185,8 +202,10 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default auto: cuda when "
                                              "available)."),
         quiet: bool = typer.Option(False, "--quiet", help="No progress and no lm-eval chatter; warnings and the "
-                                   "table still print.")):
-    """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each."""
+                                   "table still print."), knobs: dict = None):
+    """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
+
+    The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
     from .devices import resolve_device
     from .distributed import init_distributed
     from .embedded import open_checkpoint, resolve
@@ -199,7 +218,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
-                      shard=parse_shard(shard), log_samples=log_samples, relative=relative, quiet=quiet,
+                      shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
                       add_bos_token=add_bos_token)
     if batch_size < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
@@ -333,8 +352,8 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
 
 @app.command()
 @one_line_errors
-def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help="The exit policy to calibrate."),
-              epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's "
+@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", policy="second_order")
+def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's "
                                             "tokens whose prediction differs from full depth."),
               delta: float = typer.Option(0.1, "--delta", help="Allowed probability that the chosen threshold's "
                                           "risk exceeds epsilon."),
@@ -352,27 +371,23 @@ def calibrate(policy: str = typer.Option("second_order", "--policy", "-p", help=
                                            "checkpoints, no --task/--text)."),
               test_fraction: float = typer.Option(0.5, "--test-fraction", help="Documents held out to check the "
                                                   "chosen threshold."),
-              min_steps: int = typer.Option(1, "--min-steps"), max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-              patience: Optional[int] = typer.Option(None, "--patience"),
-              relative: bool = typer.Option(False, help="Relative form of the latent rules (divide by ‖s_k‖)."),
               batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
               seed: int = typer.Option(0, help="Seed of the held-out split, programs and initial-state noise."),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/"
-                                                 "<checkpoint>-<policy>.json].")):
+                                                 "<checkpoint>-<policy>.json]."), knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from .calibrate import calibrate as run_calibration
     from .calibrate import check_calibratable, load_documents, write_report
     from .embedded import open_checkpoint
-    from .engine import ExitConfig
+    from .exit_config import ExitConfig
     from .files import writable_file
     from .policies import REGISTRY
     from .progress import batch_progress
     from .report import calibration_table
     from .sweep import parse_thresholds
 
-    config = ExitConfig(policy=policy, min_steps=min_steps, max_steps=max_steps, patience=patience,
-                        relative=relative, seed=seed)
-    config.build_policy()  # an unknown policy or bad knob fails before the checkpoint loads
+    config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
+    policy = config.policy
     check_calibratable(policy)
     grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)

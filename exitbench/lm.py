@@ -30,29 +30,24 @@ from . import cells
 from .devices import resolve_device
 from .distributed import init_distributed
 from .embedded import open_checkpoint
-from .engine import ExitConfig, ExitEngine, SequenceResult
+from .engine import ExitEngine, SequenceResult
+from .exit_config import ExitConfig
 from .errors import ExitbenchError
 from .models import Checkpoint
 
 
 @register_model("exitbench")
 class ExitbenchLM(LM):
-    def __init__(self, checkpoint: str | None = None, dtype: str = "float32", policy: str = "fixed",
-                 threshold: float | None = None, min_steps: int = 1, max_steps: int | None = None,
-                 patience: int | None = None, relative: bool = False, prefill: str = "full",
-                 warm_start: bool = False, seed: int = 0, batch_size: int | str = 1,
+    def __init__(self, checkpoint: str | None = None, dtype: str = "float32", batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
-                 **kwargs: Any):
+                 **exit_knobs: Any):
+        """The model's own arguments, and any of ExitConfig's fields (policy, threshold, min_steps, …)."""
         super().__init__()
-        if kwargs:
-            raise ExitbenchError(f"unknown exitbench model argument {sorted(kwargs)[0]!r}")
+        exit_config = ExitConfig.from_dict(exit_knobs, what="exitbench model argument")
         self._init_distributed()
         self._device = torch.device(resolve_device(device))
         ck = open_checkpoint(checkpoint, dtype=dtype, device=str(self._device), allow_nonfinite=allow_nonfinite)
-        exit_config = ExitConfig(policy=policy, threshold=threshold, min_steps=min_steps, max_steps=max_steps,
-                                 patience=patience, relative=relative, prefill=prefill, warm_start=warm_start,
-                                 seed=seed)
         self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
 
     @classmethod
@@ -198,9 +193,6 @@ class ExitbenchLM(LM):
         return tokens, max(1, len(tokens) - len(cont))
 
     # ---- the three request types -------------------------------------------------------------------
-    def _batched(self, items: list[Any]) -> list[list[Any]]:
-        return [items[i:i + self.batch_size] for i in range(0, len(items), self.batch_size)]
-
     def _record(self, req, kind: str, results: list[SequenceResult], seconds: float) -> None:
         stats = cells.request_stats([r for res in results for r in res.records], seconds)
         self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx,
@@ -208,21 +200,21 @@ class ExitbenchLM(LM):
 
     def _run_scoring(self, encoded: list[list[tuple[list[int], int]]], keep_distributions: bool = False
                      ) -> tuple[list[list[SequenceResult]], list[float]]:
-        """Score every item's windows, `batch_size` windows at a time, longest first; results in item order,
-        with each batch's wall-clock split over its items by scored tokens."""
+        """Score every item's windows in one engine run of `batch_size` rows, longest first; results in item
+        order, with the run's wall-clock split over its items by scored tokens."""
         flat = [(i, w) for i, windows in enumerate(encoded) for w in windows]
         order = sorted(range(len(flat)), key=lambda j: -len(flat[j][1][0]))
+        self._progress(0, len(order))
+        t0 = time.perf_counter()
+        results = self.engine.score([flat[j][1] for j in order], keep_distributions=keep_distributions,
+                                    batch_size=self.batch_size, on_request=lambda n: self._progress(n, len(order)))
+        elapsed = time.perf_counter() - t0
+        n_tok = sum(len(r.records) for r in results) or 1
         seconds = [0.0] * len(encoded)
         slots: dict[int, SequenceResult] = {}
-        for n_done, chunk in enumerate(self._batched(order)):
-            self._progress(n_done * self.batch_size, len(order))
-            t0 = time.perf_counter()
-            results = self.engine.score([flat[j][1] for j in chunk], keep_distributions=keep_distributions)
-            elapsed = time.perf_counter() - t0
-            n_tok = sum(len(r.records) for r in results) or 1
-            for j, res in zip(chunk, results):
-                slots[j] = res
-                seconds[flat[j][0]] += elapsed * len(res.records) / n_tok
+        for j, res in zip(order, results):
+            slots[j] = res
+            seconds[flat[j][0]] += elapsed * len(res.records) / n_tok
         per_item: list[list[SequenceResult]] = [[] for _ in encoded]
         for j, (i, _) in enumerate(flat):
             per_item[i].append(slots[j])
@@ -274,42 +266,43 @@ class ExitbenchLM(LM):
         return [float(sum(sum(r.logprobs) for r in res)) for res in results]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        outputs: list[str | None] = [None] * len(requests)
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
-        for n_done, chunk in enumerate(self._batched(order)):
-            self._progress(n_done * self.batch_size, len(order))
-            prompts, untils, limits = [], [], []
-            for i in chunk:
-                context, gen_kwargs = requests[i].args
-                gen_kwargs = dict(gen_kwargs or {})
-                if gen_kwargs.get("do_sample"):
-                    raise ExitbenchError("exitbench decodes greedily; the task asks for do_sample=true")
-                until = gen_kwargs.get("until") or []
-                untils.append([until] if isinstance(until, str) else list(until))
-                n_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
-                n_new = max(1, min(n_new, self.max_length // 2))
-                limits.append(n_new)
-                # A model needs a token to condition on; lm-eval's hf model cannot generate from none.
-                ids = self._encode_prompt(context) or [self.prefix_token_id]
-                prompts.append(ids[-(self.max_length - n_new):])
+        prompts, untils, limits = [], [], []
+        for i in order:
+            context, gen_kwargs = requests[i].args
+            gen_kwargs = dict(gen_kwargs or {})
+            if gen_kwargs.get("do_sample"):
+                raise ExitbenchError("exitbench decodes greedily; the task asks for do_sample=true")
+            until = gen_kwargs.get("until") or []
+            untils.append([until] if isinstance(until, str) else list(until))
+            n_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            n_new = max(1, min(n_new, self.max_length // 2))
+            limits.append(n_new)
+            # A model needs a token to condition on; lm-eval's hf model cannot generate from none.
+            ids = self._encode_prompt(context) or [self.prefix_token_id]
+            prompts.append(ids[-(self.max_length - n_new):])
 
-            def stop(row: int, generated: list[int]) -> bool:
-                if len(generated) >= limits[row]:
-                    return True
-                text = self.tok.decode(generated)
-                return any(s and s in text for s in untils[row])
+        def stop(j: int, generated: list[int]) -> bool:
+            if len(generated) >= limits[j]:
+                return True
+            text = self.tok.decode(generated)
+            return any(s and s in text for s in untils[j])
 
-            t0 = time.perf_counter()
-            results = self.engine.generate(prompts, max(limits), stop_ids=[self.eot_token_id], stop=stop)
-            elapsed = time.perf_counter() - t0
-            n_tok = sum(len(r.records) for r in results) or 1
-            for row, (i, res) in enumerate(zip(chunk, results)):
-                text = self.tok.decode(res.tokens)
-                for s in untils[row]:
-                    if s and s in text:
-                        text = text[: text.index(s)]
-                outputs[i] = text
-                self._record(requests[i], "generate_until", [res], elapsed * len(res.records) / n_tok)
+        self._progress(0, len(order))
+        t0 = time.perf_counter()
+        results = self.engine.generate(prompts, max(limits, default=1), stop_ids=[self.eot_token_id], stop=stop,
+                                       batch_size=self.batch_size,
+                                       on_request=lambda n: self._progress(n, len(order)))
+        elapsed = time.perf_counter() - t0
+        n_tok = sum(len(r.records) for r in results) or 1
+        outputs: list[str | None] = [None] * len(requests)
+        for j, (i, res) in enumerate(zip(order, results)):
+            text = self.tok.decode(res.tokens)
+            for s in untils[j]:
+                if s and s in text:
+                    text = text[: text.index(s)]
+            outputs[i] = text
+            self._record(requests[i], "generate_until", [res], elapsed * len(res.records) / n_tok)
         return outputs  # type: ignore[return-value]
 
     # ---- reporting ---------------------------------------------------------------------------------

@@ -121,19 +121,19 @@ def _given(args: argparse.Namespace, config: dict[str, Any], key: str) -> Any:
 
 def check_model_args(model_args: dict[str, Any]) -> None:
     """What ExitbenchLM(**model_args) would reject before and while loading, without reading the weights."""
-    from .engine import ExitConfig
+    from .exit_config import ExitConfig
     from .lm import ExitbenchLM
     from .models.checkpoint import parse_dtype
 
     params = inspect.signature(ExitbenchLM.__init__).parameters
-    known = [name for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD]
-    unknown = sorted(set(model_args) - set(known))
+    own = [name for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD]
+    exit_knobs = [f.name for f in dataclasses.fields(ExitConfig)]
+    unknown = sorted(set(model_args) - set(own) - set(exit_knobs))
     if unknown:
         raise ExitbenchError(f"unknown exitbench model argument {unknown[0]!r} in --model_args; "
-                             f"known: {', '.join(known)}")
-    bound = {name: model_args.get(name, params[name].default) for name in known}
-    exit_knobs = {f.name for f in dataclasses.fields(ExitConfig)} & set(bound)
-    ExitConfig(**{k: bound[k] for k in exit_knobs})
+                             f"known: {', '.join(own + exit_knobs)}")
+    bound = {name: model_args.get(name, params[name].default) for name in own}
+    ExitConfig(**{k: v for k, v in model_args.items() if k in exit_knobs})
     parse_dtype(bound["dtype"])
     check_checkpoint(bound["checkpoint"])
 

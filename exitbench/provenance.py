@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import importlib.util
 import platform
 import socket
 import subprocess
@@ -42,9 +41,7 @@ def run_metadata(seed: int | None = None, **extra: Any) -> dict[str, Any]:
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    # batch-size-1 CPU timings of the latent rules depend on it (README, "The engine")
-                    "c_probe": importlib.util.find_spec("exitbench._probe") is not None},
+                    "cpu_threads": torch.get_num_threads(), "python": platform.python_version()},
         "versions": {"exitbench": __version__, "torch": torch.__version__,
                      "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
                      "tokenizers": package_version("tokenizers"), "safetensors": package_version("safetensors")},

@@ -21,7 +21,7 @@ from .engine import ExitConfig
 from .errors import ExitbenchError
 from .identity import checkpoint_identity
 from .models import Checkpoint
-from .policies import REGISTRY, make_policy
+from .policies import REGISTRY, check_policy_name
 from .provenance import package_version, run_metadata
 from .tasks import TaskSet
 
@@ -38,9 +38,8 @@ class SweepConfig:
     seed: int = 0
     shard: tuple[int, int] = (0, 1)
     log_samples: bool = False
-    relative: bool = False
-    min_steps: int = 1
-    patience: int | None = None
+    # Exit knobs every cell shares (ExitConfig fields other than policy and threshold, which the sweep varies).
+    exit: dict[str, Any] = field(default_factory=dict)
     bootstrap_iters: int = 1000
     add_bos_token: bool | None = None
     quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
@@ -85,7 +84,7 @@ def expand_policies(names: list[str]) -> list[str]:
     if "all" in names:
         return [n for n in REGISTRY if n != "fixed"]
     for n in names:
-        make_policy(n)  # unknown names fail here, with the closest match
+        check_policy_name(n)  # unknown names fail here, with the closest match
     return [n for n in dict.fromkeys(names) if n != "fixed"]
 
 
@@ -98,8 +97,17 @@ def default_baselines(max_steps: int) -> list[int]:
 
 
 def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
-    """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds."""
-    configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed) for r in (cfg.baselines or default_baselines(default_steps))]
+    """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds. The shared
+    exit knobs go to the policies that take them; a baseline keeps those that change how it runs (prefill,
+    warm start)."""
+    swept = {name for name, *_ in ExitConfig.knobs(swept=True)}
+    shared = {k: v for k, v in cfg.exit.items() if k not in swept}
+    unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
+    if unknown:
+        raise ExitbenchError(f"unknown exit knob {unknown[0]!r} for a sweep")
+    runs = {k: shared[k] for k in ("prefill", "warm_start") if k in shared}
+    configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed, **runs)
+               for r in (cfg.baselines or default_baselines(default_steps))]
     names = expand_policies(cfg.policies)
     if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
         raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
@@ -111,15 +119,14 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
             thresholds = [cls.default_threshold]
         else:
             thresholds = cfg.thresholds or list(cls.default_grid)
-        relative = cfg.relative and cls.uses_relative
+        knobs = {**shared, "relative": bool(shared.get("relative")) and cls.uses_relative}
         for tau in thresholds:
             if cls.integer_threshold and float(tau) != int(tau):
                 raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
                                      "whole numbers; sweep it in a run of its own")
             if cls.integer_threshold:
                 tau = int(tau)
-            configs.append(ExitConfig(name, threshold=tau, relative=relative, min_steps=cfg.min_steps,
-                                      patience=cfg.patience, seed=cfg.seed))
+            configs.append(ExitConfig(name, threshold=tau, seed=cfg.seed, **knobs))
     unique = {tuple(sorted(c.to_dict().items())): c for c in configs}
     return list(unique.values())
 

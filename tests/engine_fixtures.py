@@ -209,7 +209,7 @@ def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, 
         if e < K:
             for layer in group.attn_layers:
                 for store in (cache.k, cache.v):
-                    store[layer][e:, 0, :, pos] = store[layer][e - 1, 0, :, pos].clone()
+                    store[layer][e:, 0, pos] = store[layer][e - 1, 0, pos].clone()  # (slots, batch, positions, H, D)
         prev_final = s
         out.append((e, logps[-1] if logps else readout(s, ctx)))
     return out

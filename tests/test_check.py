@@ -93,7 +93,7 @@ def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
     run_sweep(ck, tasks, cfg, tmp_path / "same", "cpu")
     assert check(tmp_path / "same", tmp_path / "base").exit_code == 0
     original = KL.signal
-    monkeypatch.setattr(KL, "signal", lambda self, k, s, memory, logp: original(self, k, s, memory, logp) * 1e-3)
+    monkeypatch.setattr(KL, "signal", lambda self, s, memory, logp: original(self, s, memory, logp) * 1e-3)
     run_sweep(ck, tasks, cfg, tmp_path / "degraded", "cpu")
     res = check(tmp_path / "degraded", tmp_path / "base")
     assert res.exit_code == 1 and "chains_lambada kl τ=0.0001" in res.stdout

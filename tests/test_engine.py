@@ -92,9 +92,9 @@ def _batch_knobs(model, requests, policy, knobs, k=K):
     return dict(threshold=tau, **knobs)
 
 
-def _check_batched_equals_single(model, requests, policy, knobs, k=K, **extra):
+def _check_batched_equals_single(model, requests, policy, knobs, k=K, rows=None, **extra):
     knobs = _batch_knobs(model, requests, policy, knobs, k)
-    batched = engine(model, policy, max_steps=k, **knobs, **extra).score(requests)
+    batched = engine(model, policy, max_steps=k, **knobs, **extra).score(requests, batch_size=rows)
     single = [engine(model, policy, max_steps=k, **knobs, **extra).score([req])[0] for req in requests]
     exits = [s for r in batched for s in r.iterations]
     assert len(set(exits)) >= 3, f"{policy}: the exits should vary for this test to mean something: {exits}"
@@ -111,13 +111,13 @@ def test_batched_score_equals_batch_size_one(noisy_model, requests_16, policy, k
     _check_batched_equals_single(noisy_model, requests_16, policy, knobs)
 
 
-def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K):
+def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, rows=None):
     assert len({len(p) for p in prompts}) >= 4
     if policy == "oracle":
         knobs = dict(threshold=1e-2, **knobs)
     else:
         knobs = _batch_knobs(model, [(p + [5, 6, 7], len(p)) for p in prompts], policy, knobs, k)
-    batched = engine(model, policy, max_steps=k, **knobs).generate(prompts, max_new_tokens=4)
+    batched = engine(model, policy, max_steps=k, **knobs).generate(prompts, max_new_tokens=4, batch_size=rows)
     single = [engine(model, policy, max_steps=k, **knobs).generate([p], max_new_tokens=4)[0] for p in prompts]
     exits = [s for r in batched for s in r.iterations]
     assert len(set(exits)) >= 3, exits
@@ -131,6 +131,20 @@ def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K):
 @pytest.mark.parametrize("policy,knobs", BATCH_CASES[:4], ids=[p for p, _ in BATCH_CASES[:4]])
 def test_batched_generate_equals_batch_size_one(noisy_model, policy, knobs):
     _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), policy, knobs)
+
+
+@pytest.mark.parametrize("policy,knobs", [BATCH_CASES[1], BATCH_CASES[3]], ids=["second_order", "oracle"])
+@pytest.mark.parametrize("rows", [3, 5])
+def test_fewer_rows_than_requests_equals_batch_size_one(noisy_model, requests_16, policy, knobs, rows):
+    """Rows that finish a request take the next one (continuous batching): still the answers of one at a time."""
+    _check_batched_equals_single(noisy_model, requests_16, policy, knobs, rows=rows)
+    _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), policy, knobs, rows=rows)
+
+
+def test_prefill_exit_and_warm_start_with_rows_reused(noisy_model, requests_16):
+    for prefill, warm in (("exit", False), ("full", True)):
+        _check_batched_equals_single(noisy_model, requests_16, "first_order", dict(relative=True), rows=4,
+                                     prefill=prefill, warm_start=warm)
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +192,11 @@ def _filled_cache(batch=3, slots=None, capacity=5):
 
 
 def _snapshot(cache):
-    return {(name, layer): t.clone() for name, store in (("k", cache.k), ("v", cache.v))
-            for layer, t in store.items()}
+    """(k or v, layer) → {(slot, row, position): the entry a reader there finds}, copied."""
+    return {(name, layer): {(slot, row, p): cache.entry(layer, slot, row, p)[i].clone()
+                            for slot in range(cache.slots[layer]) for row in range(cache.batch)
+                            for p in range(cache.capacity)}
+            for i, name in enumerate(("k", "v")) for layer in cache.slots}
 
 
 @pytest.mark.parametrize("rows", [None, torch.tensor([0, 2]), torch.tensor([2, 1]), torch.tensor([1])],
@@ -192,13 +209,13 @@ def test_carry_forward_copies_exit_slot_upward(rows, last_slot):
     cache.carry_forward([3, 4], rows, pos, last_slot)
     chosen = set(range(3)) if rows is None else set(rows.tolist())
     for (name, layer), old in before.items():
-        new = (cache.k if name == "k" else cache.v)[layer]
-        for slot in range(old.shape[0]):
+        for slot in range(cache.slots[layer]):
             for row in range(3):
-                for p in range(old.shape[3]):
+                for p in range(cache.capacity):
                     moved = layer in (3, 4) and row in chosen and p == pos and slot > last_slot
-                    want = old[last_slot, row, :, p] if moved else old[slot, row, :, p]
-                    assert torch.equal(new[slot, row, :, p], want), (name, layer, slot, row, p)
+                    want = old[(last_slot if moved else slot, row, p)]
+                    got = cache.entry(layer, slot, row, p)[0 if name == "k" else 1]
+                    assert torch.equal(got, want), (name, layer, slot, row, p)
 
 
 def test_carry_forward_from_the_last_slot_changes_nothing():
@@ -206,7 +223,9 @@ def test_carry_forward_from_the_last_slot_changes_nothing():
     before = _snapshot(cache)
     cache.carry_forward([0, 3, 4], torch.tensor([0, 1]), 1, 3)
     cache.carry_forward([0], None, 1, 0)  # a one-slot plain layer
-    assert all(torch.equal((cache.k if n == "k" else cache.v)[l], t) for (n, l), t in before.items())
+    assert _snapshot(cache).keys() == before.keys()
+    assert all(torch.equal(t, _snapshot(cache)[key][where]) for key, entries in before.items()
+               for where, t in entries.items())
 
 
 @pytest.mark.parametrize("policy,tau", [("first_order", 0.5), ("kl", 3e-3), ("oracle", 1e-2)])
@@ -229,9 +248,9 @@ def test_exited_tokens_leave_their_exit_entry_in_higher_slots(noisy_model, reque
         for rec in res.records:
             e, p = rec.exit_steps[0], rec.position
             exits.add(e)
-            for store in (cache.k, cache.v):
+            for i in (0, 1):  # keys, then values
                 for layer in core:
-                    at = store[layer][:, row, :, p]  # (slots, heads, head_dim)
+                    at = [cache.entry(layer, slot, row, p)[i] for slot in range(K)]
                     for slot in range(e, K):
                         assert torch.equal(at[slot], at[e - 1]), (row, p, e, slot)
                     if e >= 2:  # the entries it did compute are its own, iteration by iteration

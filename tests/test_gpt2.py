@@ -538,7 +538,7 @@ def _replay(model, tokens, n_ctx, exits, M):
         for group, e in zip(groups, exits[j]):
             for layer in group.attn_layers:
                 for store in (cache.k, cache.v):
-                    store[layer][e:, 0, :, pos] = store[layer][e - 1, 0, :, pos].clone()
+                    store[layer][e:, 0, pos] = store[layer][e - 1, 0, pos].clone()  # (slots, batch, positions, H, D)
     return out
 
 

@@ -11,7 +11,7 @@ import yaml
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
-from exitbench.policies import latent, policy_names
+from exitbench.policies import policy_names
 
 from engine_fixtures import (EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close, direct_signals,
                              direct_trajectory, engine, expected_exit, oracle_exit, tiny)
@@ -92,18 +92,12 @@ def never_fires(policy):
 
 
 MODES = [pytest.param("single", id="single"), pytest.param("batched", id="batched")]
-LATENT = {"first_order", "second_order", "second_order_magnitude", "cosine"}
-# On the CPU in float32 a latent rule runs in the C probe (exitbench._probe); the "_tensor" modes switch it
-# off to test the tensor path (other devices and dtypes, or a build without a compiler).
 MODE_VARIANTS = [pytest.param(m, p, r, id=f"{p}{'-relative' if r else ''}-{m}")
-                 for p, r in VARIANTS
-                 for m in ("single", "batched") + (("single_tensor", "batched_tensor") if p in LATENT else ())]
+                 for p, r in VARIANTS for m in ("single", "batched")]
 
 
 def row_groups(mode, monkeypatch):
-    if mode.endswith("_tensor"):
-        monkeypatch.setattr(latent, "native", None)
-    return [list(range(len(T0)))] if mode.startswith("batched") else [[b] for b in range(len(T0))]
+    return [list(range(len(T0)))] if mode == "batched" else [[b] for b in range(len(T0))]
 
 
 @pytest.mark.parametrize("mode,policy,relative", MODE_VARIANTS)

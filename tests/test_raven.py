@@ -175,8 +175,9 @@ def test_kv_cache_slots(tiny_raven):
     cache = tiny_raven.new_cache(3, 10)
     # prelude layers 0,1 and coda 6,7 have one slot; core layers 2..5 one per iteration up to max_steps.
     assert cache.slots == {0: 1, 1: 1, 2: 8, 3: 8, 4: 8, 5: 8, 6: 1, 7: 1}
-    assert tuple(cache.k[2].shape) == (8, 3, 2, 10, 16)
-    assert tuple(cache.k[0].shape) == (1, 3, 2, 10, 16)
+    # (slots, batch, positions, heads, head_dim): a position's (heads, head_dim) block is contiguous
+    assert tuple(cache.k[2].shape) == (8, 3, 10, 2, 16)
+    assert tuple(cache.k[0].shape) == (1, 3, 10, 2, 16)
 
 
 def test_kv_cache_without_start_is_wrong(tiny_raven):

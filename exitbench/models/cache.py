@@ -1,14 +1,33 @@
 """KV cache with one entry per (attention layer, loop iteration), laid out for per-token exits.
 
-Each layer owns a tensor of shape (slots, batch, heads, capacity, head_dim): slot i of a core layer holds
-the keys written at loop iteration i. Plain layers have one slot. When a token exits the loop at
-iteration e, `carry_forward` copies its entry at e into slots e+1 … so that a later token reading slot i
-finds that token's deepest entry of the same layer — Huginn's `latest` lookup (huginn-0125.md §3.3) —
-with plain slicing instead of a per-read gather.
+Each layer owns a tensor of shape (slots, batch, capacity, heads, head_dim): slot i of a core layer holds the
+keys written at loop iteration i. Plain layers have one slot. When a token exits the loop at iteration e,
+`carry_forward` copies its entry at e into slots e+1 … so that a later token reading slot i finds that
+token's deepest entry of the same layer — Huginn's `latest` lookup (huginn-0125.md §3.3) — with plain
+indexing instead of a per-read search.
+
+Two ways in. `update` writes a chunk of consecutive positions (training, fixed-depth decoding, the prefill,
+and the engine whenever its tokens share one position and iteration) and reads back a view. `update_tokens`
+writes one token per row, each at its own position and slot, and gathers each token's keys: the engine's
+loop, whose rows advance independently. A (position, head, dim) block is contiguous, so that gather is one
+`index_select` over a flat view, shared by every layer of a step through the context's index.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class TokenIndex:
+    """Where the tokens of one step write and read, as rows of a layer's flat (slots·batch·capacity) view:
+    `write` (n,), `read` (n·length,), and the mask of keys past each token's position (None: none are)."""
+
+    write: torch.Tensor
+    read: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
 
 
 class KVCache:
@@ -28,41 +47,89 @@ class KVCache:
             return
         new_cap = max(length, 2 * self.capacity)
         for layer, n_slots in self.slots.items():
-            shape = (n_slots, self.batch, self.n_heads, new_cap, self.head_dim)
+            shape = (n_slots, self.batch, new_cap, self.n_heads, self.head_dim)
             for store in (self.k, self.v):
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if layer in store:
-                    grown[:, :, :, : self.capacity] = store[layer]
+                    grown[:, :, : self.capacity] = store[layer]
                 store[layer] = grown
         self.capacity = new_cap
 
     def update(self, layer: int, slot: int, rows: torch.Tensor | None, start: int,
                k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (b, H, T, D) at positions start… of `rows`; return keys/values of positions 0 … start+T."""
+        """Write k, v (b, H, T, D) at positions start… of `rows` (None: every row, in order); return keys and
+        values of positions 0 … start+T, (b, H, start+T, D)."""
         end = start + k.shape[2]
         self.ensure(end)
         K, V = self.k[layer][slot], self.v[layer][slot]
         if rows is None:
-            K[:, :, start:end] = k
-            V[:, :, start:end] = v
-            return K[:, :, :end], V[:, :, :end]
-        K[rows, :, start:end] = k
-        V[rows, :, start:end] = v
-        return K[rows, :, :end], V[rows, :, :end]
+            K[:, start:end] = k.transpose(1, 2)
+            V[:, start:end] = v.transpose(1, 2)
+            return K[:, :end].transpose(1, 2), V[:, :end].transpose(1, 2)
+        K[rows, start:end] = k.transpose(1, 2)
+        V[rows, start:end] = v.transpose(1, 2)
+        return K[rows, :end].transpose(1, 2), V[rows, :end].transpose(1, 2)
 
-    def carry_forward(self, layers: list[int], rows: torch.Tensor | None, pos: int, last_slot: int) -> None:
-        """Make slots after `last_slot` of `layers` at `pos` equal the entry at `last_slot` (token exited)."""
+    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | int,
+                    length: int, mask: torch.Tensor | None) -> TokenIndex:
+        """The flat rows one token per entry of `rows` writes (at its position and slot) and reads (its row's
+        positions 0 … length − 1 at its slot)."""
+        base = (slots * self.batch + rows) * self.capacity
+        read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
+        return TokenIndex(base + positions, read, length, mask)
+
+    def update_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (n, H, 1, D), one token each, where `index` says; return each token's keys and values,
+        (n, H, length, D). The caller masks what lies past a token's position (index.mask)."""
+        n, H, _, D = k.shape
+        out = []
+        for store, new in ((self.k, k), (self.v, v)):
+            flat = store[layer].view(-1, H, D)
+            flat.index_copy_(0, index.write, new[:, :, 0])
+            out.append(flat.index_select(0, index.read).view(n, index.length, H, D).transpose(1, 2))
+        return out[0], out[1]
+
+    def carry_forward(self, layers: list[int], rows: torch.Tensor | list[int] | int | None,
+                      positions: list[int] | int, last_slots: list[int] | int) -> None:
+        """Tokens exited: make the slots after each one's `last_slot` of `layers` at its position equal its
+        entry at `last_slot`. Ints broadcast over tokens; `rows` None means every row."""
+        if rows is None:
+            rows = list(range(self.batch))
+        elif isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        rows = [rows] if isinstance(rows, int) else list(rows)
+        n = max(len(rows), 1 if isinstance(positions, int) else len(positions),
+                1 if isinstance(last_slots, int) else len(last_slots))
+        expand = lambda x: [x] * n if isinstance(x, int) else list(x)  # noqa: E731
+        rows, positions, last_slots = (rows * n if len(rows) == 1 else rows), expand(positions), expand(last_slots)
+        if n == 1:  # one token: two slice copies per layer beat building index tensors
+            (b,), (p,), (last,) = rows, positions, last_slots
+            for layer in layers:
+                for store in (self.k, self.v):
+                    store[layer][last + 1:, b, p] = store[layer][last, b, p]
+            return
+        by_depth: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
-            for store in (self.k, self.v):
-                # Basic-index the position first: mixing an int and a row tensor split by slices would move
-                # the advanced dimensions to the front and pair rows with slots.
-                at_pos = store[layer][:, :, :, pos]  # (slots, batch, heads, head_dim), a view
-                if last_slot + 1 >= at_pos.shape[0]:
-                    continue
-                if rows is None:
-                    at_pos[last_slot + 1 :] = at_pos[last_slot].unsqueeze(0)
-                else:
-                    at_pos[last_slot + 1 :, rows] = at_pos[last_slot, rows].unsqueeze(0)
+            n_slots = self.slots[layer]
+            if n_slots not in by_depth:
+                # Every (token, higher slot) pair, as flat rows: one gather and one scatter per store and layer.
+                src, dst = [], []
+                for b, p, last in zip(rows, positions, last_slots):
+                    for s in range(last + 1, n_slots):
+                        src.append((last * self.batch + b) * self.capacity + p)
+                        dst.append((s * self.batch + b) * self.capacity + p)
+                by_depth[n_slots] = (torch.tensor(src, device=self.device, dtype=torch.long),
+                                     torch.tensor(dst, device=self.device, dtype=torch.long))
+            src, dst = by_depth[n_slots]
+            if dst.numel():
+                for store in (self.k, self.v):
+                    flat = store[layer].view(-1, self.n_heads, self.head_dim)
+                    flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def entry(self, layer: int, slot: int, row: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value (H, D) a reader at `slot` finds for `row`'s token at `position`."""
+        return self.k[layer][slot, row, position], self.v[layer][slot, row, position]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self.k, self.v) for t in store.values())

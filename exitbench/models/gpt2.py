@@ -260,7 +260,9 @@ class LoopedGPT2(LoopedLM):
     def stages(self) -> list[Stage | LoopGroup]:
         return self._stages
 
-    def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:  # one token per row, each at its own position
+            return self.transformer.wte(ids) + self.transformer.wpe(positions).unsqueeze(1)
         T = ids.shape[-1]
         if start + T > self.config.n_positions:
             raise ValueError(f"position {start + T} exceeds the model's context of {self.config.n_positions} tokens")

@@ -15,24 +15,61 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .cache import KVCache
+    from .cache import KVCache, TokenIndex
 
 
 @dataclass
 class AttnContext:
-    """Where the tokens being computed sit: `start` is the absolute position of the first one.
+    """Where the tokens being computed sit, and which KV entries their attention layers write and read.
 
-    `rows` selects batch rows of the cache (None = all rows, in order); `slot` is the loop iteration
-    whose KV entry the layer writes and reads (0 outside loops).
+    Chunk mode (`positions` is None): T consecutive tokens from absolute position `start` in each batch row
+    (`rows` picks cache rows; None = all rows, in order). Training, decoding at fixed depth and the prefill.
+    Token mode (`positions` given): one token per entry of `rows`, each at its own position, reading its
+    row's keys 0 … its position (`length` = 1 + the largest position; `key_mask` hides the rest, None when
+    every token sits at length − 1). The exit engine's loop, where rows advance independently. `index` is
+    where those tokens write and read at this slot, computed once and shared by the layers of a step.
+    `slot` is the loop iteration whose KV entry a layer writes and reads (0 outside loops): an int shared by
+    every token, or in token mode one per token.
     """
 
     start: int = 0
     cache: "KVCache | None" = None
     rows: torch.Tensor | None = None
-    slot: int = 0
+    slot: int | torch.Tensor = 0
+    positions: torch.Tensor | None = None
+    length: int = 0
+    key_mask: torch.Tensor | None = None
+    index: "TokenIndex | None" = None
+    # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and slot.
+    rotations: dict[int, torch.Tensor] | None = None
 
-    def at_slot(self, slot: int) -> "AttnContext":
-        return AttnContext(self.start, self.cache, self.rows, slot)
+    def at_slot(self, slot: int | torch.Tensor) -> "AttnContext":
+        if self.positions is None or self.cache is None:
+            return AttnContext(self.start, self.cache, self.rows, slot)
+        index = self.cache.token_index(self.rows, self.positions, slot, self.length, self.key_mask)
+        return AttnContext(self.start, self.cache, self.rows, slot, self.positions, self.length, self.key_mask,
+                           index, self.rotations)
+
+    def rotation(self, table: torch.Tensor) -> torch.Tensor:
+        """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
+        if self.rotations is None:
+            self.rotations = {}
+        if id(table) not in self.rotations:
+            self.rotations[id(table)] = table[self.positions]
+        return self.rotations[id(table)]
+
+    @classmethod
+    def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
+               slot: int | torch.Tensor = 0) -> "AttnContext":
+        """Token mode for one token per entry of `rows` at `positions` (lists), at `slot`."""
+        device = cache.device
+        pos = torch.tensor(positions, device=device)
+        length = max(positions) + 1
+        mask = None
+        if min(positions) != length - 1:  # some token must not see keys past its own position
+            mask = (torch.arange(length, device=device) <= pos.unsqueeze(1)).view(len(positions), 1, 1, length)
+        ctx = cls(cache=cache, rows=torch.tensor(rows, device=device), positions=pos, length=length, key_mask=mask)
+        return ctx.at_slot(slot)
 
 
 class RMSNorm(nn.Module):
@@ -56,12 +93,18 @@ def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of x (B, T, H, D): the GPT-J / original-LLaMA layout, in fp32."""
+def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of x (B, T, H, D): the GPT-J / original-LLaMA layout, in fp32. Token t
+    of row b sits at position start + t, or (one token per row, T = 1) at `positions`: either its positions
+    (b,) or the table's rows there already, (b, pairs, 2)."""
     T = x.shape[1]
-    if start + T > table.shape[0]:
-        raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
-    rot = table[start : start + T].view(1, T, 1, -1, 2)
+    if positions is not None:
+        rot = (positions if positions.dim() == 3 else table[positions]).view(-1, 1, 1, table.shape[1], 2)
+    else:
+        if start + T > table.shape[0]:
+            raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
+        rot = table[start : start + T].view(1, T, 1, -1, 2)
     cos, sin = rot[..., 0], rot[..., 1]
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -71,12 +114,15 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int) -> torch.Tensor
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
-    """Causal attention of q, k, v (B, H, T, D) for tokens at ctx.start…, through the cache when there is one.
+    """Causal attention of q, k, v (B, H, T, D), through the cache when there is one.
 
     The cache stores this layer's keys at loop iteration ctx.slot and returns every earlier position's keys
     of that iteration, so one function serves plain layers and loop iterations of any architecture.
     """
     T = q.shape[2]
+    if ctx.index is not None:
+        k, v = ctx.cache.update_tokens(layer_id, ctx.index, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.index.mask)
     if ctx.cache is not None:
         k, v = ctx.cache.update(layer_id, ctx.slot, ctx.rows, ctx.start, k, v)
     if T == 1:
@@ -119,8 +165,9 @@ class CausalSelfAttention(nn.Module):
         if self.qk_bias is not None:
             q = q + self.qk_bias[0]
             k = k + self.qk_bias[1]
-        q = apply_rope(q, rope, ctx.start).transpose(1, 2)
-        k = apply_rope(k, rope, ctx.start).transpose(1, 2)
+        rotation = ctx.rotation(rope) if ctx.positions is not None else None
+        q = apply_rope(q, rope, ctx.start, rotation).transpose(1, 2)
+        k = apply_rope(k, rope, ctx.start, rotation).transpose(1, 2)
         y = cached_causal_attention(q, k, v.transpose(1, 2), ctx, self.layer_id)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 

@@ -59,7 +59,8 @@ class LoopedLM(nn.Module):
 
     architecture: str = ""
 
-    def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings of ids (B, T) at positions start…, or of one token per row (B, 1) at `positions`."""
         raise NotImplementedError
 
     def stages(self) -> list[Stage | LoopGroup]:
@@ -128,9 +129,10 @@ class LoopedLM(nn.Module):
         """A cache with one slot per loop iteration up to each group's `max_steps` (or the given ones)."""
         groups = self.loop_groups()
         steps = list(max_steps) if max_steps is not None else [g.max_steps for g in groups]
+        depth = {id(group): n for group, n in zip(groups, steps)}
         slots: dict[int, int] = {}
         for stage in self.stages():
-            n = steps[groups.index(stage)] if isinstance(stage, LoopGroup) else 1
+            n = depth.get(id(stage), 1)
             slots.update({layer: max(n, 1) for layer in stage.attn_layers})
         n_heads, head_dim = self.cache_geometry()
         return KVCache(batch, n_heads, head_dim, slots, capacity, self.dtype, self.device)
@@ -152,6 +154,45 @@ class LoopedLM(nn.Module):
                 raise ValueError(f"{r} iterations of {group.name} need {r} cache slots; this cache has {slots} "
                                  "(build it with model.new_cache(..., max_steps=…))")
 
+    # ---- the stage walk: the one place that runs stages in order ------------------------------------
+    def walk(self, x: torch.Tensor, ctx: AttnContext, depths: Sequence[int] | None = None, *, start: int = 0,
+             stop: int | None = None, noise: Callable[[LoopGroup, torch.Tensor], torch.Tensor | None] | None = None,
+             on_state: Callable[[int, int, torch.Tensor], None] | None = None,
+             grad_steps: Sequence[int] | None = None) -> torch.Tensor:
+        """Run stages[start:stop] on x: a plain stage once; loop group g as init → step × depths[g] → finish.
+
+        `noise(group, x)` draws a group's initial-state noise (default: none, a zero or input state);
+        `on_state(g, k, s_k)` sees every iterate, s_0 included; with `grad_steps`, only the last
+        grad_steps[g] iterations of group g keep gradients (truncated BPTT, Huginn §1.6). Everything that
+        runs a model at a known depth goes through here: forward, iterates, readout, the engine's prefill
+        and the stretches between its loop groups.
+        """
+        groups = self.loop_groups()
+        index = {id(group): g for g, group in enumerate(groups)}
+        depths = list(depths) if depths is not None else [group.default_steps for group in groups]
+        for stage in self.stages()[start:stop]:
+            if isinstance(stage, Stage):
+                x = stage.run(x, ctx)
+                continue
+            g = index[id(stage)]
+            s = stage.init(x, noise(stage, x) if noise is not None else None)
+            if on_state is not None:
+                on_state(g, 0, s)
+            no_grad = depths[g] - grad_steps[g] if grad_steps is not None else 0
+            for i in range(depths[g]):
+                with torch.set_grad_enabled(torch.is_grad_enabled() and i >= no_grad):
+                    s = stage.step(s, x, ctx.at_slot(i))
+                if on_state is not None:
+                    on_state(g, i + 1, s)
+            x = stage.finish(s)
+        return x
+
+    def generator_noise(self, generator: torch.Generator | None) -> Callable[[LoopGroup, torch.Tensor], torch.Tensor | None]:
+        """Initial-state noise drawn from `generator` in call order (training and the plain forward)."""
+        def draw(group: LoopGroup, x: torch.Tensor) -> torch.Tensor | None:
+            return unit_trunc_normal(x.shape, generator, x.dtype, x.device) if group.random_init else None
+        return draw
+
     def forward(self, ids: torch.Tensor, num_steps: int | Sequence[int] | None = None, *,
                 backprop_depth: int | Sequence[int] | None = None, cache: KVCache | None = None, start: int = 0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -162,24 +203,11 @@ class LoopedLM(nn.Module):
         tokens are cached.
         """
         steps = self.resolve_steps(num_steps)
-        depths = self.resolve_steps(backprop_depth) if backprop_depth is not None else None
         if cache is not None:
             self._check_cache_depth(cache, steps)
-        ctx = AttnContext(start=start, cache=cache)
-        x = self.embed(ids, start)
-        g = 0
-        for stage in self.stages():
-            if isinstance(stage, Stage):
-                x = stage.run(x, ctx)
-                continue
-            r = steps[g]
-            no_grad_steps = r - depths[g] if depths is not None else 0
-            g += 1
-            s = stage.init(x, self._noise(stage, x, generator))
-            for i in range(r):
-                with torch.set_grad_enabled(torch.is_grad_enabled() and i >= no_grad_steps):
-                    s = stage.step(s, x, ctx.at_slot(i))
-            x = stage.finish(s)
+        grad = self.resolve_steps(backprop_depth) if backprop_depth is not None else None
+        x = self.walk(self.embed(ids, start), AttnContext(start=start, cache=cache), steps,
+                      noise=self.generator_noise(generator), grad_steps=grad)
         return self.head(x)
 
     @torch.no_grad()
@@ -187,43 +215,16 @@ class LoopedLM(nn.Module):
                  ) -> list[torch.Tensor]:
         """Every loop group at `steps` iterations, keeping each iterate: one (steps + 1, B, T, d) tensor of
         s_0 … s_steps per group (what the depth report and the geometry measure)."""
-        ctx = AttnContext()
-        x = self.embed(ids)
-        out = []
-        for stage in self.stages():
-            if isinstance(stage, Stage):
-                x = stage.run(x, ctx)
-                continue
-            s = stage.init(x, self._noise(stage, x, generator))
-            states = [s]
-            for i in range(steps):
-                s = stage.step(s, x, ctx.at_slot(i))
-                states.append(s)
-            out.append(torch.stack(states))
-            x = stage.finish(s)
-        return out
+        kept: dict[int, list[torch.Tensor]] = {}
+        self.walk(self.embed(ids), AttnContext(), [steps] * len(self.loop_groups()),
+                  noise=self.generator_noise(generator), on_state=lambda g, k, s: kept.setdefault(g, []).append(s))
+        return [torch.stack(kept[g]) for g in sorted(kept)]
 
     def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext,
                 steps: Sequence[int] | None = None) -> torch.Tensor:
         """Logits "if we exited now": finish group `group_index` from `state`, run the rest at default depth
-        (or at `steps`, one per loop group, e.g. when a cache holds fewer iterations than the default)."""
-        stages = self.stages()
-        groups = self.loop_groups()
-        depth = list(steps) if steps is not None else [g.default_steps for g in groups]
-        pos = stages.index(groups[group_index])
-        x = groups[group_index].finish(state)
-        for stage in stages[pos + 1 :]:
-            if isinstance(stage, Stage):
-                x = stage.run(x, ctx)
-            else:
-                s = stage.init(x, self._noise(stage, x, None))
-                for i in range(depth[groups.index(stage)]):
-                    s = stage.step(s, x, ctx.at_slot(i))
-                x = stage.finish(s)
-        return self.head(x)
-
-    @staticmethod
-    def _noise(group: LoopGroup, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor | None:
-        if not group.random_init:
-            return None
-        return unit_trunc_normal(x.shape, generator, x.dtype, x.device)
+        (or at `steps`, one per loop group, e.g. when a cache holds fewer iterations than the default).
+        A later loop group starts from its input (its noise, if any, is left out: a readout is a probe)."""
+        group = self.loop_groups()[group_index]
+        after = next(i for i, stage in enumerate(self.stages()) if stage is group) + 1
+        return self.head(self.walk(group.finish(state), ctx, steps, start=after))

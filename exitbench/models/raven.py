@@ -218,8 +218,8 @@ class Raven(LoopedLM):
     def stages(self) -> list[Stage | LoopGroup]:
         return self._stages
 
-    def embed(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-        return self.transformer.wte(ids) * self.emb_scale
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer.wte(ids) * self.emb_scale  # positions enter through RoPE, in attention
 
     def layer_split(self) -> dict[str, int]:
         c = self.config

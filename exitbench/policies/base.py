@@ -1,31 +1,35 @@
 """The exit-policy interface and its registry.
 
-A policy watches one token's loop: after iteration k it turns the state s_k (and, if it declares
-`needs_logits`, the log-probabilities of the readout at s_k) into a signal, and the token exits once the
-signal has passed the threshold on `patience` consecutive iterations with k ≥ min_steps, or at max_steps.
-Policies work on a batch of active tokens at once; `memory` holds what they carry between iterations, one
-row per token, and the engine drops the rows of tokens that exit.
+A policy watches tokens' loops: after each iteration it turns each token's state s_k (and, if it declares
+`needs_logits`, the log-probabilities of the readout at s_k) into a signal on the device, and `decide` turns
+the signals into exits on the host: a token exits once its signal has passed the threshold on `patience`
+consecutive iterations with k ≥ min_steps, or at max_steps. The engine reads the signals to the host once per
+iteration anyway (that read is its one synchronisation), so the exit rule costs Python arithmetic, not
+kernel launches.
 
-Iterations are counted from 1: s_0 is the initial state, Δ_k = s_k − s_{k−1}. A signal that is not yet
-defined (Δ_{k−1} at k = 1, say) is +inf for "exit below" rules and −inf for "exit above" rules, so it never
-counts as a hit.
+Policies work on a batch of tokens at once, and the tokens of a batch need not be at the same iteration.
+`memory` holds what a policy carries between iterations, one row per token; `start` makes every entry for
+new tokens, so tokens joining a batch are stacked onto it.
+
+Iterations are counted from 1: s_0 is the initial state, Δ_k = s_k − s_{k−1}. A signal is defined from
+iteration `defined_from`; before that (Δ_{k−1} at k = 1, say) it reads +inf for "exit below" rules and −inf
+for "exit above" rules, so it never counts as a hit.
 """
 from __future__ import annotations
 
 import difflib
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import ExitbenchError
 
-if TYPE_CHECKING:
-    from .host import HostProbe
-
 Memory = dict[str, torch.Tensor]
 
 REGISTRY: dict[str, type["ExitPolicy"]] = {}
+# The knobs a policy takes (their defaults and help live in exitbench.exit_config.ExitConfig).
+POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative")
 
 
 def register(cls: type["ExitPolicy"]) -> type["ExitPolicy"]:
@@ -52,17 +56,20 @@ class ExitPolicy:
     retrospective: ClassVar[bool] = False
     # Exits by counting alone (fixed depth): the engine needs no signal, only k = max_steps.
     signal_free: ClassVar[bool] = False
-    # Has a `host_kernel`: CPU float32 tokens' rule without tensor ops (see policies/host.py).
-    has_host_probe: ClassVar[bool] = False
+    # The first iteration at which the signal means something.
+    defined_from: ClassVar[int] = 1
 
-    def __init__(self, threshold: float | None = None, *, min_steps: int = 1, max_steps: int | None = None,
-                 patience: int | None = None, relative: bool = False):
+    def __init__(self, **knobs: Any):
+        unknown = sorted(set(knobs) - set(POLICY_KNOBS))
+        if unknown:
+            raise ExitbenchError(f"{self.name}: unknown knob {unknown[0]!r}; knobs are {', '.join(POLICY_KNOBS)}")
+        threshold, patience = knobs.get("threshold"), knobs.get("patience")
         self.threshold = self.default_threshold if threshold is None else threshold
         self.threshold_given = threshold is not None
-        self.min_steps = min_steps
-        self.max_steps = max_steps
+        self.min_steps = knobs.get("min_steps", 1)
+        self.max_steps = knobs.get("max_steps")
         self.patience = self.default_patience if patience is None else patience
-        self.relative = relative
+        self.relative = knobs.get("relative", False)
         self._validate()
 
     def _validate(self) -> None:
@@ -91,50 +98,44 @@ class ExitPolicy:
         return self
 
     def knobs(self) -> dict[str, Any]:
-        return {"policy": self.name, "threshold": self.threshold, "min_steps": self.min_steps,
-                "max_steps": self.max_steps, "patience": self.patience, "relative": self.relative}
+        return {"policy": self.name, **{name: getattr(self, name) for name in POLICY_KNOBS}}
 
     # ---- what subclasses implement -----------------------------------------------------------------
-    def start(self, s0: torch.Tensor) -> Memory:
-        """Memory for tokens starting their loop at states s0 (n, d)."""
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        """Memory for tokens starting their loops at states s0 (n, d), every entry present; `vocab` is the width
+        of the readout's distribution, for rules that read one."""
         return {"prev": s0}
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        """The rule's value after iteration k for every token, shape (n,); updates `memory`."""
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        """The rule's value for each token from its new state s (n, d), shape (n,); updates `memory`."""
         raise NotImplementedError
 
-    # ---- the shared exit rule ------------------------------------------------------------------------
-    def hits(self, signal: torch.Tensor) -> torch.Tensor:
-        return signal < self.threshold if self.exits_below else signal >= self.threshold
+    # ---- the shared exit rule, on the host ---------------------------------------------------------------
+    @property
+    def never(self) -> float:
+        return math.inf if self.exits_below else -math.inf
 
-    def decide(self, k: int, signal: torch.Tensor, memory: Memory) -> torch.Tensor:
-        """Which tokens exit after iteration k: `patience` consecutive hits at k ≥ min_steps, or k = max."""
-        streak = memory.get("streak")
-        hit = self.hits(signal)
-        streak = hit.long() if streak is None else torch.where(hit, streak + 1, 0)
-        memory["streak"] = streak
-        if k >= self.max_steps:
-            return torch.ones_like(hit)
-        if k < self.min_steps:
-            return torch.zeros_like(hit)
-        return streak >= self.patience
+    def defined(self, k: int, value: float) -> float:
+        """The signal as the rule reads it at iteration k: `never` before `defined_from`."""
+        return value if k >= self.defined_from else self.never
 
-    # ---- the host path (`has_host_probe` policies, see policies/host.py) -----------------------------
-    host_kernel: ClassVar[str] = ""  # the function of exitbench._probe that computes the signal
-    host_history: ClassVar[int] = 1  # earlier states it reads besides s_k
+    def hit(self, value: float) -> bool:
+        return value < self.threshold if self.exits_below else value >= self.threshold  # NaN never hits
 
-    def host_probe(self, s0: torch.Tensor) -> "HostProbe":
-        """The whole exit rule for CPU float32 tokens starting at states s0: (k, s_k) -> (leaving, signals)."""
-        from .host import HostProbe
-
-        return HostProbe(self, s0)
+    def decide(self, k: list[int], values: list[float], streak: list[int]) -> list[bool]:
+        """Which tokens exit after their iteration k[j] with signal values[j] (as `defined` reads them):
+        `patience` consecutive hits at k ≥ min_steps, or k = max_steps. Updates the hit streaks in place."""
+        leave = []
+        for j, (kj, v) in enumerate(zip(k, values)):
+            streak[j] = streak[j] + 1 if self.hit(v) else 0
+            leave.append(kj >= self.max_steps or (kj >= self.min_steps and streak[j] >= self.patience))
+        return leave
 
     def first_exit(self, signals: list[float]) -> int:
         """The exit step the rule gives for one token's recorded signal trajectory (s_1 … s_max): for tests."""
-        streak = 0
+        streak = [0]
         for k, value in enumerate(signals, start=1):
-            streak = streak + 1 if self.hits(torch.tensor(value)).item() else 0
-            if k >= self.max_steps or (k >= self.min_steps and streak >= self.patience):
+            if self.decide([k], [value], streak)[0]:
                 return k
         return len(signals)
 
@@ -143,9 +144,8 @@ def policy_names() -> list[str]:
     return list(REGISTRY)
 
 
-def make_policy(name: str, **knobs: Any) -> ExitPolicy:
+def check_policy_name(name: str) -> None:
     if name not in REGISTRY:
         close = difflib.get_close_matches(name, REGISTRY, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ExitbenchError(f"unknown policy {name!r}{hint}; valid: {', '.join(REGISTRY)}")
-    return REGISTRY[name](**knobs)

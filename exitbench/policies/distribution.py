@@ -21,7 +21,7 @@ def _kl(logp_prev: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 class _DistributionRule(ExitPolicy):
     needs_logits = True
 
-    def start(self, s0: torch.Tensor) -> Memory:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
         return {}
 
 
@@ -38,13 +38,15 @@ class KL(_DistributionRule):
         """The log-distribution the KL compares (subclasses filter it)."""
         return logp
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        # p_0 is uniform, in the float64 the engine hands log-probabilities over in.
+        return {"logp": torch.full((s0.shape[0], vocab), -math.log(vocab), dtype=torch.float64, device=s0.device)}
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         logp = self._distribution(logp)
-        prev = memory.get("logp")
-        if prev is None:
-            prev = torch.full_like(logp, -math.log(logp.shape[-1]))
+        value = _kl(memory["logp"], logp)
         memory["logp"] = logp
-        return _kl(prev, logp)
+        return value
 
 
 @register
@@ -72,14 +74,16 @@ class EntropyDiff(_DistributionRule):
     source = "Geiping et al. 2025, recurrent-pretraining EntropyDiffExitEvaluator"
     default_threshold = 1e-3
     default_grid = log_grid(1e-5, 1e-1, per_decade=1)
+    defined_from = 2
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        return {"entropy": torch.zeros(s0.shape[0], dtype=torch.float64, device=s0.device)}
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         h = _entropy(logp)
-        prev = memory.get("entropy")
+        value = (h - memory["entropy"]).abs()
         memory["entropy"] = h
-        if prev is None:
-            return torch.full_like(h, float("inf"))
-        return (h - prev).abs()
+        return value
 
 
 @register
@@ -93,10 +97,15 @@ class ArgmaxStability(_DistributionRule):
     default_threshold = 5
     default_grid = (1, 2, 3, 5, 8)
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        n = s0.shape[0]
+        # argmax −1 matches no token: at k = 1 the run starts at 0.
+        return {"argmax": torch.full((n,), -1, dtype=torch.long, device=s0.device),
+                "run": torch.zeros(n, dtype=torch.long, device=s0.device)}
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         top = logp.argmax(-1)
-        prev, run = memory.get("argmax"), memory.get("run")
-        run = torch.zeros_like(top) if prev is None else torch.where(top == prev, run + 1, 0)
+        run = torch.where(top == memory["argmax"], memory["run"] + 1, 0)
         memory["argmax"], memory["run"] = top, run
         return run.float()
 
@@ -116,5 +125,5 @@ class Confidence(_DistributionRule):
         if self.threshold > 1:
             raise ExitbenchError(f"confidence: threshold is a probability and must be ≤ 1, got {self.threshold}")
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         return logp.max(-1).values.exp()

@@ -27,11 +27,11 @@ class Fixed(ExitPolicy):
         self._validate()
         return self
 
-    def start(self, s0: torch.Tensor) -> Memory:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
         return {}
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        return torch.full(s.shape[:1], float(k), device=s.device)
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        raise TypeError("fixed depth exits by counting; the engine asks it for no signal")
 
 
 @register
@@ -50,22 +50,20 @@ class Oracle(ExitPolicy):
     default_threshold = 1e-2
     default_grid = (1e-2,)
 
-    def start(self, s0: torch.Tensor) -> Memory:
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
         return {}
 
-    def signal(self, k: int, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        return torch.zeros(s.shape[:1], device=s.device)
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        raise TypeError("the oracle decides from whole trajectories (exit_steps), not per iteration")
 
-    def retrospective_exit(self, logps: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-        """Exit steps (n,) from log-probabilities (K, n, V) at iterations 1 … K (K = max_steps)."""
-        K = logps.shape[0]
-        if target is None:
-            top = logps.argmax(-1)
-            agrees = top == top[-1]
-        else:
-            picked = logps.gather(-1, target.view(1, -1, 1).expand(K, -1, 1)).squeeze(-1)
-            agrees = picked >= picked[-1] - self.threshold
-        # Earliest k with agrees[j] for all j ≥ k: count the trailing run of agreement from the end.
-        trailing = torch.flip(torch.cumprod(torch.flip(agrees, [0]).long(), 0), [0]).sum(0)
+    def exit_steps(self, top: torch.Tensor, picked: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+        """Exit steps (n,) from each token's argmax (n, K) at iterations 1 … K and its target's log-probability
+        there (n, K): by the target where the token is `scored` (n,), by the argmax elsewhere."""
+        K = top.shape[1]
+        by_target = picked >= picked[:, -1:] - self.threshold
+        by_argmax = top == top[:, -1:]
+        agrees = torch.where(scored.unsqueeze(1), by_target, by_argmax)
+        # Earliest k with agreement at every j ≥ k: count the trailing run of agreement from the end.
+        trailing = torch.flip(torch.cumprod(torch.flip(agrees, [1]).long(), 1), [1]).sum(1)
         first = K - trailing + 1
         return first.clamp(min=self.min_steps)

@@ -1,0 +1,14 @@
+"""The exit engine: loop groups iterated token by token, each token exiting on its own.
+
+engine.py   ExitEngine: score / generate, the prefill, rows that advance on their own
+loop.py     TokenLoop: one loop group's tokens in flight, their probe and where they leave
+timing.py   phase times shared by the tokens that took part; noise.py: initial states by position
+records.py  what a run returns per sequence and per token
+"""
+from ..exit_config import ExitConfig
+from .engine import ExitEngine
+from .noise import PositionNoise
+from .records import SequenceResult, TokenRecord
+from .timing import PHASES
+
+__all__ = ["PHASES", "ExitConfig", "ExitEngine", "PositionNoise", "SequenceResult", "TokenRecord"]

@@ -1,0 +1,423 @@
+"""The adaptive recurrence: every scored or generated token runs its own loop and exits on its own.
+
+How a run moves (shared/DESIGN.md, "The engine, v2"):
+- A run has B rows, each serving one request at a time; when a request is done its row takes the next one
+  (continuous batching), so the rows stay full until the queue runs dry.
+- A request's prefix whose outputs nobody scores is prefilled at full depth, all positions at once (or, with
+  `prefill="exit"`, token by token with exits like everything else).
+- From then on each row advances on its own: it holds one token in flight; when that token has left the last
+  loop group the row moves to its next position while the other rows' tokens keep iterating. Every tick, each
+  loop group runs one iteration for whatever tokens are in it (`TokenLoop`), whatever their rows, positions
+  and iterations: a batch costs what its tokens' iterations cost, not what its slowest row's do.
+- A token that exits at iteration e has its KV entries at e copied into the slots above e: a later token
+  reading iteration i > e of that layer sees the exited token's deepest entry (Huginn's `latest`).
+- Rows never see each other, and each position's initial-state noise depends only on (seed, position), so a
+  batched run gives the answers of a batch-size-1 run, up to float rounding that the batch shape moves:
+  batching is a speed choice, never a change of answer.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import ExitbenchError
+from ..exit_config import ExitConfig
+from ..flops import FlopModel
+from ..models import AttnContext, KVCache, LoopedLM
+from .loop import Leaving, Token, TokenLoop
+from .noise import PositionNoise
+from .records import SequenceResult, TokenRecord
+from .timing import PHASES, PhaseClock
+
+# consume(request, position, log-probabilities (V,), their argmax, the log-probability of the target (scoring)
+# or of the argmax (generation)) -> the next input token, or None when the request is done
+Consume = Callable[[int, int, torch.Tensor, int, float], "int | None"]
+# Tokens whose outputs wait to be computed together (teacher-forced runs): enough to fill a batched head,
+# few enough that their logits stay small.
+DEFERRED_BATCH = 256
+
+
+@dataclass
+class Request:
+    """One sequence: positions start … end produce consumed outputs; `first` is where exits begin (start under
+    prefill="full", 0 under prefill="exit")."""
+
+    index: int
+    tokens: list[int]
+    first: int
+    start: int
+    end: int
+
+
+class ExitEngine:
+    def __init__(self, model: LoopedLM, config: ExitConfig | None = None):
+        self.model = model.eval()
+        self.config = config or ExitConfig()
+        self.groups = model.loop_groups()
+        if not self.groups:
+            raise ExitbenchError(f"{model.architecture} model has no loop group: nothing to exit from")
+        self.policies = [self.config.build_policy().bind(g.default_steps) for g in self.groups]
+        for g, p in zip(self.groups, self.policies):
+            if p.max_steps > g.max_steps:
+                raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "
+                                     f"{g.max_steps} iterations (the checkpoint's configured maximum)")
+        # Where each loop group sits among the stages: the plain stretches between them run as a walk.
+        stages = model.stages()
+        self.bounds = [next(i for i, st in enumerate(stages) if st is g) for g in self.groups]
+        # A probe reads out the later groups at their default depth, capped where this run's policy caps them
+        # (the cache has no slot past a group's max_steps).
+        self.readout_steps = [min(g.default_steps, p.max_steps) for g, p in zip(self.groups, self.policies)]
+        self.noise = PositionNoise(self.config.seed, self._state_dim())
+        self.flops = FlopModel(model, self.readout_steps)
+        self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens"), 0.0)
+
+    def _state_dim(self) -> int:
+        return self.model.embed(torch.zeros(1, 1, dtype=torch.long, device=self.model.device)).shape[-1]
+
+    # ---- public entry points ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, requests: Sequence[tuple[Sequence[int], int]], keep_distributions: bool = False,
+              batch_size: int | None = None, on_request: Callable[[int], None] | None = None
+              ) -> list[SequenceResult]:
+        """Teacher-forced log-probabilities of tokens[n_context:] for each (tokens, n_context) request, with
+        `batch_size` rows (default: one per request); `on_request(n)` hears each time n requests are done.
+
+        The outputs at positions n_context−1 … len−2 predict the scored tokens, so those positions run with
+        exits; positions before them are the prefill.
+        """
+        for tokens, n_ctx in requests:
+            if not 1 <= n_ctx < len(tokens):
+                raise ExitbenchError(f"a scoring request needs 1 ≤ n_context < len(tokens), got {n_ctx}, {len(tokens)}")
+        reqs = [self._request(i, list(t), n - 1, len(t) - 2) for i, (t, n) in enumerate(requests)]
+        results = [SequenceResult([], [], [], distributions=[] if keep_distributions else None) for _ in reqs]
+
+        def consume(i: int, pos: int, logp: torch.Tensor, top: int, picked: float) -> int:
+            target = reqs[i].tokens[pos + 1]
+            res = results[i]
+            if keep_distributions:
+                res.distributions.append(logp.cpu())
+            res.tokens.append(target)
+            res.logprobs.append(picked)
+            res.greedy.append(top == target)
+            return target
+
+        self._run(reqs, consume, results, teacher_forced=True, batch_size=batch_size, on_request=on_request)
+        return results
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 stop: Callable[[int, list[int]], bool] | None = None, batch_size: int | None = None,
+                 on_request: Callable[[int], None] | None = None) -> list[SequenceResult]:
+        """Greedy continuation of each prompt, each new token with its own exit; stops at a stop id, when
+        `stop(index, generated)` says so, or after max_new_tokens. Rows and `on_request` as in `score`."""
+        if max_new_tokens < 1:
+            raise ExitbenchError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ExitbenchError("generation needs a non-empty prompt (at least a BOS token)")
+        reqs = [self._request(i, list(p), len(p) - 1, len(p) - 2 + max_new_tokens) for i, p in enumerate(prompts)]
+        results = [SequenceResult([], [], []) for _ in reqs]
+        stop_set = set(stop_ids)
+
+        def consume(i: int, pos: int, logp: torch.Tensor, top: int, picked: float) -> int | None:
+            res = results[i]
+            res.tokens.append(top)
+            res.logprobs.append(picked)
+            res.greedy.append(True)
+            reqs[i].tokens.append(top)
+            if top in stop_set:
+                res.stopped_by = "stop_id"
+                return None
+            if stop is not None and stop(i, res.tokens):
+                res.stopped_by = "stop"
+                return None
+            return top
+
+        self._run(reqs, consume, results, teacher_forced=False, batch_size=batch_size, on_request=on_request)
+        for res in results:
+            res.stopped_by = res.stopped_by or "max_new_tokens"
+        return results
+
+    def _request(self, index: int, tokens: list[int], start: int, end: int) -> Request:
+        if end + 1 > self.model.config.block_size:
+            raise ExitbenchError(f"a sequence needs {end + 1} positions but the model's context is "
+                                 f"{self.model.config.block_size}")
+        return Request(index, tokens, start if self.config.prefill == "full" else 0, start, end)
+
+    # ---- a run: rows serving requests, advancing on their own ----------------------------------------------
+    def _run(self, reqs: list[Request], consume: Consume, results: list[SequenceResult], teacher_forced: bool,
+             batch_size: int | None, on_request: Callable[[int], None] | None) -> None:
+        if not reqs:
+            return
+        if batch_size is not None and batch_size < 1:
+            raise ExitbenchError(f"batch_size must be ≥ 1, got {batch_size}")
+        wall = time.perf_counter()
+        run = Run(self, reqs, consume, results, teacher_forced, min(batch_size or len(reqs), len(reqs)), on_request)
+        run.go()
+        for phase, seconds in run.clock.totals.items():
+            self.stats[phase] += seconds
+        self.stats["wall"] += time.perf_counter() - wall
+        self.stats["tokens"] += run.n_records
+
+
+class WarmStarts:
+    """Each row's latest final state per loop group: where its next token starts under warm_start (Huginn
+    §6.3). A row without one (its request's first token, with nothing prefilled) starts cold."""
+
+    def __init__(self, groups: int, batch: int, dim: int, dtype: torch.dtype, device: torch.device):
+        self.states = [torch.zeros(batch, dim, dtype=dtype, device=device) for _ in range(groups)]
+        self.valid = [torch.zeros(batch, dtype=torch.bool, device=device) for _ in range(groups)]
+
+    def forget(self, row: int) -> None:
+        for valid in self.valid:
+            valid[row] = False
+
+    def remember(self, g: int, rows: torch.Tensor, states: torch.Tensor) -> None:
+        self.states[g][rows] = states
+        self.valid[g][rows] = True
+
+    def start(self, g: int, rows: torch.Tensor, cold: torch.Tensor) -> torch.Tensor:
+        """(n, 1, d) starts: the remembered state where there is one, else `cold`."""
+        return torch.where(self.valid[g][rows].view(-1, 1, 1), self.states[g][rows].unsqueeze(1), cold)
+
+
+class Run:
+    """One call of the engine: B rows of one KV cache, the requests they serve, the loops their tokens are in.
+
+    Teacher-forced, every input is known in advance: the stages before the first loop group run once per
+    request for all its positions (`inputs`), and tokens whose last exit brought no logits are finished in
+    batches, since no later token waits for their outputs.
+    """
+
+    def __init__(self, engine: ExitEngine, reqs: list[Request], consume: Consume, results: list[SequenceResult],
+                 teacher_forced: bool, rows: int, on_request: Callable[[int], None] | None = None):
+        self.engine, self.model = engine, engine.model
+        self.reqs, self.consume, self.results, self.teacher_forced = reqs, consume, results, teacher_forced
+        self.B = rows
+        capacity = max(r.end for r in reqs) + 1
+        self.clock = PhaseClock(self.model.device)
+        self.cache = self.model.new_cache(rows, capacity, [p.max_steps for p in engine.policies])
+        self.inputs = torch.zeros(rows, capacity, engine.noise.dim, dtype=self.model.dtype,
+                                  device=self.model.device) if teacher_forced else None
+        self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
+            if engine.config.warm_start else None
+        self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
+                                probe_is_final=g == len(engine.groups) - 1,
+                                record_signals=engine.config.record_signals, batch=rows)
+                      for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
+        self.defer = teacher_forced and not engine.policies[-1].needs_logits
+        self.queue = deque(reqs)
+        self.serving: list[Request | None] = [None] * rows
+        self.next_pos = [0] * rows
+        self.idle = [False] * rows  # rows whose next token is ready to enter
+        self.pending: list[Leaving] = []
+        self.finished: list[tuple[TokenRecord, int]] = []
+        self.uids = iter(range(1 << 62))
+        self.on_request, self.requests_done = on_request, 0
+
+    @property
+    def n_records(self) -> int:
+        return len(self.finished)
+
+    def go(self) -> None:
+        self.assign(list(range(self.B)))
+        while True:
+            entering = [b for b in range(self.B) if self.idle[b]]
+            if entering:
+                self.enter(entering)
+            if not any(len(loop) for loop in self.loops):
+                break
+            for g, loop in enumerate(self.loops):
+                if len(loop):
+                    out = loop.step(self.cache)
+                    if out is not None:
+                        self.leave(g, out)
+        if self.pending:
+            self.finish(self.pending)
+        self.clock.settle()
+        for record, uid in self.finished:
+            record.time_s = self.clock.take(uid)
+
+    # ---- rows and requests ------------------------------------------------------------------------------------
+    def assign(self, rows: list[int]) -> None:
+        """Give each row the next request (its prefix prefilled), or leave it empty when none is left."""
+        pairs = []
+        for b in rows:
+            if self.serving[b] is not None:
+                self.requests_done += 1
+                if self.on_request is not None:
+                    self.on_request(self.requests_done)
+            self.serving[b] = self.queue.popleft() if self.queue else None
+            if self.serving[b] is not None:
+                pairs.append((b, self.serving[b]))
+                self.next_pos[b] = self.serving[b].first
+                self.idle[b] = self.serving[b].first <= self.serving[b].end
+                if self.warm is not None:
+                    self.warm.forget(b)
+        if pairs:
+            self.prefill(pairs)
+
+    def advance(self, row: int, position: int) -> None:
+        """Row `row` is done with `position`: on to the next one, or to the next request."""
+        req = self.serving[row]
+        if position >= req.end:
+            if any(t.row == row for out in self.pending for t in out.tokens):
+                # Finish the row's deferred tokens before its next request's prefill overwrites their keys.
+                self.finish(self.pending)
+                self.pending = []
+            self.assign([row])
+        else:
+            self.next_pos[row] = position + 1
+            self.idle[row] = True
+
+    def prefill(self, pairs: list[tuple[int, Request]]) -> None:
+        """The rows' requests' inputs (teacher-forced) and their prefixes [0, first) at full depth: one pass over
+        the rows, right-padded. Padding computes junk entries that each row's own tokens overwrite, at every
+        slot, before any token of that row reads them."""
+        engine, cache = self.engine, self.cache
+        started = self.clock.start()
+        rows = [b for b, _ in pairs]
+        every_row = rows == list(range(self.B))
+        index = None if every_row else torch.tensor(rows, device=cache.device)
+        ctx = AttnContext(start=0, cache=cache, rows=index)
+        if self.teacher_forced:  # everything before the first loop group, for every position
+            L = max(r.end + 1 for _, r in pairs)
+            ids = self._padded([r.tokens for _, r in pairs], L)
+            x = self.model.walk(self.model.embed(ids, 0), ctx, stop=engine.bounds[0])
+            self.inputs[rows, :L] = x
+        L = max(r.first for _, r in pairs)
+        if L == 0:
+            self.clock.stop(started, "prefill", [])
+            return
+        B = len(pairs)
+        done = torch.tensor([j for j, (_, r) in enumerate(pairs) if r.first > 0], device=cache.device)
+        last = torch.tensor([r.first - 1 for _, r in pairs if r.first > 0], device=cache.device)
+
+        def keep_final(g: int, k: int, s: torch.Tensor) -> None:
+            if self.warm is not None and k == engine.policies[g].max_steps:
+                self.warm.remember(g, torch.tensor(rows, device=cache.device)[done], s[done, last])
+
+        def noise(group, x):
+            return engine.noise.rows(0, L, x.dtype, x.device).expand(B, -1, -1) if group.random_init else None
+
+        depths = [p.max_steps for p in engine.policies]
+        if self.teacher_forced:
+            self.model.walk(self.inputs[rows, :L], ctx, depths, start=engine.bounds[0], noise=noise,
+                            on_state=keep_final)
+        else:
+            ids = self._padded([r.tokens for _, r in pairs], L)
+            self.model.walk(self.model.embed(ids, 0), ctx, depths, noise=noise, on_state=keep_final)
+        self.clock.stop(started, "prefill", [])
+
+    def _padded(self, seqs: list[list[int]], length: int) -> torch.Tensor:
+        return torch.tensor([s[:length] + [0] * (length - len(s[:length])) for s in seqs], device=self.cache.device)
+
+    # ---- tokens in and out of the loops -----------------------------------------------------------------------
+    def enter(self, rows: list[int]) -> None:
+        """The rows' next tokens into the first loop group: their inputs, known in advance or run now
+        (embedding and the plain stages before the group)."""
+        tokens = []
+        for b in rows:
+            req, pos = self.serving[b], self.next_pos[b]
+            tokens.append(Token(next(self.uids), b, pos, req.tokens[pos + 1] if self.teacher_forced else None,
+                                pos >= req.start, request=req.index))
+            self.idle[b] = False
+        started = self.clock.start()
+        if self.inputs is not None:
+            at = torch.tensor([t.row * self.inputs.shape[1] + t.position for t in tokens], device=self.cache.device)
+            x = self.inputs.view(-1, self.inputs.shape[-1]).index_select(0, at).unsqueeze(1)
+        else:
+            ctx = self._context(tokens)
+            ids = torch.tensor([[self.reqs[t.request].tokens[t.position]] for t in tokens], device=self.cache.device)
+            x = self.model.walk(self.model.embed(ids, ctx.start, ctx.positions), ctx, stop=self.engine.bounds[0])
+        s0 = self._start_states(0, tokens, x)
+        self.clock.stop(started, "prelude", [t.uid for t in tokens])
+        self.loops[0].add(tokens, x, s0)
+
+    def leave(self, g: int, out: Leaving) -> None:
+        """Tokens left loop group g: on to the next group, or (after the last) to their outputs."""
+        if self.warm is not None:
+            self.warm.remember(g, torch.tensor([t.row for t in out.tokens], device=self.cache.device),
+                               out.states[:, 0])
+        if g + 1 < len(self.loops):
+            self.hand_over(g, out)
+        elif self.defer:
+            self.pending.append(out)
+            for token in out.tokens:  # its row moves on now; its output is computed later, in a batch
+                self.advance(token.row, token.position)
+            if sum(len(o.tokens) for o in self.pending) >= DEFERRED_BATCH:
+                self.finish(self.pending)
+                self.pending = []
+        else:
+            self.finish([out])
+
+    def hand_over(self, g: int, out: Leaving) -> None:
+        """Tokens that left loop group g: its finish and the plain stages up to the next group, into its loop."""
+        engine = self.engine
+        started = self.clock.start()
+        x = self.model.walk(engine.groups[g].finish(out.states), self._context(out.tokens),
+                            start=engine.bounds[g] + 1, stop=engine.bounds[g + 1])
+        s0 = self._start_states(g + 1, out.tokens, x)
+        self.clock.stop(started, "coda", [t.uid for t in out.tokens])
+        self.loops[g + 1].add(out.tokens, x, s0)
+
+    def finish(self, batches: list[Leaving]) -> None:
+        """Tokens that left the last loop group, in the order they left: their next-token log-probabilities
+        (the exit probe's readout when it decoded, else the rest of the model and the head), read to the host
+        at once, then recorded and consumed."""
+        engine = self.engine
+        started = self.clock.start()
+        tokens = [t for out in batches for t in out.tokens]
+        states = torch.cat([out.states for out in batches]) if len(batches) > 1 else batches[0].states
+        logits = torch.cat([out.logits for out in batches]) if batches[0].logits is not None else None
+        if logits is None:
+            g = len(engine.groups) - 1
+            # Several tokens of one row may finish together: each reads the plain stages' entries of the row's
+            # earlier positions, written in this same call before any token reads.
+            x = self.model.walk(engine.groups[g].finish(states), self._context(tokens), start=engine.bounds[g] + 1)
+            logits = self.model.head(x)[:, 0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.argmax(-1)
+        targets = torch.tensor([-1 if t.target is None else t.target for t in tokens], device=logp.device)
+        picked = logp.gather(1, torch.where(targets >= 0, targets, top).unsqueeze(1)).squeeze(1)
+        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(logits).all(-1)
+        host = torch.stack([top.double(), picked.double(), finite.double()], 1).tolist()
+        self.clock.stop(started, "coda", [t.uid for t in tokens])
+        for token, row_logp, (top_j, picked_j, finite_j) in zip(tokens, logp, host):
+            token.nonfinite |= not finite_j
+            more = True
+            if token.consumed:
+                self.finished.append((self._record(token), token.uid))
+                self.results[token.request].records.append(self.finished[-1][0])
+                more = self.consume(token.request, token.position, row_logp, int(top_j), picked_j) is not None
+            if not self.defer:  # (deferred rows moved on when their tokens left the loop)
+                if more:
+                    self.advance(token.row, token.position)
+                else:
+                    self.assign([token.row])
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _context(self, tokens: list[Token]) -> AttnContext:
+        rows = [t.row for t in tokens]
+        positions = [t.position for t in tokens]
+        if rows == list(range(self.B)) and min(positions) == max(positions):
+            return AttnContext(start=positions[0], cache=self.cache)
+        return AttnContext.tokens(self.cache, rows, positions)
+
+    def _start_states(self, g: int, tokens: list[Token], x: torch.Tensor) -> torch.Tensor:
+        group = self.engine.groups[g]
+        noise = self.engine.noise.at([t.position for t in tokens], x.dtype, x.device).unsqueeze(1) \
+            if group.random_init else None
+        s0 = group.init(x, noise)
+        if self.warm is not None:
+            s0 = self.warm.start(g, torch.tensor([t.row for t in tokens], device=x.device), s0)
+        return s0
+
+    def _record(self, token: Token) -> TokenRecord:
+        probes = [k if p.needs_logits else 0 for k, p in zip(token.exit_steps, self.engine.policies)]
+        return TokenRecord(token.position, token.exit_steps, {},
+                           self.engine.flops.token(token.position + 1, token.exit_steps, probes),
+                           token.signals if self.engine.config.record_signals else None, token.nonfinite)

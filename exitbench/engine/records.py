@@ -1,0 +1,33 @@
+"""What the engine returns: per sequence its tokens and log-probabilities, per token its exits and costs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenRecord:
+    """One scored or generated token: its exit step per loop group, cost, and optionally the signals."""
+
+    position: int
+    exit_steps: list[int]
+    time_s: dict[str, float]
+    flops: dict[str, float]
+    signals: list[list[float]] | None = None
+    nonfinite: bool = False  # a NaN or infinity in the token's exit states or logits
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int]
+    logprobs: list[float]
+    greedy: list[bool]
+    records: list[TokenRecord] = field(default_factory=list)
+    stopped_by: str | None = None
+    # Full next-token log-probabilities per scored position, when asked for (shared-context scoring).
+    distributions: list[torch.Tensor] | None = None
+
+    @property
+    def iterations(self) -> list[int]:
+        return [sum(r.exit_steps) for r in self.records]

@@ -1,0 +1,92 @@
+"""The exit knobs, defined once.
+
+`ExitConfig`'s fields are the knobs: their defaults and help text live here and nowhere else. The policies take
+the policy knobs from it, the engine the rest; the lm-eval model accepts its fields as model arguments, the
+command line builds its options from them (exitbench.cli `exit_knobs`), and a sweep holds the shared ones.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ExitbenchError
+from .policies import POLICY_KNOBS, REGISTRY, ExitPolicy, check_policy_name
+
+
+def knob(help: str, *, flags: tuple[str, ...] = (), swept: bool = False, command_line: bool = True
+         ) -> dict[str, Any]:
+    """Field metadata. `swept`: a sweep varies it itself (policy, threshold), so it is not one of the knobs
+    shared by a sweep's cells; `command_line`: the commands offer it as an option."""
+    return {"help": help, "flags": flags, "swept": swept, "command_line": command_line}
+
+
+@dataclass
+class ExitConfig:
+    """Everything that decides how tokens exit: the policy and its knobs, and how the engine runs them."""
+
+    policy: str = field(default="fixed", metadata=knob("Exit policy (`exitbench policies` lists them).",
+                                                        flags=("--policy", "-p"), swept=True))
+    threshold: float | None = field(default=None, metadata=knob("Threshold τ (default: the policy's own).",
+                                                                 swept=True))
+    min_steps: int = field(default=1, metadata=knob("No exit before this iteration."))
+    max_steps: int | None = field(default=None, metadata=knob("Cap on iterations (default: each loop group's "
+                                                              "default depth)."))
+    patience: int | None = field(default=None, metadata=knob("Consecutive hits needed to exit (default: the "
+                                                             "policy's own)."))
+    relative: bool = field(default=False, metadata=knob("Latent rules: divide step norms by ‖s_k‖."))
+    prefill: str = field(default="full", metadata=knob("Prompt tokens run at full depth ('full') or with exits "
+                                                       "like the rest ('exit')."))
+    warm_start: bool = field(default=False, metadata=knob("Start each token from the previous token's final "
+                                                          "state."))
+    record_signals: bool = field(default=False, metadata=knob("Keep every token's signal at every iteration.",
+                                                              command_line=False))
+    seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", command_line=False))
+
+    def __post_init__(self):
+        if self.prefill not in ("full", "exit"):
+            raise ExitbenchError(f"prefill must be 'full' or 'exit', got {self.prefill!r}")
+        self.build_policy()  # validate the knobs now, not at the first token
+
+    def build_policy(self) -> ExitPolicy:
+        check_policy_name(self.policy)
+        return REGISTRY[self.policy](**{name: getattr(self, name) for name in POLICY_KNOBS})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], what: str = "exit config key") -> "ExitConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ExitbenchError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ExitConfig":
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ExitbenchError(f"cannot read exit config {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ExitbenchError(f"cannot read exit config {path}: not valid YAML{where}: {problem}") from None
+        if not isinstance(raw, dict):
+            raise ExitbenchError(f"exit config {path} must be a mapping of knobs")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def knobs(cls, *, swept: bool | None = None, command_line: bool | None = None) -> list[tuple[str, Any, Any, dict]]:
+        """(name, type, default, metadata) of each knob, filtered by its metadata."""
+        hints = typing.get_type_hints(cls)
+        return [(f.name, hints[f.name], f.default, dict(f.metadata)) for f in fields(cls)
+                if (swept is None or f.metadata["swept"] == swept)
+                and (command_line is None or f.metadata["command_line"] == command_line)]
+
+
