@@ -187,19 +187,3 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
 def write_report(report: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, lambda fh: json.dump(report, fh, indent=2))
-
-
-# ---- the documents ---------------------------------------------------------------------------------------
-def load_documents(ck, *, task: str | None = None, text: str | None = None, data_dir: str | None = None,
-                   max_tokens: int = 8192, programs: int = 128, seed: int = 0
-                   ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Token lists to calibrate on: a task's documents, a text file's paragraphs, or (for a checkpoint trained
-    on the synthetic chains) its held-out programs; the same sources `exitbench geometry` reads."""
-    from .geometry import document_source, token_batches
-
-    if max_tokens < 2 or programs < 1:
-        raise ExitbenchError(f"calibrate: --tokens must be ≥ 2 and --programs ≥ 1, got {max_tokens}, {programs}")
-    docs, source = document_source(task, text, data_dir, programs, seed)
-    batches = token_batches(ck, docs, max_tokens, programs, seed, "calibrate on")
-    rows = [row.tolist() for b in batches for row in (b if b.dim() == 2 else b.unsqueeze(0))]
-    return [r for r in rows if len(r) >= 2], source

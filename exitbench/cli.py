@@ -103,7 +103,7 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
     if depth:
-        from .depth import depth_tables
+        from .tables import depth_tables
 
         for t in depth_tables(report["depth"]):
             console.print(t)
@@ -170,7 +170,8 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from .embedded import open_checkpoint
     from .exit_config import ExitConfig
-    from .trace import trace_prompt, trace_table
+    from .tables import trace_table
+    from .trace import trace_prompt
 
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
@@ -211,7 +212,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .embedded import open_checkpoint, resolve
     from .files import writable_dir
     from .progress import SweepProgress
-    from .report import reuse_note, summary_table
+    from .tables import reuse_note, summary_table
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
     from .tasks import resolve_tasks
 
@@ -253,7 +254,7 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
     from . import pareto as par
     from .files import writable_file
-    from .report import pareto_tables
+    from .tables import pareto_tables
 
     par.check_table(table)
     if plot is not None:
@@ -302,7 +303,7 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
     from .geometry import geometry_report, write_report
     from .geometry_plot import plot_handoffs, plot_pca, plot_steps
     from .progress import batch_progress
-    from .report import geometry_tables
+    from .tables import geometry_tables
 
     if checkpoint and checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
@@ -334,7 +335,7 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                             "has (a partial sweep); missing cells are not regressions.")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked)."""
     from .check import Tolerances, check_dirs
-    from .report import regression_table
+    from .tables import regression_table
 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
@@ -377,13 +378,14 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
                                                  "<checkpoint>-<policy>.json]."), knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from .calibrate import calibrate as run_calibration
-    from .calibrate import check_calibratable, load_documents, write_report
+    from .calibrate import check_calibratable, write_report
+    from .documents import token_lists
     from .embedded import open_checkpoint
     from .exit_config import ExitConfig
     from .files import writable_file
     from .policies import REGISTRY
     from .progress import batch_progress
-    from .report import calibration_table
+    from .tables import calibration_table
     from .sweep import parse_thresholds
 
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
@@ -393,8 +395,8 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     path = writable_file(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
-        docs, source = load_documents(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
-                                      programs=programs, seed=seed)
+        docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
+                                    programs=programs, seed=seed, purpose="calibrate on")
     with batch_progress(console, "calibrate") as on_progress:
         rep = run_calibration(ck.model, docs, config, grid, epsilon=epsilon, delta=delta,
                               test_fraction=test_fraction, seed=seed, batch_size=batch_size, on_progress=on_progress)

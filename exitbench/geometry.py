@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import documents
 from .errors import ExitbenchError
 from .models import Checkpoint, LoopedLM
 
@@ -83,90 +84,6 @@ def trajectories(model: LoopedLM, ids: torch.Tensor, steps: int, generator: torc
         raise ExitbenchError(f"the {model.architecture} checkpoint has no loop group, so it has no iterates to measure")
     groups = [states.flatten(1, 2) for states in per_group]
     return Trajectories([g.name for g in model.loop_groups()], groups, [g[0] for g in groups])
-
-
-# ---- the tokens to measure on -----------------------------------------------------------------------------
-def text_documents(path: str | Path) -> list[str]:
-    """Documents of a text file: paragraphs separated by blank lines (one document if there are none)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ExitbenchError(f"--text {path} is not a readable file")
-    docs = [d.strip() for d in path.read_text(errors="replace").split("\n\n") if d.strip()]
-    if not docs:
-        raise ExitbenchError(f"--text {path} holds no text")
-    return docs
-
-
-def task_documents(task: str, data_dir: str | None = None) -> list[str]:
-    """The evaluation documents of an lm-eval task as plain text (context followed by the gold target)."""
-    from lm_eval.tasks import get_task_dict
-
-    from .tasks import resolve_tasks
-
-    taskset = resolve_tasks([task], data_dir)
-    docs = []
-    for obj in get_task_dict(taskset.specs, taskset.manager).values():
-        for doc in obj.eval_docs:
-            target = obj.doc_to_target(doc)
-            text = obj.doc_to_text(doc)
-            if isinstance(target, str):
-                text = f"{text}{obj.config.target_delimiter if text else ''}{target}"
-            docs.append(text)
-    return docs
-
-
-def encode_documents(ck: Checkpoint, docs: Sequence[str], max_tokens: int) -> list[torch.Tensor]:
-    """Token ids of documents (BOS first, cut at the context), up to `max_tokens` tokens in all."""
-    tok = ck.tokenizer
-    if tok is None:
-        raise ExitbenchError(f"{ck.path} has no tokenizer.json; geometry on text needs one")
-    block = ck.model.config.block_size
-    out, total = [], 0
-    for doc in docs:
-        ids = tok.encode(doc, add_bos=True)[:block]
-        if len(ids) < 2:
-            continue
-        ids = ids[: max_tokens - total]
-        out.append(torch.tensor(ids))
-        total += len(ids)
-        if total >= max_tokens:
-            break
-    if not out:
-        raise ExitbenchError("no document had a token to measure")
-    return out
-
-
-def heldout_programs(ck: Checkpoint, n_programs: int, seed: int) -> list[torch.Tensor]:
-    """Held-out programs of the synthetic task a chains-trained checkpoint learned (the depth report's)."""
-    from .depth import heldout_batch
-
-    (inputs, _, _), _ = heldout_batch(ck, n_programs, seed)
-    return [inputs]
-
-
-def document_source(task: str | None, text: str | None, data_dir: str | None, programs: int, seed: int
-                    ) -> tuple[list[str] | None, dict[str, Any]]:
-    """The documents of --task or --text (None: the checkpoint's held-out programs), and how to name them."""
-    if task and text:
-        raise ExitbenchError("give --task or --text, not both")
-    if text:
-        return text_documents(text), {"text": str(text)}
-    if task:
-        return task_documents(task, data_dir), {"task": task, "data_dir": data_dir}
-    return None, {"heldout_programs": programs, "seed": seed}
-
-
-def token_batches(ck: Checkpoint, docs: Sequence[str] | None, max_tokens: int, programs: int, seed: int,
-                  purpose: str) -> list[torch.Tensor]:
-    """Token ids of `docs` for this checkpoint, or its held-out programs when there are no documents."""
-    from .depth import synthetic_training
-
-    if docs is not None:
-        return encode_documents(ck, docs, max_tokens)
-    if synthetic_training(ck) is None:
-        raise ExitbenchError(f"{ck.path} was not trained on a synthetic task; pass --task T or --text FILE for the "
-                             f"tokens to {purpose}")
-    return heldout_programs(ck, programs, seed)
 
 
 # ---- the measurement --------------------------------------------------------------------------------------
@@ -290,9 +207,9 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
         raise ExitbenchError(f"--tokens must be ≥ 1, got {max_tokens}")
     check_compatible(cks)
     steps = steps or max(g.max_steps for g in cks[0].model.loop_groups())
-    docs, source = document_source(task, text, data_dir, programs, seed)
+    docs, source = documents.document_source(task, text, data_dir, programs, seed)
     # every checkpoint's batches first, so bad input fails before any measuring
-    plans = [(ck, token_batches(ck, docs, max_tokens, programs, seed, "measure on")) for ck in cks]
+    plans = [(ck, documents.token_batches(ck, docs, max_tokens, programs, seed, "measure on")) for ck in cks]
     total, done = sum(len(b) for _, b in plans), 0
 
     def tick() -> None:

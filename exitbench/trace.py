@@ -28,18 +28,3 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
             for i, t, lp, g, r in zip(inputs, result.tokens, result.logprobs, result.greedy, result.records)]
     return {"policy": engine.policies[0].knobs(), "mode": "generate" if generate else "score", "tokens": rows,
             "mean_iterations": sum(result.iterations) / max(1, len(result.iterations))}
-
-
-def trace_table(report: dict[str, Any]):
-    from rich.table import Table
-
-    knobs = report["policy"]
-    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}) · "
-             f"{report['mode']} · mean iterations {report['mean_iterations']:.2f}")
-    table = Table(title=title)
-    for col in ("input token", "next token", "log p", "greedy", "exit step"):
-        table.add_column(col, justify="right" if col in ("log p", "exit step") else "left")
-    for row in report["tokens"]:
-        table.add_row(row["input"], row["next"], f"{row['logprob']:.3f}", "yes" if row["greedy"] else "no",
-                      ", ".join(map(str, row["exit_steps"])))
-    return table

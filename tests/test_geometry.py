@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
-from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, encode_documents, geometry_report, measure,
-                                pca_path, step_quantities, text_documents, trajectories)
+from exitbench.documents import encode_documents, text_documents
+from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, geometry_report, measure, pca_path,
+                                step_quantities, trajectories)
 from exitbench.models import AttnContext, LoopedGPT2, LoopedGPT2Config, load_checkpoint, save_checkpoint
 from exitbench.textcorpus import fit_tokenizer
 

@@ -27,7 +27,7 @@ import torch
 from ..errors import ExitbenchError
 from ..exit_config import ExitConfig
 from ..flops import FlopModel
-from ..models import AttnContext, KVCache, LoopedLM
+from ..models import AttnContext, LoopedLM
 from .loop import Leaving, Token, TokenLoop
 from .noise import PositionNoise
 from .records import SequenceResult, TokenRecord

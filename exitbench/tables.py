@@ -1,4 +1,5 @@
-"""Tables of sweep results for the terminal."""
+"""Every table exitbench prints on a terminal: sweeps, frontiers, regressions, geometry, calibration, traces and
+the depth report. Commands build reports; this module only lays them out."""
 from __future__ import annotations
 
 from typing import Any
@@ -121,3 +122,37 @@ def calibration_table(report: dict[str, Any]) -> Table:
         t.caption = (f"held out ({h['documents']} documents): risk {h['risk']:.4f}, "
                      f"{h['mean_iterations']:.2f} mean iterations")
     return t
+
+
+def trace_table(report: dict[str, Any]):
+    knobs = report["policy"]
+    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}) · "
+             f"{report['mode']} · mean iterations {report['mean_iterations']:.2f}")
+    table = Table(title=title)
+    for col in ("input token", "next token", "log p", "greedy", "exit step"):
+        table.add_column(col, justify="right" if col in ("log p", "exit step") else "left")
+    for row in report["tokens"]:
+        table.add_row(row["input"], row["next"], f"{row['logprob']:.3f}", "yes" if row["greedy"] else "no",
+                      ", ".join(map(str, row["exit_steps"])))
+    return table
+
+
+def depth_tables(report: dict[str, Any]) -> list:
+    """Rich tables of a depth report: accuracy by hop and perplexity per r, then step norms per k."""
+    levels = range(1, report["levels"] + 1)
+    rows = report["by_r"]
+    acc = Table(title=f"accuracy by hop vs r ({report['programs']} held-out programs)")
+    acc.add_column("", justify="right")
+    for row in rows:
+        acc.add_column(f"r={row['r']}", justify="right")
+    for h in levels:
+        acc.add_row(f"hop {h}", *[f"{row['accuracy_by_hop'][h]:.3f}" for row in rows])
+    acc.add_row("all", *[f"{row['accuracy']:.3f}" for row in rows], style="bold")
+    acc.add_row("answer ppl", *[f"{row['answer_perplexity']:.3f}" for row in rows], style="bold")
+    norms = Table(title="mean step norm ‖s_k − s_{k−1}‖")
+    norms.add_column("k", justify="right")
+    norms.add_column("mean", justify="right")
+    norms.add_column("median", justify="right")
+    for row in report["step_norm"]:
+        norms.add_row(str(row["k"]), f"{row['mean']:.4g}", f"{row['median']:.4g}")
+    return [acc, norms]
