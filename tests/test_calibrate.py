@@ -16,7 +16,7 @@ from exitbench.cli import app
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 
-from engine_fixtures import tiny
+from helpers.engine import tiny
 
 runner = CliRunner()
 

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from exitbench.errors import CheckpointError
 from exitbench.models import Raven, load_checkpoint, save_checkpoint
 
-from conftest import SHARD_BYTES, listing, make_tiny_raven, random_ids
+from helpers.files import listing
+from helpers.models import SHARD_BYTES, make_tiny_raven, random_ids
 
 INDEX = "model.safetensors.index.json"
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from exitbench.cli import app
 from exitbench.models import save_checkpoint
 
-from conftest import listing, make_tiny_raven
+from helpers.files import listing
+from helpers.models import make_tiny_raven
 
 INDEX = "model.safetensors.index.json"
 runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart

@@ -11,8 +11,8 @@ from exitbench.errors import ExitbenchError
 from exitbench.flops import FlopModel
 from exitbench.models import KVCache
 
-from engine_fixtures import (engine, first_order_rule, kl_rule, mixed_prompts, mixed_requests, reference_run,
-                             spread_threshold, tiny)
+from helpers.engine import (engine, first_order_rule, kl_rule, mixed_prompts, mixed_requests, reference_run,
+                            spread_threshold, tiny)
 
 K = 12
 LOGP_TOL = 1e-5

@@ -20,7 +20,7 @@ from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, geometry_repo
 from exitbench.models import AttnContext, LoopedGPT2, LoopedGPT2Config, load_checkpoint, save_checkpoint
 from exitbench.textcorpus import fit_tokenizer
 
-from conftest import make_tiny_raven, make_tiny_tokenizer, random_ids
+from helpers.models import make_tiny_raven, make_tiny_tokenizer, random_ids
 
 runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart
 GROUPS = [[1], [2, 3], [4]]

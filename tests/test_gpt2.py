@@ -25,8 +25,8 @@ from exitbench.models import (LoopedGPT2, LoopedGPT2Config, LoopGroup, Stage, lo
                               save_checkpoint)
 from exitbench.policies import REGISTRY
 
-from conftest import random_ids
-from engine_fixtures import expected_exit, mixed_requests
+from helpers.engine import expected_exit, mixed_requests
+from helpers.models import random_ids
 
 V, D, H, L, P = 100, 32, 4, 6, 64  # vocab, n_embd, n_head, n_layer, n_positions
 GROUPS = [[1], [2, 3], [4]]

@@ -3,7 +3,7 @@
 Requests are lm-eval `Instance`s built by hand, so every check here is about the adapter itself: what it
 encodes, how it shares and batches passes, what it records, and that none of that changes an answer.
 The embedded tiny-raven (trained on the chains task) answers easy chains at full depth; a random tiny Raven
-over an 18-word vocabulary (conftest) stands in where long generations are needed.
+over an 18-word vocabulary (helpers/models.py) stands in where long generations are needed.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from exitbench.errors import ExitbenchError
 from exitbench.lm import ExitbenchLM
 from exitbench.models import save_checkpoint
 
-from conftest import make_tiny_raven, make_tiny_tokenizer
+from helpers.models import make_tiny_raven, make_tiny_tokenizer
+from helpers.paths import TASKS_DIR
 
-REPO = Path(__file__).resolve().parent.parent
-CHAINS = [json.loads(line) for line in (REPO / "tasks" / "chains" / "test.jsonl").read_text().splitlines()
+CHAINS = [json.loads(line) for line in (TASKS_DIR / "chains" / "test.jsonl").read_text().splitlines()
           if line.strip()]
 DIGITS = [str(d) for d in range(10)]
 R = 16  # tiny-raven's default depth (mean_recurrence); "accurate at full depth"
@@ -256,7 +256,7 @@ def test_max_gen_toks_is_respected(random18):
     ck = lm.ck
     prompt = "the cat sat on"
     (ref,) = ExitEngine(ck.model, ExitConfig("fixed", threshold=4)).generate(
-        # conftest's tokenizer has no post-processor, so (as under lm-eval's hf model) the prompt gets no BOS
+        # the tiny tokenizer (helpers/models.py) has no post-processor, so (as under lm-eval's hf model) the prompt gets no BOS
         [ck.tokenizer.encode(prompt, add_special_tokens=True)], 20, stop_ids=[ck.tokenizer.eos_token_id])
     assert len(ref.tokens) == 20  # this prompt never reaches EOS within 20 tokens
     for n in (1, 3, 7):

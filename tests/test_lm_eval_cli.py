@@ -17,7 +17,7 @@ from exitbench.cli import app
 from exitbench.lm_eval_cli import prepare, with_shipped_tasks
 from exitbench.tasks import SHIPPED_TASKS
 
-from run_helpers import exitbench_cmd, explain, subprocess_env
+from helpers.cli import exitbench_cmd, explain, subprocess_env
 
 runner = CliRunner()
 RUN = ["lm-eval", "run", "--model", "exitbench", "--tasks", "chains", "--limit", "2"]

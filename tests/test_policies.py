@@ -13,8 +13,8 @@ from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 from exitbench.policies import policy_names
 
-from engine_fixtures import (EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close, direct_signals,
-                             direct_trajectory, engine, expected_exit, oracle_exit, tiny)
+from helpers.engine import (EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close, direct_signals,
+                            direct_trajectory, engine, expected_exit, oracle_exit, tiny)
 
 K = 12
 T0 = [5, 23, 42, 77, 91]      # tokens at position 0, one per row

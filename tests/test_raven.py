@@ -11,7 +11,7 @@ from exitbench.models import AttnContext, LoopGroup, Raven, RavenConfig, Stage
 from exitbench.models.layers import CausalSelfAttention, GatedMLP, RMSNorm, apply_rope, rope_table
 from exitbench.models.looped import unit_trunc_normal
 
-from conftest import HUGINN_CONFIG, HUGINN_PARAMETERS, make_tiny_raven, random_ids
+from helpers.models import HUGINN_CONFIG, HUGINN_PARAMETERS, make_tiny_raven, random_ids
 
 ATOL = 1e-5
 

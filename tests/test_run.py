@@ -12,14 +12,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from exitbench import cells, sweep
 
-from run_helpers import (GSM8K_DIR, REPO, TASKS_DIR, by_config, cell_files, check_cell, computed, exitbench_cmd,
-                         explain, free_port, load_cells, run_cli, run_ok, snapshot, subprocess_env)
+from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
+from helpers.cli import exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
+from helpers.paths import GSM8K_DIR, TASKS_DIR
 
 LIMIT = 24
 SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thresholds", "0.01,1",

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -11,7 +10,7 @@ from exitbench import embedded, synthetic
 from exitbench.cli import app
 from exitbench.depth import depth_report
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers.paths import TASKS_DIR
 
 
 def test_programs_are_well_formed_chains():
@@ -49,7 +48,7 @@ def test_bad_task_options():
 def test_shipped_task_data_is_what_the_generator_writes(tmp_path):
     fresh = tmp_path / "test.jsonl"
     synthetic.write_task_data(fresh)
-    assert fresh.read_text() == (REPO / "tasks" / "chains" / "test.jsonl").read_text()
+    assert fresh.read_text() == (TASKS_DIR / "chains" / "test.jsonl").read_text()
 
 
 @pytest.fixture(scope="module")

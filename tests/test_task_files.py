@@ -10,7 +10,7 @@ import pytest
 
 from exitbench.tasks import defines, resolve_tasks, unparsed_task_files
 
-from run_helpers import explain, run_cli
+from helpers.cli import explain, run_cli
 
 GOOD = """task: {name}
 custom_dataset: !function {function}

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,9 @@ from exitbench.embedded import EMBEDDED_DIR
 from exitbench.sweep import SweepConfig, plan, run_sweep
 from exitbench.tasks import resolve_tasks
 
-from run_helpers import explain, load_cells, subprocess_env
+from helpers.cells import load_cells
+from helpers.cli import explain, subprocess_env
+from helpers.paths import REPO
 
 runner = CliRunner()
 EMBEDDED = EMBEDDED_DIR / "tiny-raven"
@@ -336,7 +337,7 @@ def test_finite_runs_count_no_nonfinite_tokens(tmp_path, small_sweep):
 # ---- readers: partial sweeps, reports that are not cells, plots in new folders ------------------------------------
 
 def test_check_of_a_partial_sweep_says_what_it_compared(tmp_path, capfd):
-    baseline = Path(__file__).resolve().parent.parent / "results" / "baseline"
+    baseline = REPO / "results" / "baseline"
     part = tmp_path / "part"
     part.mkdir()
     kept = [p for p in baseline.glob("chains__*.json") if "__fixed-" in p.name or "__kl-" in p.name]
@@ -350,7 +351,7 @@ def test_check_of_a_partial_sweep_says_what_it_compared(tmp_path, capfd):
 
 
 def test_pareto_skips_reports_that_are_not_cells_and_makes_the_plot_folder(tmp_path, capfd):
-    baseline = Path(__file__).resolve().parent.parent / "results" / "baseline"
+    baseline = REPO / "results" / "baseline"
     root = tmp_path / "results"
     shutil.copytree(baseline, root / "baseline")
     (root / "calibrate").mkdir()

@@ -1,5 +1,6 @@
-"""Helpers for the policy and engine tests: tiny models, a direct trajectory through the stage view, the
-policies' formulas written out again in numpy, the exit rule as a plain loop, and a reference engine.
+"""What the policy and engine tests compare the engine with: tiny models, a direct trajectory through the stage
+view, the policies' formulas written out again in numpy, the exit rule as a plain loop, a reference engine, and
+mixed workloads with thresholds that spread their exits.
 
 Nothing here imports exitbench.policies: every expected value is computed independently of the classes
 under test.
@@ -14,7 +15,7 @@ import torch
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.models import AttnContext, LoopGroup, Stage
 
-from conftest import make_tiny_raven
+from helpers.models import make_tiny_raven
 
 # Policies whose signal must pass *above* the threshold; every other rule exits below it.
 EXITS_ABOVE = {"confidence", "argmax_stability", "fixed"}

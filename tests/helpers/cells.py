@@ -1,69 +1,19 @@
-"""Helpers for driving `exitbench run` in tests: in-process (typer's CliRunner) or as a subprocess, and for
-reading and checking the result cells it writes."""
+"""Reading the result cells a sweep writes, and checking one against the schema documented in
+exitbench/cells.py."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from typer.testing import CliRunner
-
 from exitbench import cells
-from exitbench.cli import app
 from exitbench.engine import ExitConfig
 
-REPO = Path(__file__).resolve().parent.parent
-TASKS_DIR = REPO / "tasks"
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
-runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart
+from helpers.paths import REPO
 
 EXIT_KNOBS = set(ExitConfig().to_dict())
-
-
-def run_cli(*args: str):
-    """`exitbench run ARGS --quiet` in this process; returns (click Result, seconds)."""
-    t0 = time.perf_counter()
-    res = runner.invoke(app, ["run", *args, "--quiet"])
-    return res, time.perf_counter() - t0
-
-
-def explain(res) -> str:
-    text = f"exit code {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
-    if res.exc_info and res.exception and not isinstance(res.exception, SystemExit):
-        text += "\n" + "".join(traceback.format_exception(*res.exc_info))
-    return text
-
-
-def run_ok(*args: str) -> float:
-    res, seconds = run_cli(*args)
-    assert res.exit_code == 0, explain(res)
-    return seconds
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """A child's environment: offline hub, one intra-op thread (the machine's cores may be busy: a tiny
-    model gains nothing from threads and its barriers make a busy core cost seconds)."""
-    env = dict(os.environ)
-    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def exitbench_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "exitbench", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cell_files(directory: Path) -> list[Path]:
@@ -109,7 +59,7 @@ def _number(x) -> bool:
 
 def check_cell(cell: dict[str, Any], path: Path | None = None, source: str = "embedded:tiny-raven",
                architecture: str = "huginn_raven") -> None:
-    """Assert `cell` follows the schema documented in exitbench/cells.py (exitbench.cell, version 1)."""
+    """Assert `cell` follows the schema documented in exitbench/cells.py (exitbench.cell, version 2)."""
     assert cell["schema"] == "exitbench.cell" == cells.SCHEMA
     assert cell["schema_version"] == 2 == cells.SCHEMA_VERSION
     key = cell["key"]
