@@ -17,10 +17,10 @@ from exitbench.errors import ExitbenchError
 from exitbench.documents import encode_documents, text_documents
 from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, geometry_report, measure, pca_path,
                                 step_quantities, trajectories)
-from exitbench.models import AttnContext, LoopedGPT2, LoopedGPT2Config, load_checkpoint, save_checkpoint
+from exitbench.models import AttnContext, LoopedGPT2, load_checkpoint, save_checkpoint
 from exitbench.textcorpus import fit_tokenizer
 
-from helpers.models import make_tiny_raven, make_tiny_tokenizer, random_ids
+from helpers.models import make_gpt2, make_tiny_raven, make_tiny_tokenizer, random_ids
 
 runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart
 GROUPS = [[1], [2, 3], [4]]
@@ -30,14 +30,12 @@ TEXTS = ["The cat sat on the mat and the dog ran fast.",
          "Small red dogs and big slow cats sat on a mat in the sun."]
 
 
-def make_gpt2(seed: int = 0, n_embd: int = 32, loop_groups=None, vocab_size: int = 64, n_positions: int = 64,
-              bos: int | None = None) -> LoopedGPT2:
-    config = LoopedGPT2Config(vocab_size=vocab_size, n_embd=n_embd, n_layer=6, n_head=2, n_positions=n_positions,
-                              loop_groups=loop_groups or GROUPS, bos_token_id=bos, eos_token_id=bos,
-                              pad_token_id=bos)
-    model = LoopedGPT2(config)
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model.eval()
+def geometry_gpt2(seed: int = 0, bos: int | None = None, **overrides) -> LoopedGPT2:
+    """make_gpt2 as these tests use it: the model's own initialisation (what training starts from), 2 heads, a
+    64-word vocabulary, loop groups [[1], [2, 3], [4]] at depth 1 by default, and `bos` as BOS, EOS and pad id."""
+    shape = dict(vocab_size=64, n_head=2, loop_groups=GROUPS, loop_steps=None, max_loop_steps=None,
+                 bos_token_id=bos, eos_token_id=bos, pad_token_id=bos)
+    return make_gpt2(seed, init="model", **{**shape, **overrides})
 
 
 def orthonormal_pair(d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +216,7 @@ def test_pca_path_single_point_is_two_dimensional():
 # ---- trajectories of a looped GPT-2 against the layers run by hand --------------------------------------
 
 def test_trajectories_match_layers_by_hand():
-    model = make_gpt2(seed=1)
+    model = geometry_gpt2(seed=1)
     h = model.transformer.h
     ids = random_ids(2, 7, vocab=64, seed=3)
     K = 3
@@ -250,7 +248,7 @@ def test_trajectories_match_layers_by_hand():
 
 
 def test_measure_rejects_zero_steps():
-    model = make_gpt2()
+    model = geometry_gpt2()
     with pytest.raises(ExitbenchError, match="--steps must be ≥ 1"):
         measure(_ck(model), [random_ids(1, 4, vocab=64)], steps=0)
 
@@ -302,7 +300,7 @@ def check_measure_against_direct(model, batches, steps: int, seed: int = 0) -> d
 
 
 def test_measure_looped_gpt2():
-    model = make_gpt2(seed=2)
+    model = geometry_gpt2(seed=2)
     batches = [random_ids(2, 6, vocab=64, seed=1), random_ids(1, 9, vocab=64, seed=2)]
     rep = check_measure_against_direct(model, batches, steps=4)
     assert len(rep["groups"]) == 3 and len(rep["handoffs"]) == 2
@@ -419,14 +417,15 @@ def cli_setup(tmp_path_factory):
     vocab = tok.vocab_size
 
     def gpt2(path, seed=0, **kw):
-        return save_checkpoint(make_gpt2(seed=seed, vocab_size=vocab, bos=tok.bos_token_id, **kw), root / path, tok)
+        return save_checkpoint(geometry_gpt2(seed=seed, vocab_size=vocab, bos=tok.bos_token_id, **kw), root / path, tok)
 
     paths = {"a": gpt2("a", seed=0), "b": gpt2("b", seed=1),
              "wide": gpt2("wide", n_embd=48), "regrouped": gpt2("regrouped", loop_groups=[[1], [2], [3, 4]])}
     run = root / "run"
-    save_checkpoint(make_gpt2(seed=3, vocab_size=vocab, bos=tok.bos_token_id), run, tok, extra_config=training_extra(3))
+    save_checkpoint(geometry_gpt2(seed=3, vocab_size=vocab, bos=tok.bos_token_id), run, tok,
+                    extra_config=training_extra(3))
     for step in (1, 2):
-        save_checkpoint(make_gpt2(seed=10 + step, vocab_size=vocab, bos=tok.bos_token_id),
+        save_checkpoint(geometry_gpt2(seed=10 + step, vocab_size=vocab, bos=tok.bos_token_id),
                         run / "training" / f"step-{step:06d}", tok, extra_config=training_extra(step))
     paths["run"] = run
     no_groups = gpt2("no-groups")

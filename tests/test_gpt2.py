@@ -26,46 +26,15 @@ from exitbench.models import (LoopedGPT2, LoopedGPT2Config, LoopGroup, Stage, lo
 from exitbench.policies import REGISTRY
 
 from helpers.engine import expected_exit, mixed_requests
-from helpers.models import random_ids
+from helpers.models import GPT2_SHAPE, gpt2_config, make_gpt2, random_ids
 
-V, D, H, L, P = 100, 32, 4, 6, 64  # vocab, n_embd, n_head, n_layer, n_positions
-GROUPS = [[1], [2, 3], [4]]
-STEPS = [3, 4, 3]  # loop_steps: the default K_g per group
-MAX_STEPS = [6, 8, 6]
+# vocab, n_embd, n_head, n_layer, n_positions: 100, 32, 4, 6, 64
+V, D, H, L, P = (GPT2_SHAPE[k] for k in ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions"))
+GROUPS = GPT2_SHAPE["loop_groups"]  # [[1], [2, 3], [4]]
+STEPS = GPT2_SHAPE["loop_steps"]  # loop_steps: the default K_g per group, [3, 4, 3]
+MAX_STEPS = GPT2_SHAPE["max_loop_steps"]  # [6, 8, 6]
 ATOL = 1e-5
 LOGP_TOL = 1e-5
-
-
-def make_config(**overrides) -> LoopedGPT2Config:
-    kwargs = dict(vocab_size=V, n_embd=D, n_head=H, n_layer=L, n_positions=P, loop_groups=GROUPS,
-                  loop_steps=STEPS, max_loop_steps=MAX_STEPS)
-    kwargs.update(overrides)
-    return LoopedGPT2Config(**kwargs)
-
-
-def make_gpt2(seed: int = 0, emb: float = 0.2, w: float = 0.7, proj: float = 0.5, **overrides) -> LoopedGPT2:
-    """A tiny looped GPT-2 with every parameter random (norms and biases too, so none can be silently dropped).
-
-    Embeddings are N(0, emb²) and weights N(0, w²/fan_in): next-token distributions are clearly non-uniform
-    while logits stay O(5), so float32 rounding stays well below the 1e-5 tolerances. Residual projections
-    are scaled by `proj`, so each iterate moves the state by a fraction of its norm and the exit signals
-    settle over the iterations.
-    """
-    model = LoopedGPT2(make_config(**overrides))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("c_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * proj / math.sqrt(p.shape[0]))
-            elif name.endswith(("wte.weight", "wpe.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * emb)
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * w / math.sqrt(p.shape[0]))
-            elif name.endswith(".weight"):  # LayerNorm gains
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:  # every bias
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +371,7 @@ BAD_CONFIGS = {
 def test_bad_config_one_line(case):
     overrides, words = BAD_CONFIGS[case]
     with pytest.raises(CheckpointError) as err:
-        make_config(**overrides)
+        gpt2_config(**overrides)
     msg = str(err.value)
     assert "\n" not in msg and msg
     for word in words:
@@ -425,7 +394,7 @@ def test_bad_config_json_one_line(tmp_path, gpt2, case):
                          ids=["scalar-loop-steps", "scalar-loop-groups"])
 def test_scalar_loop_fields_fail_with_one_line(overrides):
     with pytest.raises(CheckpointError):
-        make_config(**overrides)
+        gpt2_config(**overrides)
 
 
 # ---- (6) through the exit engine ----------------------------------------------------------------------

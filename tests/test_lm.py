@@ -256,7 +256,7 @@ def test_max_gen_toks_is_respected(random18):
     ck = lm.ck
     prompt = "the cat sat on"
     (ref,) = ExitEngine(ck.model, ExitConfig("fixed", threshold=4)).generate(
-        # the tiny tokenizer (helpers/models.py) has no post-processor, so (as under lm-eval's hf model) the prompt gets no BOS
+        # the tiny tokenizer has no post-processor, so (as under lm-eval's hf model) the prompt gets no BOS
         [ck.tokenizer.encode(prompt, add_special_tokens=True)], 20, stop_ids=[ck.tokenizer.eos_token_id])
     assert len(ref.tokens) == 20  # this prompt never reaches EOS within 20 tokens
     for n in (1, 3, 7):

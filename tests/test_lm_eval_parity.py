@@ -8,12 +8,10 @@ tokens they build, the log-likelihoods, is_greedy and the generated text.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 import transformers
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
@@ -23,8 +21,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from exitbench.errors import ExitbenchError
 from exitbench.lm import ExitbenchLM
-from exitbench.models import LoopedGPT2, LoopedGPT2Config, save_checkpoint
+from exitbench.models import LoopedGPT2, save_checkpoint
 from exitbench.tokenizer import Tokenizer
+
+from helpers.models import make_gpt2
 
 BOS, EOS = "<bos>", "<eos>"
 CORPUS = ["the cat sat on the mat. the dog ran fast, and a big red cat sat on a small mat!",
@@ -71,23 +71,10 @@ VARIANTS = {"bos_template": (True, 0), "no_post_processor": (False, 0), "eos_onl
 
 def random_gpt2(vocab_size: int, bos: int | None, eos: int) -> LoopedGPT2:
     """Every parameter random, scaled so next-token distributions are far from uniform (no near-ties for argmax
-    to flip on) while logits stay of order 5."""
-    config = LoopedGPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=N_POSITIONS,
-                              loop_groups=[[0, 1]], loop_steps=[1], max_loop_steps=[1],
-                              bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
-    model = LoopedGPT2(config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("wte.weight", "wpe.weight")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[0]))
-            elif name.endswith(".weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model.eval()
+    to flip on) while logits stay of order 5: embeddings N(0, 0.3²), every matrix N(0, 1/fan_in)."""
+    return make_gpt2(0, emb=0.3, w=1.0, proj=1.0, vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4,
+                     n_positions=N_POSITIONS, loop_groups=[[0, 1]], loop_steps=[1], max_loop_steps=[1],
+                     bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
 
 
 class Saved(NamedTuple):

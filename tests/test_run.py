@@ -19,6 +19,7 @@ from exitbench import cells, sweep
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
 from helpers.cli import exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
+from helpers.models import make_gpt2
 from helpers.paths import GSM8K_DIR, TASKS_DIR
 
 LIMIT = 24
@@ -356,17 +357,13 @@ def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
 # ---- the looped GPT-2 through lm-eval: perplexity on held-out text, per-group iterations ------------------------
 
 def test_looped_gpt2_perplexity_sweep_reports_iterations_per_group(tmp_path):
-    import torch
-
-    from exitbench.models import LoopedGPT2, LoopedGPT2Config, save_checkpoint
+    from exitbench.models import save_checkpoint
     from exitbench.textcorpus import fit_tokenizer, gsm8k_texts
 
     tok = fit_tokenizer(gsm8k_texts("train", GSM8K_DIR)[:300], 400)
-    cfg = LoopedGPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=4, n_head=2, n_positions=256,
-                           loop_groups=[[1], [2]], loop_steps=[3, 3], max_loop_steps=[6, 6],
-                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = LoopedGPT2(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model = make_gpt2(0, init="model", vocab_size=tok.vocab_size, n_embd=32, n_layer=4, n_head=2, n_positions=256,
+                      loop_groups=[[1], [2]], loop_steps=[3, 3], max_loop_steps=[6, 6],
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     save_checkpoint(model, tmp_path / "gpt2", tok)
     out = tmp_path / "out"
     run_ok("--checkpoint", str(tmp_path / "gpt2"), "--tasks", "gsm8k_text", "--data-dir", str(GSM8K_DIR),
