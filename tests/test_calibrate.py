@@ -16,6 +16,7 @@ from exitbench.cli import app
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 
+from helpers.cli import assert_one_line_error
 from helpers.engine import tiny
 
 runner = CliRunner()
@@ -229,8 +230,4 @@ def test_too_few_documents_says_how_many_are_needed(tmp_path):
 ])
 def test_command_errors_are_one_line(args, words):
     res = runner.invoke(app, ["calibrate", *args])
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    err = res.stderr
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in res.output, err
-    for w in words:
-        assert w in err, (w, err)
+    assert_one_line_error(res, words)

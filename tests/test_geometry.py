@@ -20,6 +20,7 @@ from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, geometry_repo
 from exitbench.models import AttnContext, LoopedGPT2, load_checkpoint, save_checkpoint
 from exitbench.textcorpus import fit_tokenizer
 
+from helpers.cli import assert_one_line_error
 from helpers.models import make_gpt2, make_tiny_raven, make_tiny_tokenizer, random_ids
 
 runner = CliRunner()  # click ≥ 8.2 keeps result.stdout and result.stderr apart
@@ -518,17 +519,6 @@ def test_training_expansion_skips_a_final_model_that_is_the_last_step(tmp_path):
     # The embedded tiny-raven ships two of its training steps beside the final model.
     names = expand_checkpoints("tiny-raven:training")
     assert [Path(n).name for n in names] == ["step-000250", "step-001000", "tiny-raven"]
-
-
-def assert_one_line_error(res, words: list[str]) -> None:
-    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
-    assert res.stdout == ""
-    err = res.stderr
-    assert err.startswith("error: ") and err.endswith("\n"), err
-    assert err.count("\n") == 1, err
-    assert "Traceback" not in res.output
-    for word in words:
-        assert word in err, (word, err)
 
 
 BAD_CLI = {

@@ -17,7 +17,7 @@ from exitbench.cli import app
 from exitbench.lm_eval_cli import prepare, with_shipped_tasks
 from exitbench.tasks import SHIPPED_TASKS
 
-from helpers.cli import exitbench_cmd, explain, subprocess_env
+from helpers.cli import assert_one_line_error, exitbench_cmd, explain, subprocess_env
 
 runner = CliRunner()
 RUN = ["lm-eval", "run", "--model", "exitbench", "--tasks", "chains", "--limit", "2"]
@@ -66,14 +66,7 @@ def test_bad_model_args_end_with_one_line_and_exit_2(case, truncated_checkpoint,
     args = [a.format(checkpoint=checkpoint) for a in args]
     capfd.readouterr()
     res = runner.invoke(app, [*RUN, *args])
-    fd = capfd.readouterr()
-    stderr = res.stderr + fd.err
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, explain(res)
-    assert "Traceback" not in stderr + res.stdout + fd.out
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: ")
-    assert needle.format(shard=shard) in lines[0], lines[0]
+    assert_one_line_error(res, [needle.format(shard=shard)], fd=capfd.readouterr())
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -18,7 +18,7 @@ import pytest
 from exitbench import cells, sweep
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
-from helpers.cli import exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
+from helpers.cli import assert_one_line_error, exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
 from helpers.models import make_gpt2
 from helpers.paths import GSM8K_DIR, TASKS_DIR
 
@@ -341,16 +341,7 @@ def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
             "--limit", "2"]
     capfd.readouterr()
     res, _ = run_cli(*base, *[a.format(empty=empty) for a in args], "--out", str(out))
-    fd = capfd.readouterr()
-    stderr = res.stderr + fd.err
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, explain(res)
-    assert res.exception is None or isinstance(res.exception, SystemExit), explain(res)
-    assert "Traceback" not in stderr + res.stdout + fd.out
-    assert len(lines) == 1, stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert lines[0].startswith("error: ")
+    assert_one_line_error(res, needles, fd=capfd.readouterr())
     assert not out.exists() or not list(out.rglob("*.json"))
 
 

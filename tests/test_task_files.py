@@ -10,7 +10,7 @@ import pytest
 
 from exitbench.tasks import defines, resolve_tasks, unparsed_task_files
 
-from helpers.cli import explain, run_cli
+from helpers.cli import assert_one_line_error, run_cli
 
 GOOD = """task: {name}
 custom_dataset: !function {function}
@@ -53,15 +53,8 @@ def test_unusable_task_file_is_one_line_naming_it(case, user_tasks, tmp_path, ca
     capfd.readouterr()
     res, _ = run_cli("--tasks", name, "--include-path", str(user_tasks), "--limit", "2", "--baselines", "1",
                      "--policy", "second_order", "--thresholds", "0.1", "--out", str(tmp_path / "out"))
-    fd = capfd.readouterr()
-    stderr = res.stderr + fd.err
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, explain(res)
-    assert "Traceback" not in stderr + res.stdout + fd.out
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: ") and "unknown task" not in lines[0]
-    for needle in [f"'{name}'", str(user_tasks / file), *needles]:
-        assert needle in lines[0], (needle, lines[0])
+    line = assert_one_line_error(res, [f"'{name}'", str(user_tasks / file), *needles], fd=capfd.readouterr())
+    assert "unknown task" not in line
 
 
 def test_a_good_task_beside_broken_files_resolves(user_tasks):

@@ -16,6 +16,8 @@ from exitbench.errors import ExitbenchError
 from exitbench.models import load_checkpoint
 from exitbench.train import TrainConfig, sample_recurrence, train
 
+from helpers.cli import assert_one_line_error
+
 TINY = dict(n_embd=32, n_heads=2, intermediate_size=64, max_hop=4, n_chains=2, mean_recurrence=4,
             max_recurrence=8, backprop_depth=2, batch_size=8, steps=6, warmup=2)
 
@@ -109,8 +111,7 @@ def test_unwritable_output_directory(tmp_path):
 def test_output_under_a_file_is_one_line_exit_2(tmp_path):
     (tmp_path / "afile").write_text("")
     res = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "afile" / "run"), "--steps", "1"])
-    assert res.exit_code == 2
-    assert len(res.stderr.strip().splitlines()) == 1 and "cannot write" in res.stderr
+    assert_one_line_error(res, ["cannot write"])
     res = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--n-embd", "-4"])
     assert res.exit_code == 2 and "--n-embd" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x").exists()
@@ -205,7 +206,7 @@ def test_bad_text_options_fail_before_writing(tmp_path, gsm8k_dir, override, nee
 def test_cli_text_training_errors_are_one_line(tmp_path, gsm8k_dir):
     res = CliRunner().invoke(app, ["train", "--arch", "looped_gpt2", "--out", str(tmp_path / "x"),
                                    "--gsm8k-dir", str(tmp_path / "nowhere")])
-    assert res.exit_code == 2 and "train.jsonl" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert_one_line_error(res, ["train.jsonl"])
     res = CliRunner().invoke(app, ["train", "--arch", "gpt3", "--out", str(tmp_path / "y")])
     assert res.exit_code == 2 and "looped_gpt2" in res.stderr
     (gsm8k_dir / "train.jsonl").write_text('{"question": "no answer"}\n')

@@ -53,3 +53,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_one_line_error(res, words=(), fd=None) -> str:
+    """The CLI's answer to bad input: exit code 2, no traceback, nothing on stdout, and on stderr one line
+    `error: …` that contains every string in `words`. Returns the line (without its newline).
+
+    `res` is a click Result (typer's CliRunner) or a subprocess.CompletedProcess. After an in-process run that may
+    reach lm-eval or datasets, pass `fd=capfd.readouterr()` (with capfd read just before the run as well): their
+    loggers write straight to file descriptors 1 and 2, which the Result does not see.
+    """
+    code = res.exit_code if hasattr(res, "exit_code") else res.returncode
+    stdout, stderr = res.stdout, res.stderr
+    if fd is not None:
+        stdout, stderr = stdout + fd.out, stderr + fd.err
+    what = explain(res) if hasattr(res, "exit_code") else f"exit code {code}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    if fd is not None:
+        what += f"\nfile descriptor 1:\n{fd.out}\nfile descriptor 2:\n{fd.err}"
+    assert code == 2, what
+    exception = getattr(res, "exception", None)
+    assert exception is None or isinstance(exception, SystemExit), what
+    assert "Traceback" not in stdout + stderr, what
+    assert stdout == "", what
+    assert stderr.startswith("error: ") and stderr.endswith("\n") and stderr.count("\n") == 1, stderr
+    line = stderr[:-1]
+    for word in words:
+        assert word in line, (word, line)
+    return line
