@@ -12,7 +12,8 @@ from exitbench.cli import app
 from exitbench.policies.distribution import KL
 from exitbench.sweep import SweepConfig, run_sweep
 from exitbench.tasks import resolve_tasks
-from test_pareto import ACC, PPL
+
+from helpers.cells import ACC, PPL
 
 
 def write(directory, cell_list):

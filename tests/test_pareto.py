@@ -6,39 +6,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import cells, pareto, results
+from exitbench import pareto, results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 
-
-def cell(task, metric, higher, policy, tau, quality, iters, sec, max_steps=16):
-    key = {"task": task, "policy": policy, "tau": tau}
-    return {"schema": cells.SCHEMA, "schema_version": cells.SCHEMA_VERSION, "cell_id": cells.cell_id(key), "key": key,
-            "model": {"fingerprint": "m", "architecture": "huginn_raven", "dtype": "float32"},
-            "task": {"name": task, "limit": None, "n_shot": 0, "metrics": {metric: quality}, "primary_metric": metric},
-            "quality": {"metric": metric, "value": quality, "higher_is_better": higher},
-            "policy": {"policy": policy, "threshold": tau, "relative": False, "max_steps": tau if policy == "fixed"
-                       else max_steps},
-            "iterations": {"mean": iters, "tokens": 100}, "wall_clock": {"per_token_s": sec, "probe_share": 0.0},
-            "flops": {"per_token": 1000 * iters}, "run": {"started": "2026-11-30T00:00:00+00:00", "run_id": "r1"}}
-
-
-ACC = [  # accuracy, higher is better; full depth = fixed 16 at 0.90, 1.0 ms/token
-    cell("t", "acc", True, "fixed", 4, 0.50, 4, 0.25e-3),
-    cell("t", "acc", True, "fixed", 16, 0.90, 16, 1.0e-3),
-    cell("t", "acc", True, "kl", 1e-3, 0.90, 6, 0.8e-3),        # on the frontier
-    cell("t", "acc", True, "kl", 1e-2, 0.80, 5, 0.6e-3),        # on the frontier
-    cell("t", "acc", True, "second_order", 0.1, 0.896, 7, 0.5e-3),  # within 0.5% of 0.90, dominated (kl 6 @ 0.90)
-    cell("t", "acc", True, "second_order", 1.0, 0.70, 8, 0.45e-3),  # dominated everywhere on iterations
-    cell("t", "acc", True, "oracle", 0.01, 0.90, 4.5, 2e-3),     # on the frontier
-]
-PPL = [  # perplexity, lower is better; full depth 1.00
-    cell("u", "ppl", False, "fixed", 1, 9.0, 1, 0.1e-3),
-    cell("u", "ppl", False, "fixed", 16, 1.00, 16, 1.0e-3),
-    cell("u", "ppl", False, "first_order", 0.1, 1.004, 8, 0.5e-3),
-    cell("u", "ppl", False, "first_order", 1.0, 1.5, 4, 0.3e-3),
-    cell("u", "ppl", False, "oracle", 0.01, 1.00, 4, 2e-3),
-]
+from helpers.cells import ACC, PPL
 
 
 def by_policy(points):

@@ -1,5 +1,5 @@
-"""Reading the result cells a sweep writes, and checking one against the schema documented in
-exitbench/cells.py."""
+"""Result cells: reading the ones a sweep writes, checking one against the schema documented in
+exitbench/cells.py, and hand-made ones with known answers for the readers (pareto, check)."""
 from __future__ import annotations
 
 import json
@@ -152,3 +152,36 @@ def computed(cell: dict[str, Any]) -> dict[str, Any]:
     return {"cell_id": cell["cell_id"], "key": cell["key"], "model": cell["model"], "task": cell["task"],
             "quality": cell["quality"], "policy": cell["policy"], "iterations": cell["iterations"],
             "flops": cell["flops"]}
+
+
+def hand_made_cell(task, metric, higher, policy, tau, quality, iters, sec, max_steps=16) -> dict[str, Any]:
+    """A cell with only the fields pareto and check read, the numbers given (iterations `iters`, `sec` s/token)."""
+    key = {"task": task, "policy": policy, "tau": tau}
+    return {"schema": cells.SCHEMA, "schema_version": cells.SCHEMA_VERSION, "cell_id": cells.cell_id(key), "key": key,
+            "model": {"fingerprint": "m", "architecture": "huginn_raven", "dtype": "float32"},
+            "task": {"name": task, "limit": None, "n_shot": 0, "metrics": {metric: quality}, "primary_metric": metric},
+            "quality": {"metric": metric, "value": quality, "higher_is_better": higher},
+            "policy": {"policy": policy, "threshold": tau, "relative": False, "max_steps": tau if policy == "fixed"
+                       else max_steps},
+            "iterations": {"mean": iters, "tokens": 100}, "wall_clock": {"per_token_s": sec, "probe_share": 0.0},
+            "flops": {"per_token": 1000 * iters}, "run": {"started": "2026-11-30T00:00:00+00:00", "run_id": "r1"}}
+
+
+# Two hand-made tasks with known frontiers (test_pareto) and regressions to find in them (test_check).
+ACC = [  # accuracy, higher is better; full depth = fixed 16 at 0.90, 1.0 ms/token
+    hand_made_cell("t", "acc", True, "fixed", 4, 0.50, 4, 0.25e-3),
+    hand_made_cell("t", "acc", True, "fixed", 16, 0.90, 16, 1.0e-3),
+    hand_made_cell("t", "acc", True, "kl", 1e-3, 0.90, 6, 0.8e-3),        # on the frontier
+    hand_made_cell("t", "acc", True, "kl", 1e-2, 0.80, 5, 0.6e-3),        # on the frontier
+    # within 0.5% of 0.90, dominated (kl 6 @ 0.90)
+    hand_made_cell("t", "acc", True, "second_order", 0.1, 0.896, 7, 0.5e-3),
+    hand_made_cell("t", "acc", True, "second_order", 1.0, 0.70, 8, 0.45e-3),  # dominated everywhere on iterations
+    hand_made_cell("t", "acc", True, "oracle", 0.01, 0.90, 4.5, 2e-3),     # on the frontier
+]
+PPL = [  # perplexity, lower is better; full depth 1.00
+    hand_made_cell("u", "ppl", False, "fixed", 1, 9.0, 1, 0.1e-3),
+    hand_made_cell("u", "ppl", False, "fixed", 16, 1.00, 16, 1.0e-3),
+    hand_made_cell("u", "ppl", False, "first_order", 0.1, 1.004, 8, 0.5e-3),
+    hand_made_cell("u", "ppl", False, "first_order", 1.0, 1.5, 4, 0.3e-3),
+    hand_made_cell("u", "ppl", False, "oracle", 0.01, 1.00, 4, 2e-3),
+]
