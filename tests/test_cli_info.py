@@ -17,7 +17,7 @@ from exitbench.cli import app
 from exitbench.models import save_checkpoint
 
 from helpers.cli import assert_one_line_error
-from helpers.files import listing
+from helpers.files import listing, truncate_shard
 from helpers.models import make_tiny_raven
 
 INDEX = "model.safetensors.index.json"
@@ -109,12 +109,6 @@ def add_key(path: Path, key: str = "transformer.coda.2.norm_1.weight") -> None:
     save_file(tensors, str(shard), metadata={"format": "pt"})
     index["weight_map"][key] = shard.name
     (path / INDEX).write_text(json.dumps(index, indent=2))
-
-
-def truncate_shard(path: Path) -> None:
-    shard = sorted(path.glob("*.safetensors"))[1]
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2])
 
 
 BAD_CASES = {

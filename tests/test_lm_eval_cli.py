@@ -18,6 +18,7 @@ from exitbench.lm_eval_cli import prepare, with_shipped_tasks
 from exitbench.tasks import SHIPPED_TASKS
 
 from helpers.cli import assert_one_line_error, exitbench_cmd, explain, subprocess_env
+from helpers.files import truncate_shard
 
 runner = CliRunner()
 RUN = ["lm-eval", "run", "--model", "exitbench", "--tasks", "chains", "--limit", "2"]
@@ -41,10 +42,7 @@ def fresh_lm_eval_logging():
 @pytest.fixture
 def truncated_checkpoint(tiny_checkpoint):
     """The tiny sharded checkpoint with its second shard cut to half its length."""
-    shard = sorted(tiny_checkpoint.glob("*.safetensors"))[1]
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2])
-    return tiny_checkpoint, shard
+    return tiny_checkpoint, truncate_shard(tiny_checkpoint)
 
 
 BAD = {
