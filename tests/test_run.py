@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,6 +117,27 @@ def test_shards_together_make_the_unsharded_cells(swept, tmp_path):
             assert computed(cell) == computed(whole[name]), name
 
 
+def test_shards_split_the_plan_without_overlap(tmp_path):
+    """What `--shard i/n` runs, without running it: the shared sweep's plan dealt out over two shards is
+    disjoint, together the unsharded plan, and the odd-sized grid puts a config's two tasks on both shards."""
+    from exitbench.embedded import open_checkpoint
+    from exitbench.sweep import SweepConfig, parse_shard, plan
+    from exitbench.tasks import resolve_tasks
+
+    ck = open_checkpoint(None)
+    tasks = resolve_tasks(["chains", "chains_lambada"])
+    grid = dict(tasks=["chains", "chains_lambada"], policies=["second_order"], thresholds=[0.01, 1.0],
+                baselines=[1, 4, 16], limit=LIMIT)
+    whole = plan(ck, tasks, SweepConfig(**grid), tmp_path, "cpu").cells
+    parts = [plan(ck, tasks, SweepConfig(**grid, shard=parse_shard(f"{i}/2")), tmp_path, "cpu").cells for i in range(2)]
+    ids = lambda part: [cells.cell_id(key) for _, _, key in part]  # noqa: E731
+    assert len(set(ids(whole))) == len(whole) == N_CELLS
+    assert parts[0] and parts[1]
+    assert not set(ids(parts[0])) & set(ids(parts[1]))
+    assert sorted(ids(parts[0]) + ids(parts[1])) == sorted(ids(whole))
+    assert {tasks.names[t] for t, _, _ in parts[0]} == {"chains", "chains_lambada"}
+
+
 # ---- quality against lm-eval itself ------------------------------------------------------------------------
 
 def test_cells_equal_lm_eval_simple_evaluate(swept):
@@ -217,6 +239,26 @@ def test_gsm8k_from_local_data_dir(tmp_path):
         assert cell["iterations"]["requests"] == 3
         policies.add((cell["policy"]["policy"], cell["policy"]["threshold"]))
     assert policies == {("fixed", 16), ("second_order", 0.1)}
+
+
+def test_gsm8k_redirect_reads_the_local_copy():
+    """--data-dir keeps lm-eval's own gsm8k config (prompt, 5 shots, filters, metrics) and replaces only where
+    its documents come from; the local files become part of the task's identity."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from exitbench.tasks import GSM8K_HUB, _redirect_gsm8k, task_fingerprint
+
+    yaml_path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
+    original = load_yaml(yaml_path)
+    assert original["task"] == "gsm8k" and original["dataset_path"] == GSM8K_HUB and original["num_fewshot"] == 5
+    local = _redirect_gsm8k(yaml_path, GSM8K_DIR)
+    source = {"dataset_path", "dataset_name", "dataset_kwargs"}
+    files = {"train": str(GSM8K_DIR / "train.jsonl"), "test": str(GSM8K_DIR / "test.jsonl")}
+    assert {k: local[k] for k in source} == {"dataset_path": "json", "dataset_name": None,
+                                             "dataset_kwargs": {"data_files": files}}
+    assert {k: v for k, v in local.items() if k not in source} == {k: v for k, v in original.items() if k not in source}
+    assert task_fingerprint("gsm8k", yaml_path, GSM8K_DIR) != task_fingerprint("gsm8k", yaml_path, None)
 
 
 # ---- kill -9 in the middle of a sweep -------------------------------------------------------------------------
