@@ -179,6 +179,8 @@ def test_bad_arguments(kwargs, words):
 
 
 # ---- the command -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 17 s: 120 programs at full depth and at four thresholds; the same command on 40 programs
+# (test_too_few_documents_says_how_many_are_needed) and on a text file (test_command_on_a_text_file) stay fast
 def test_command_on_the_embedded_model(tmp_path):
     out = tmp_path / "cal.json"
     res = runner.invoke(app, ["calibrate", "--policy", "second_order", "--programs", "120", "--thresholds",

@@ -83,6 +83,7 @@ def test_unusable_input_exits_2(tmp_path, base):
     assert check(base, base, "--quality-tol", "-1").exit_code == 2
 
 
+@pytest.mark.slow  # 7 s: three real sweeps; the gate's verdicts on hand-made cells above stay fast
 def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
     """A real sweep, then the same sweep with KL's signal scaled down (it exits too early): exit 1."""
     tasks = resolve_tasks(["chains_lambada"])

@@ -479,6 +479,8 @@ def test_cli_geometry_one_checkpoint(cli_setup, tmp_path):
         check_png(out / name)
 
 
+@pytest.mark.slow  # 4 s; the command on one checkpoint (above) and a report over two checkpoints
+# (test_geometry_report_on_text) stay fast
 def test_cli_geometry_checkpoint_list(cli_setup, tmp_path):
     out = tmp_path / "out"
     res = geometry("--checkpoints", f"{cli_setup['a']},{cli_setup['b']}", "--text", cli_setup["text"],
@@ -492,6 +494,8 @@ def test_cli_geometry_checkpoint_list(cli_setup, tmp_path):
         check_png(out / name)
 
 
+@pytest.mark.slow  # 4 s; the command on one checkpoint (above) and the :training expansion itself
+# (test_training_expansion_skips_a_final_model_that_is_the_last_step) stay fast
 def test_cli_geometry_training_expansion(cli_setup, tmp_path):
     out = tmp_path / "out"
     run = cli_setup["run"]

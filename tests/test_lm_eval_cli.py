@@ -102,6 +102,8 @@ def test_include_path_from_a_config_file_is_kept(tmp_path, monkeypatch):
     assert args.include_path == [str(SHIPPED_TASKS), str(tmp_path)]
 
 
+@pytest.mark.slow  # 15 s: a fresh interpreter imports torch and lm-eval and builds lm-eval's task index; the
+# command's argument handling (test_bad_model_args_…, test_include_path_…) stays fast, in this process
 def test_shipped_task_runs_outside_a_checkout_without_include_path_or_git_noise(tmp_path):
     """The real entry point, from a directory git finds no repository in; the device rides in --model_args."""
     out = tmp_path / "lm-eval"

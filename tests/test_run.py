@@ -98,6 +98,8 @@ def test_rerun_recomputes_nothing(swept, monkeypatch):
     assert seconds < max(3.0, first_seconds / 2), (seconds, first_seconds)
 
 
+@pytest.mark.slow  # 10 s: the shared sweep run again as two shards; how a plan splits into shards is checked
+# fast (test_shards_split_the_plan_without_overlap)
 def test_shards_together_make_the_unsharded_cells(swept, tmp_path):
     out, _ = swept
     whole = load_cells(out)
@@ -165,6 +167,8 @@ def test_cells_equal_lm_eval_simple_evaluate(swept):
     assert grid[("chains_lambada", "second_order", 1.0)]["quality"]["value"] > 1.01
 
 
+@pytest.mark.slow  # 13 s: lm-eval's own CLI in a subprocess; the same parity in this process
+# (test_cells_equal_lm_eval_simple_evaluate) stays fast
 def test_cells_equal_lm_eval_cli_passthrough(swept, tmp_path):
     """`exitbench lm-eval run --model exitbench …` (lm-eval's own CLI) against the sweep's fixed r=4 cells,
     at the sweep's batch size. lm-eval's CLI bootstraps stderrs with 100000 iterations (no flag changes
@@ -217,6 +221,8 @@ def test_quality_and_iterations_fall_as_thresholds_rise(swept):
 
 # ---- GSM8K from a local copy ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 14 s: a subprocess that builds lm-eval's task index and runs 5-shot GSM8K prompts; the local
+# data redirect is checked fast (test_gsm8k_redirect_reads_the_local_copy)
 def test_gsm8k_from_local_data_dir(tmp_path):
     assert (GSM8K_DIR / "test.jsonl").is_file() and (GSM8K_DIR / "train.jsonl").is_file()
     out = tmp_path / "gsm8k"
@@ -267,6 +273,8 @@ KILL_SWEEP = ["--tasks", "chains_lambada", "--policy", "second_order", "--thresh
               "--baselines", "1,2,4,8", "--limit", str(LIMIT)]
 
 
+@pytest.mark.slow  # 14 s: a subprocess sweep killed and resumed; a rerun that reuses every cell
+# (test_rerun_recomputes_nothing) stays fast
 def test_kill_9_mid_sweep_then_resume(tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen(exitbench_cmd("run", *KILL_SWEEP, "--out", str(out), "--quiet"), env=subprocess_env(),
@@ -327,6 +335,8 @@ def distributed(tmp_path_factory):
     return load_cells(root / "two"), load_cells(root / "one"), seconds
 
 
+@pytest.mark.slow  # the module fixture `distributed` takes 15 s: torchrun starts two interpreters, then the same
+# sweep runs in this process
 def test_torchrun_two_processes_give_the_same_metrics(distributed):
     two, one, _ = distributed
     assert len(one) == 4 and len(two) == 4
@@ -349,6 +359,7 @@ def test_torchrun_two_processes_give_the_same_metrics(distributed):
         assert cell["quality"]["value"] == pytest.approx(one[name]["quality"]["value"], **FLOAT32)
 
 
+@pytest.mark.slow  # shares the 15 s `distributed` fixture
 def test_torchrun_iteration_stats_match_one_process(distributed):
     two, one, _ = distributed
     point = lambda c: (c["task"]["name"], c["policy"]["policy"], c["policy"]["threshold"])  # noqa: E731
@@ -371,7 +382,9 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
+# An unknown task costs 8 s: naming the closest tasks builds lm-eval's whole task index. The other cases stay fast.
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "unknown-task" else c
+                                  for c in BAD_INPUT])
 def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
     """In this process: the CLI's own stderr, plus whatever reaches file descriptor 2 (lm-eval's and
     datasets' loggers write there directly)."""

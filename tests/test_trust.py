@@ -164,7 +164,9 @@ EDITS = {
 }
 
 
-@pytest.mark.parametrize("edit", list(EDITS))
+# Each case is three sweeps (4 s). A changed weight stays fast; that config and tokenizer bytes count is also
+# checked fast, on the identity itself, in test_identity.
+@pytest.mark.parametrize("edit", [e if "weight" in e else pytest.param(e, marks=pytest.mark.slow) for e in EDITS])
 def test_a_changed_checkpoint_recomputes_its_cells(edit, raven_copy, tmp_path, capfd):
     out = tmp_path / "out"
     args = ["run", *SMALL, "--checkpoint", str(raven_copy), "--out", str(out)]
@@ -267,6 +269,8 @@ def small_sweep():
     return ck, tasks, cfg
 
 
+@pytest.mark.slow  # 5 s, 3 of them waiting on the other sweep; claims (test_a_claim_excludes_others_…) and a dead
+# sweep's claim taken over (test_a_dead_sweeps_claim_is_taken_over) stay fast
 def test_a_cell_another_sweep_holds_is_collected_not_recomputed(tmp_path, small_sweep):
     ck, tasks, cfg = small_sweep
     reference = tmp_path / "reference"
