@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,20 @@ def test_bad_checkpoint_one_line(tiny_checkpoint, case):
     if exists:
         assert listing(tiny_checkpoint) == before
     assert listing(tiny_checkpoint.parent) == parent_before
+
+
+def test_python_dash_m_exitbench_is_the_cli(tiny_checkpoint, monkeypatch, capsys):
+    """exitbench/__main__.py, in this process (the subprocess test below runs it where coverage cannot see it):
+    `python -m exitbench info --json` prints the same report as the CLI app and exits 0."""
+    want = info("--checkpoint", str(tiny_checkpoint), "--json")
+    assert want.exit_code == 0, want.output
+    monkeypatch.setattr(sys, "argv", ["exitbench", "info", "--checkpoint", str(tiny_checkpoint), "--json"])
+    monkeypatch.delitem(sys.modules, "exitbench.__main__", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("exitbench", run_name="__main__")
+    assert exc.value.code in (0, None)
+    got = capsys.readouterr()
+    assert json.loads(got.out) == json.loads(want.stdout) and got.err == ""
 
 
 def test_bad_checkpoint_via_subprocess(tiny_checkpoint):
