@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+import exitbench.tasks
+from exitbench.errors import ExitbenchError
 from exitbench.tasks import defines, resolve_tasks, unparsed_task_files
 
 from helpers.cli import assert_one_line_error, run_cli
@@ -74,3 +76,21 @@ def test_which_broken_file_defines_a_name(tmp_path):
     path.write_text('task: my_gsm8k\ndataset_path: openai/gsm8k\ntag: [math, gsm8k_family]\n  bad: "\n')
     assert defines(path, "my_gsm8k") and defines(path, "gsm8k_family") and defines(path, "variant")
     assert not defines(path, "gsm8k")  # named in a value, not as the task, group or tag
+
+
+def test_an_unknown_task_names_the_closest_ones(monkeypatch):
+    """The hint an unknown name gets. A name the shipped tasks lack sends resolve_tasks to lm-eval's own index
+    (8 s to build: test_run's unknown-task case runs it, marked slow); a shipped-only index in its place reaches
+    the same code in a fraction of a second."""
+    build = exitbench.tasks._manager
+    built = []
+
+    def shipped_only(include, defaults, data):
+        built.append(defaults)
+        return build(include, False, data)
+
+    monkeypatch.setattr(exitbench.tasks, "_manager", shipped_only)
+    with pytest.raises(ExitbenchError) as err:
+        resolve_tasks(["chain"])
+    assert str(err.value) == "unknown task 'chain'; closest: chains, chains_mc"
+    assert built == [False, True]  # the shipped tasks first, then (here, in name only) lm-eval's too

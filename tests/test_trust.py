@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,8 +270,8 @@ def small_sweep():
     return ck, tasks, cfg
 
 
-@pytest.mark.slow  # 5 s, 3 of them waiting on the other sweep; claims (test_a_claim_excludes_others_…) and a dead
-# sweep's claim taken over (test_a_dead_sweeps_claim_is_taken_over) stay fast
+@pytest.mark.slow  # 5 s, 3 of them waiting on the other sweep; the same collection with the claim held in this
+# process (test_a_cell_claimed_through_another_file_is_collected_once_written) stays fast
 def test_a_cell_another_sweep_holds_is_collected_not_recomputed(tmp_path, small_sweep):
     ck, tasks, cfg = small_sweep
     reference = tmp_path / "reference"
@@ -290,6 +291,39 @@ def test_a_cell_another_sweep_holds_is_collected_not_recomputed(tmp_path, small_
         proc.wait(timeout=30)
     assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not computed twice
     assert done["second_order"]["run"]["run_id"] == sweep.run_id
+
+
+def test_a_cell_claimed_through_another_file_is_collected_once_written(tmp_path, small_sweep):
+    """The collection above without a second process or its 3 s: an flock belongs to the open file, so a claim
+    this test holds refuses the sweep's own claim on the cell just as another sweep's would. The holder writes
+    the cell (atomically) and lets go 0.5 s into the sweep; the sweep collects that cell and computes the rest."""
+    ck, tasks, cfg = small_sweep
+    made = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, tmp_path / "reference", "cpu")}
+    out = tmp_path / "out"
+    out.mkdir()
+    sweep = plan(ck, tasks, cfg, out, "cpu")
+    fixed_key = next(key for _, c, key in sweep.cells if c.policy == "fixed")
+    theirs = {**made["fixed"], "cell_id": cells.cell_id(fixed_key), "key": fixed_key,
+              "run": {**made["fixed"]["run"], "run_id": "the-other-sweep"}}
+    held = results.Claim(out, cells.cell_id(fixed_key))
+    assert held.acquire()
+
+    def the_holder_finishes():
+        staged = tmp_path / "theirs.json"
+        staged.write_text(json.dumps(theirs))
+        staged.replace(out / cells.filename(theirs))
+        held.release()
+
+    timer = threading.Timer(0.5, the_holder_finishes)
+    timer.start()
+    try:
+        done = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.05)}
+    finally:
+        timer.join()
+        held.release()
+    assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not computed twice
+    assert done["second_order"]["run"]["run_id"] == sweep.run_id
+    assert not list(out.glob(".*.lock"))
 
 
 def test_a_dead_sweeps_claim_is_taken_over(tmp_path, small_sweep):
