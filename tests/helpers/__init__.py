@@ -4,7 +4,7 @@
 - engine: the exit policies' formulas restated in numpy, the exit rule as a loop, a reference engine
 - cli: running `exitbench` in this process or as a subprocess, and the one-line error check
 - cells: reading result cells, checking them against the schema, hand-made cells with known answers
-- files: before/after listings of a directory
+- files: before/after listings of a directory, a checkpoint shard cut short
 - paths: where the repository, its task folders and the local GSM8K copy are
 
 tests/ is on sys.path under pytest (rootdir conftest, prepend import mode), so `from helpers.models import …`.

@@ -1,5 +1,5 @@
 """Running `exitbench` the way a user does: in this process (typer's CliRunner) or as a subprocess with a quiet,
-offline, single-threaded environment."""
+offline, single-threaded environment; and the one check of what it answers to bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import os
