@@ -13,7 +13,8 @@ with its own loop as in decoding):
    position through a KV cache, then the head: no exits, no bookkeeping), batch size 1. Target ≤ 1.10.
 3. The probe, on a random model of realistic width (n_embd 1024, 4 core layers): each decoding-free rule with
    min_steps = max computes its signal and exit decision every iteration yet runs exactly as many iterations
-   as fixed depth; its extra time over fixed depth per iteration, over one core iteration. Target ≤ 2%.
+   as fixed depth. The engine's probe timer per iteration, over one core iteration: target ≤ 2%. Its extra
+   time end to end is reported too, beside fixed depth against itself, which shows the machine's own drift.
 4. With --before REV: tokens per second at batch size 1 and 16 of the engine at git revision REV and of this
    one, on the same programs, each in its own process, taking turns.
 Variants take turns within each repeat and each figure is a median, so a drift in machine speed hits them
@@ -62,21 +63,23 @@ def prompts(progs, new_tokens: int):
 
 
 def run(engine: ExitEngine, work, batch: int, generate: int = 0) -> tuple[float, float, int]:
-    """(seconds, mean iterations per token, tokens) of scoring `work` (or generating `generate` tokens)."""
-    t0 = time.perf_counter()
-    results = []
-    for i in range(0, len(work), batch):
-        chunk = work[i:i + batch]
-        results += engine.generate(chunk, generate) if generate else engine.score(chunk)
-    seconds = time.perf_counter() - t0
+    """(seconds, mean iterations per token, tokens) of scoring `work` (or generating `generate` tokens) with
+    `batch` rows, each taking the next request when its own is done. Generating, the prompts' prefill (at full
+    depth, the same for every policy, and no part of what exits change) is left out of the seconds, as a
+    cell's per-token time leaves it out."""
+    t0, prefill = time.perf_counter(), engine.stats["prefill"]
+    results = (engine.generate(work, generate, batch_size=batch) if generate
+               else engine.score(work, batch_size=batch))
+    seconds = time.perf_counter() - t0 - (engine.stats["prefill"] - prefill)
     its = [k for r in results for k in r.iterations]
     return seconds, sum(its) / len(its), len(its)
 
 
-def half_depth_threshold(model, policy: str, relative: bool, work, K: int) -> float:
-    """The log-grid threshold whose mean iterations come closest to K/2 on `work`."""
+def half_depth_threshold(model, policy: str, relative: bool, work, K: int, coarse: bool = False) -> float:
+    """The log-grid threshold (quarter decades; half decades when `coarse`) whose mean iterations come
+    closest to K/2 on `work`."""
     best = None
-    for tau in [10 ** (e / 4) for e in range(-28, 5)]:
+    for tau in [10 ** (e / 4) for e in range(-28, 5, 2 if coarse else 1)]:
         _, mean, _ = run(ExitEngine(model, ExitConfig(policy, threshold=tau, relative=relative)), work, 16)
         if best is None or abs(mean - K / 2) < abs(best[1] - K / 2):
             best = (tau, mean)
@@ -109,7 +112,8 @@ def paired(times: dict[str, list[float]], base: str) -> dict[str, tuple[float, f
 def exits_and_wall_clock(model, K, calib, progs, repeats, quick, figures):
     rules = [("first_order", False), ("second_order", False)] if quick else DECODING_FREE
     rules = rules + [("kl", False)]
-    taus = {r: half_depth_threshold(model, *r, scoring(calib), K) for r in rules}
+    taus = {r: half_depth_threshold(model, *r, scoring(calib[:8] if quick else calib), K, coarse=quick)
+            for r in rules}
     modes = [("score", 16), ("generate", 16), ("score", 1)] + ([] if quick else [("generate", 1)])
     for mode, batch in modes:
         work, new = (scoring(progs), 0) if mode == "score" else (prompts(progs, 8), 8)
@@ -136,6 +140,47 @@ def exits_and_wall_clock(model, K, calib, progs, repeats, quick, figures):
             print(f"{name:28} {tau:>9.3g} {it_ratio:>10.3f} {t_ratio:>11.3f} {t_ratio / it_ratio:>7.3f}")
         tokens = run(engines["fixed"], work, batch, new)[2]
         print(f"(fixed depth: {tokens / base:,.0f} tokens/s)")
+
+
+def wide_threshold(model, progs, K: int) -> float:
+    """A first_order threshold under which tokens of this random model exit about halfway: the median step
+    norm ‖Δ_k‖ at k = K/2 (its steps shrink by ~15% an iteration, so exits spread around K/2)."""
+    from exitbench.geometry import step_quantities
+
+    with torch.no_grad():
+        states = model.iterates(torch.tensor([progs[0][:12]]), K)[0]
+    return float(step_quantities(states.flatten(1, 2))["step"][K // 2 - 1].median())
+
+
+def wide_exits_and_wall_clock(ck, K, progs, repeats, width, quick, figures):
+    """Exits and wall-clock where compute dominates: a random model n_embd wide, batch size 16, scoring."""
+    wide = wide_model(ck.model.config, width)
+    tau = wide_threshold(wide, progs, K)
+    n = 32 if quick else 64
+    work = scoring([p[:12] for p in (progs * (1 + n // len(progs)))[:n]])
+    engines = {"fixed": ExitEngine(wide, ExitConfig("fixed", threshold=K)),
+               "first_order": ExitEngine(wide, ExitConfig("first_order", threshold=tau))}
+    iters = run(engines["first_order"], work, 16)[1]
+    times = taking_turns({name: (lambda e=e: run(e, work, 16)[0]) for name, e in engines.items()},
+                         max(2, repeats // 2))
+    it_ratio = iters / K
+    t_ratio = statistics.median([a / b for a, b in zip(times["first_order"], times["fixed"])])
+    figures[f"score_bs16_n{width}_first_order"] = {"threshold": tau, "iteration_ratio": it_ratio,
+                                                   "time_ratio": t_ratio, "ratio_over_iterations": t_ratio / it_ratio}
+    print(f"\n[exits and wall-clock where compute dominates: random model, n_embd {width}, 4 core layers, scoring, "
+          f"batch size 16, {len(work)} requests]  target ≤ 1.15")
+    print(f"first_order τ={tau:.3g}: iterations/max {it_ratio:.3f}, time/fixed {t_ratio:.3f}, ratio "
+          f"{t_ratio / it_ratio:.3f}")
+    if quick:
+        return
+    few = work[:4]  # batch size 1 at this width: each token is ~16 ms an iteration
+    iters = run(engines["first_order"], few, 1)[1]
+    times = taking_turns({name: (lambda e=e: run(e, few, 1)[0]) for name, e in engines.items()}, 3)
+    t_ratio = statistics.median([a / b for a, b in zip(times["first_order"], times["fixed"])])
+    figures[f"score_bs1_n{width}_first_order"] = {"threshold": tau, "iteration_ratio": iters / K,
+                                                  "time_ratio": t_ratio, "ratio_over_iterations": t_ratio / (iters / K)}
+    print(f"batch size 1 ({len(few)} requests): iterations/max {iters / K:.3f}, time/fixed {t_ratio:.3f}, ratio "
+          f"{t_ratio / (iters / K):.3f}  target ≤ 1.10")
 
 
 # ---- 2. the harness against a bare loop ---------------------------------------------------------------------------
@@ -209,26 +254,35 @@ def wide_model(config, n_embd: int):
 
 def probe_cost(ck, K, progs, repeats, width, quick, figures):
     wide = wide_model(ck.model.config, width)
-    work = [(p[:16], 1) for p in progs[:2 if quick else 4]]
+    work = [(p[:12], 1) for p in progs[:1]] if quick else [(p[:16], 1) for p in progs[:4]]
     iterations = sum(len(t) - n for t, n in work) * K
-    engines = {"fixed": ExitEngine(wide, ExitConfig("fixed", threshold=K))}
+    # "fixed, again" is the null comparison: the same engine twice shows how far this machine moves end-to-end
+    # figures by itself.
+    engines = {"fixed": ExitEngine(wide, ExitConfig("fixed", threshold=K)),
+               "fixed, again": ExitEngine(wide, ExitConfig("fixed", threshold=K))}
     for policy, relative in (DECODING_FREE[:3] if quick else DECODING_FREE):
         # min_steps = max: the rule computes its signal and decides every iteration, and no token leaves early.
         engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
             wide, ExitConfig(policy, relative=relative, min_steps=K))
     for name, e in engines.items():
         assert abs(run(e, work[:1], 1)[1] - K) < 1e-9, f"{name} fired: the probe bench needs all {K} iterations"
+    for e in engines.values():
+        e.stats = dict.fromkeys(e.stats, 0.0)
     times = taking_turns({n: (lambda e=e: run(e, work, 1)[0]) for n, e in engines.items()}, repeats)
-    fixed = engines["fixed"]
-    core = fixed.stats["core"] / (fixed.stats["tokens"] * K)
+    per_iter = lambda e, phase: e.stats[phase] / (e.stats["tokens"] * K)  # noqa: E731
+    core = per_iter(engines["fixed"], "core")
+    floor = per_iter(engines["fixed"], "probe")  # what the probe timer reads with no probe: its own cost
     print(f"\n[the probe on a random model, n_embd {width}, 4 core layers, batch size 1]  target ≤ 2% of a core "
           f"iteration ({core * 1e3:.2f} ms)")
-    print(f"{'policy':28} {'extra/iteration':>16} {'± s.e.':>9} {'of a core iteration':>20}")
+    print(f"{'policy':28} {'probe timer/iter':>17} {'of a core iteration':>20} {'end to end/iter':>16} {'± s.e.':>9}")
     for name, (extra, se) in paired(times, "fixed").items():
-        per_iter, se_iter = extra / iterations, se / iterations
-        figures[f"probe_n{width}_{name}"] = {"extra_seconds_per_iteration": per_iter, "standard_error_seconds": se_iter,
-                                             "share_of_core_iteration": per_iter / core}
-        print(f"{name:28} {per_iter * 1e6:>14.1f}µs {se_iter * 1e6:>7.1f}µs {100 * per_iter / core:>19.2f}%")
+        timed = per_iter(engines[name], "probe") - floor
+        figures[f"probe_n{width}_{name}"] = {"probe_timer_seconds_per_iteration": timed,
+                                             "probe_timer_share_of_core_iteration": timed / core,
+                                             "end_to_end_seconds_per_iteration": extra / iterations,
+                                             "end_to_end_standard_error_seconds": se / iterations}
+        print(f"{name:28} {timed * 1e6:>15.1f}µs {100 * timed / core:>19.2f}% {extra / iterations * 1e6:>14.1f}µs "
+              f"{se / iterations * 1e6:>7.1f}µs")
 
 
 # ---- 4. before and after ------------------------------------------------------------------------------------------
@@ -290,7 +344,10 @@ def main() -> int:
     ap.add_argument("--wide", type=int, default=1024, help="Hidden size of the random model for the probe.")
     ap.add_argument("--before", default=None, help="Also time the engine at this git revision (tokens/s).")
     ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    ap.add_argument("--sections", default="exits,harness,wide,probe,before",
+                    help="Which parts to run (comma-separated): exits, harness, wide, probe, before.")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     n_progs = args.programs or (8 if args.quick else 16)
     repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
@@ -302,17 +359,22 @@ def main() -> int:
           f"tokens · {args.threads} thread(s) · medians of {repeats}")
     figures: dict[str, dict] = {}
     started = time.perf_counter()
-    exits_and_wall_clock(model, K, calib, progs, repeats, args.quick, figures)
-    check_bare_loop_agrees(model, K, progs)
-    harness_overhead(model, K, progs[:4] if args.quick else progs, repeats, figures)
-    if args.wide:
+    if "exits" in sections:
+        exits_and_wall_clock(model, K, calib, progs, repeats, args.quick, figures)
+    if "harness" in sections:
+        check_bare_loop_agrees(model, K, progs)
+        harness_overhead(model, K, progs[:4] if args.quick else progs, repeats, figures)
+    if args.wide and "wide" in sections:
+        wide_exits_and_wall_clock(ck, K, progs, repeats, args.wide, args.quick, figures)
+    if args.wide and "probe" in sections:
         probe_cost(ck, K, progs, repeats, args.wide, args.quick, figures)
-    if args.before:
+    if args.before and "before" in sections:
         tau = figures.get("score_bs16_second_order", {}).get("threshold", 1.0)
         before_and_after(args.before, K, tau, progs, repeats, args.threads, figures)
     print(f"\n({time.perf_counter() - started:.0f} s)")
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    if args.json:  # a run of some sections updates their figures and keeps the others'
+        earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
+        args.json.write_text(json.dumps({**earlier, **figures}, indent=2) + "\n")
     return 0
 
 
