@@ -203,7 +203,12 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default auto: cuda when "
                                              "available)."),
         quiet: bool = typer.Option(False, "--quiet", help="No progress and no lm-eval chatter; warnings and the "
-                                   "table still print."), knobs: dict = None):
+                                   "table still print."),
+        replay: bool = typer.Option(False, "--replay", help="Every cell from one recording pass (mode: replay; "
+                                    "see the README on when to trust it)."),
+        verify: bool = typer.Option(False, "--verify", help="With --replay: rerun each policy's frontier cells "
+                                    "exactly and write replay-vs-exact tables."),
+        knobs: dict = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
@@ -220,7 +225,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
-                      add_bos_token=add_bos_token)
+                      add_bos_token=add_bos_token, replay=replay)
+    if verify and not replay:
+        raise ExitbenchError("--verify checks a replay sweep against exact runs; add --replay")
     if batch_size < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
     if num_fewshot is not None and num_fewshot < 0:
@@ -238,9 +245,19 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if rank0 and note:
         err_console.print(note, highlight=False)
     with SweepProgress(console, err_console, len(sweep.cells), enabled=rank0, quiet=quiet) as progress:
-        finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
+        if replay:
+            from .replay import run_replay
+            finished = run_replay(ck, task_set, cfg, out, sweep, progress)
+        else:
+            finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
     if rank0:
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
+    if verify:
+        from .replay import verify_frontier
+        from .tables import replay_table
+        with SweepProgress(console, err_console, 0, quiet=quiet) as progress:
+            report = verify_frontier(ck, task_set, cfg, out, sweep, progress)
+        console.print(replay_table(report))
 
 
 @app.command()

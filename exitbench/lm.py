@@ -220,7 +220,11 @@ class ExitbenchLM(LM):
             per_item[i].append(slots[j])
         return per_item, seconds
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def scoring_groups(self, requests) -> tuple[list[tuple[tuple[list[int], int], int]], list[list[int]]]:
+        """Each request's (tokens, n_context) and continuation length, and the groups of requests that share
+        one pass: those whose inputs agree up to their last token (the options of a multiple-choice question),
+        within one task, so each task's cell counts its own tokens and time. Not under the oracle: its exits
+        depend on the target token, so each option needs its own pass."""
         pairs = []
         for req in requests:
             context, continuation = req.args
@@ -228,16 +232,16 @@ class ExitbenchLM(LM):
             if not cont:
                 raise ExitbenchError(f"continuation {continuation!r} encodes to no tokens")
             pairs.append((self._fit(ctx, cont), len(cont)))
-        # Requests whose inputs agree up to their last token (the options of a multiple-choice question) share
-        # one pass: the engine keeps the distributions and each request reads its own tokens from them.
-        # Not under the oracle: its exits depend on the target token, so each option needs its own pass.
-        shareable = not self.engine.policies[0].retrospective
+        shareable = not self.exit_config.build_policy().retrospective
         groups: dict[tuple, list[int]] = {}
         for i, ((tokens, n_ctx), _) in enumerate(pairs):
-            # Within one task only, so each task's cell counts its own tokens and time.
             inputs = tuple(tokens[:-1]) if shareable else tuple(tokens)
             groups.setdefault((requests[i].task_name, inputs, n_ctx), []).append(i)
-        members = list(groups.values())
+        return pairs, list(groups.values())
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs, members = self.scoring_groups(requests)
+        # One pass per group: the engine keeps the distributions and each request reads its own tokens.
         results, seconds = self._run_scoring([[pairs[m[0]][0]] for m in members], keep_distributions=True)
         out: list[tuple[float, bool] | None] = [None] * len(requests)
         for group, (res,), sec in zip(members, results, seconds):
@@ -252,20 +256,22 @@ class ExitbenchLM(LM):
                 self._record(requests[i], "loglikelihood", [res] if i == group[0] else [], sec / len(group))
         return out  # type: ignore[return-value]
 
+    def rolling_windows(self, text: str) -> list[tuple[list[int], int]]:
+        """lm-eval's disjoint rolling windows of a text, as (tokens, n_context) scoring requests."""
+        tokens = self.tok_encode(text)
+        windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.prefix_token_id,
+                                            max_seq_len=self.max_length, context_len=1)
+        return [(ctx + cont, len(ctx)) for ctx, cont in map(make_disjoint_window, windows)]
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        encoded = []
-        for req in requests:
-            (text,) = req.args
-            tokens = self.tok_encode(text)
-            windows = get_rolling_token_windows(token_list=tokens, prefix_token=self.prefix_token_id,
-                                                max_seq_len=self.max_length, context_len=1)
-            encoded.append([(ctx + cont, len(ctx)) for ctx, cont in map(make_disjoint_window, windows)])
+        encoded = [self.rolling_windows(req.args[0]) for req in requests]
         results, seconds = self._run_scoring(encoded)
         for req, res, sec in zip(requests, results, seconds):
             self._record(req, "loglikelihood_rolling", res, sec)
         return [float(sum(sum(r.logprobs) for r in res)) for res in results]
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generation_inputs(self, requests) -> tuple[list[int], list[list[int]], list[list[str]], list[int]]:
+        """Longest prompt first: the order, each prompt's tokens, stop strings and new-token limit."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
         prompts, untils, limits = [], [], []
         for i in order:
@@ -281,6 +287,21 @@ class ExitbenchLM(LM):
             # A model needs a token to condition on; lm-eval's hf model cannot generate from none.
             ids = self._encode_prompt(context) or [self.prefix_token_id]
             prompts.append(ids[-(self.max_length - n_new):])
+        return order, prompts, untils, limits
+
+    def generation_text(self, tokens: list[int], until: list[str]) -> str:
+        """The answer lm-eval receives: the generated text cut at the first stop string."""
+        text = self.tok.decode(tokens)
+        for s in until:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return text
+
+    def generate(self, requests) -> tuple[list[int], list[list[int]], list[list[str]], list[SequenceResult],
+                                          list[float]]:
+        """Greedy generation for lm-eval's requests: the order, prompts, stop strings, engine results and
+        each request's share of the run's wall-clock."""
+        order, prompts, untils, limits = self.generation_inputs(requests)
 
         def stop(j: int, generated: list[int]) -> bool:
             if len(generated) >= limits[j]:
@@ -295,14 +316,14 @@ class ExitbenchLM(LM):
                                        on_request=lambda n: self._progress(n, len(order)))
         elapsed = time.perf_counter() - t0
         n_tok = sum(len(r.records) for r in results) or 1
+        return order, prompts, untils, results, [elapsed * len(r.records) / n_tok for r in results]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        order, _, untils, results, seconds = self.generate(requests)
         outputs: list[str | None] = [None] * len(requests)
         for j, (i, res) in enumerate(zip(order, results)):
-            text = self.tok.decode(res.tokens)
-            for s in untils[j]:
-                if s and s in text:
-                    text = text[: text.index(s)]
-            outputs[i] = text
-            self._record(requests[i], "generate_until", [res], elapsed * len(res.records) / n_tok)
+            outputs[i] = self.generation_text(res.tokens, untils[j])
+            self._record(requests[i], "generate_until", [res], seconds[j])
         return outputs  # type: ignore[return-value]
 
     # ---- reporting ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import platform
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from . import __version__
 _REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.lru_cache(maxsize=None)
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)
@@ -23,8 +25,10 @@ def package_version(name: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
 def git_revision() -> str | None:
-    """The source tree's commit, with "-dirty" when it has uncommitted changes; None outside a checkout."""
+    """The source tree's commit, with "-dirty" when it has uncommitted changes; None outside a checkout. Read once
+    per process: the code a process runs is the code it imported, whatever the tree does afterwards."""
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True,
                              timeout=5, check=True).stdout.strip()

@@ -21,7 +21,7 @@ from .engine import ExitConfig
 from .errors import ExitbenchError
 from .identity import checkpoint_identity
 from .models import Checkpoint
-from .policies import REGISTRY, check_policy_name
+from .policies import REGISTRY, ExitPolicy, check_policy_name
 from .provenance import package_version, run_metadata
 from .tasks import TaskSet
 
@@ -43,6 +43,7 @@ class SweepConfig:
     bootstrap_iters: int = 1000
     add_bos_token: bool | None = None
     quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
+    replay: bool = False  # cells computed from one recording pass (exitbench.replay), keyed apart from exact ones
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -143,9 +144,11 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
              device: str, world_size: int = 1) -> dict[str, Any]:
     """Everything that can change a number in the cell (README, "What a cell's key holds"). Batch size, device
-    and world size change only timings, but a cell's timings are results too."""
-    return {"model": model["fingerprint"], "dtype": model["dtype"], "task": task, "task_fingerprint": task_fingerprint,
-            "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
+    and world size change only timings, but a cell's timings are results too. A replay cell's key says so, so
+    it never stands in for an exact one."""
+    mode = {"mode": "replay"} if cfg.replay else {}
+    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], "task": task,
+            "task_fingerprint": task_fingerprint, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
             "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,
             "versions": {"exitbench": __version__, "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
@@ -190,18 +193,28 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     for part in gathered:
         for s in part:
             unique.setdefault((s["task_name"], s["doc_id"], s["idx"]), s)
-    stats = list(unique.values())
-    policy = lm.engine.policies[0]
-    resolved = {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
-                "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
-                "needs_logits": policy.needs_logits}
+    return task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
+                      list(unique.values()), started, cfg.log_samples, elapsed)
+
+
+def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
+    """A cell's policy section: the config as asked, with what the model resolved it to."""
+    return {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
+            "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
+            "needs_logits": policy.needs_logits}
+
+
+def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, resolved: dict,
+               stats: list[dict], started: dict, log_samples: bool, elapsed: float
+               ) -> list[tuple[dict, list | None]]:
+    """One (cell, samples) per task of an lm-eval call, each sample joined with its requests' exits."""
     out = []
     for name, key in zip(names, keys):
         mine = [s for s in stats if s["task_name"] == name]
-        task = cells.task_record(results, name, cfg.limit)
-        cell = cells.build(key, model, task, resolved, mine, started, samples=cfg.log_samples)
+        task = cells.task_record(results, name, key["limit"])
+        cell = cells.build(key, model, task, resolved, mine, started, samples=log_samples)
         cell["wall_clock"]["cell_s"] = elapsed * len(mine) / max(1, len(stats))
-        samples = results.get("samples", {}).get(name) if cfg.log_samples else None
+        samples = results.get("samples", {}).get(name) if log_samples else None
         if samples is not None:
             by_doc: dict[Any, list[dict]] = {}
             for s in mine:

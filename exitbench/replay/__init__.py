@@ -1,0 +1,11 @@
+"""Replay sweeps: every cell of a sweep from one recording pass, checked against exact runs on the frontier.
+
+recording.py  the recording pass: every scored position at every iteration, teacher-forced
+exits.py      a policy's exit rule over whole recorded trajectories
+lm.py         lm-eval models that record (RecordingLM) and replay one exit config (ReplayLM)
+costs.py      the per-iteration costs a replay cell's estimated wall-clock is made of
+sweep.py      the replay sweep; verify.py: frontier cells rerun exactly, replay vs exact
+"""
+from .sweep import run_replay
+
+__all__ = ["run_replay"]

@@ -1,0 +1,63 @@
+"""What a replayed token would have cost: per-token and per-iteration times measured on the exact engine.
+
+Replay knows each token's exits but runs no loop, so its wall-clock is an estimate: a token costs its
+prelude and coda once, a core iteration per iteration it ran, and its policy's probe per iteration. Those
+unit costs are measured here, on a few of the sweep's own requests, with the exact engine at the recording's
+depth (one run at fixed depth for the core, one per signal with min_steps = max so every iteration probes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..engine import ExitConfig, ExitEngine
+from ..models import LoopedLM
+from ..policies import ExitPolicy
+from .recording import variant_key
+
+
+@dataclass
+class CostModel:
+    prelude_s: float = 0.0           # per token
+    coda_s: float = 0.0              # per token
+    core_s: float = 0.0              # per token-iteration
+    probe_s: dict[str, float] = field(default_factory=dict)  # signal variant → per token-iteration
+
+    def token(self, exit_steps: Sequence[int], policies: Sequence[ExitPolicy]) -> dict[str, float]:
+        iterations = sum(exit_steps)
+        probe = sum(k * self.probe_s.get(variant_key(p), 0.0) for k, p in zip(exit_steps, policies)
+                    if not p.signal_free)
+        return {"prelude": self.prelude_s, "core": self.core_s * iterations, "probe": probe, "coda": self.coda_s}
+
+    def to_dict(self) -> dict:
+        return {"prelude_s": self.prelude_s, "coda_s": self.coda_s, "core_s_per_iteration": self.core_s,
+                "probe_s_per_iteration": dict(self.probe_s)}
+
+
+def _run(model: LoopedLM, config: ExitConfig, sample, batch_size: int, warm_up: bool = False) -> dict[str, float]:
+    engine = ExitEngine(model, config)
+    if warm_up:  # the first run in a process pays allocator and dispatch caches
+        engine.score(sample, batch_size=batch_size)
+        engine.stats = dict.fromkeys(engine.stats, 0.0)
+    engine.score(sample, batch_size=batch_size)
+    return engine.stats
+
+
+def measure(model: LoopedLM, depth: int, variants: Sequence[ExitPolicy], sample: list[tuple[list[int], int]],
+            batch_size: int, seed: int) -> CostModel:
+    """Unit costs on `sample` (scoring requests) at `depth` iterations per loop group."""
+    if not sample:
+        return CostModel()
+    groups = len(model.loop_groups())
+    stats = _run(model, ExitConfig("fixed", threshold=depth, seed=seed), sample, batch_size, warm_up=True)
+    tokens = max(stats["tokens"], 1.0)
+    costs = CostModel(prelude_s=stats["prelude"] / tokens, coda_s=stats["coda"] / tokens,
+                      core_s=stats["core"] / (tokens * depth * groups))
+    for policy in variants:
+        key = variant_key(policy)
+        if policy.signal_free or key in costs.probe_s:
+            continue
+        config = ExitConfig(policy.name, relative=policy.relative, min_steps=depth, max_steps=depth, seed=seed)
+        stats = _run(model, config, sample, batch_size)
+        costs.probe_s[key] = stats["probe"] / (max(stats["tokens"], 1.0) * depth * groups)
+    return costs

@@ -1,0 +1,196 @@
+"""A replay sweep: the cells of `exitbench run` from one recording pass per sweep instead of one run per cell.
+
+1. lm-eval builds the tasks' requests once; `RecordingLM` answers them at the recording depth (the deepest any
+   cell needs) and records every request's trajectories.
+2. The requests are kept (lm-eval rebuilds them per call otherwise, the largest share of a small cell's cost)
+   and each exit config's answers come from `ReplayLM` through lm-eval's own `evaluate`: filters, per-document
+   metrics, aggregation and standard errors are lm-eval's code. Bootstrap standard errors run in this
+   process (lm-eval's DISABLE_MULTIPROC path draws the same resamples as its pool, without a pool per call).
+3. Each cell is written as an exact cell is, with `mode: replay` and what the replay rests on.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import cells, results
+from ..distributed import init_distributed
+from ..errors import ExitbenchError
+from ..models import Checkpoint
+from ..provenance import run_metadata
+from ..quiet import lm_eval_output
+from ..sweep import SweepConfig, SweepPlan, resolved_policy, task_cells
+from ..tasks import TaskSet
+from .costs import measure
+from .lm import RecordingLM, ReplayLM
+from .recording import Recorder
+
+
+@contextlib.contextmanager
+def _in_process_bootstrap():
+    """lm-eval's bootstrap without its process pool: the same resamples (chunk i seeded with i either way)."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
+@contextlib.contextmanager
+def _compiled_templates():
+    """lm-eval compiles a task's Jinja templates anew for every document it scores (`utils.apply_template`);
+    per cell that is most of the metric cost. A template compiled once renders the same text."""
+    from lm_eval import utils
+
+    original = utils.env.from_string
+    utils.env.from_string = functools.lru_cache(maxsize=1024)(original)
+    try:
+        yield
+    finally:
+        utils.env.from_string = original
+
+
+def check_replayable(cfg: SweepConfig) -> None:
+    if cfg.shard != (0, 1) or init_distributed()[1] > 1:
+        raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
+                             "torchrun, or run without --replay")
+    if cfg.exit.get("prefill", "full") != "full" or cfg.exit.get("warm_start"):
+        raise ExitbenchError("--replay records prompts at full depth and every token from its own initial state; "
+                             "it cannot replay --prefill exit or --warm-start (run those cells without --replay)")
+
+
+def _load_tasks(tasks: TaskSet, indices: list[int], cfg: SweepConfig) -> dict:
+    """lm-eval's task objects, set up as simple_evaluate sets them up (few-shot count and seed)."""
+    loaded = tasks.manager.load([tasks.specs[i] for i in indices])
+    for task in loaded["tasks"].values():
+        if cfg.num_fewshot is not None and task.get_config("num_fewshot") != 0:
+            task.set_config(key="num_fewshot", value=cfg.num_fewshot)
+        elif task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=cfg.seed)
+    return loaded
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _evaluate(lm, loaded: dict, cfg: SweepConfig, bootstrap_iters: int, log_samples: bool) -> dict:
+    from lm_eval.evaluator import evaluate
+
+    _seed(cfg.seed)
+    with lm_eval_output(quiet=cfg.quiet), _in_process_bootstrap(), _compiled_templates():
+        return evaluate(lm=lm, task_dict=loaded, limit=cfg.limit, bootstrap_iters=bootstrap_iters,
+                        log_samples=log_samples, verbosity="ERROR")
+
+
+def _keep_requests(loaded: dict) -> None:
+    """Later evaluate calls reuse the requests built by the first (their answers are reset per call)."""
+    for task in loaded["tasks"].values():
+        task.build_all_requests = lambda **kwargs: None
+
+
+def _reset_answers(loaded: dict) -> None:
+    for task in loaded["tasks"].values():
+        for instance in task.instances:
+            instance.resps = []
+            instance.filtered_resps = {}
+
+
+def run_replay(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, sweep: SweepPlan,
+               progress: Any | None = None) -> list[dict[str, Any]]:
+    """Every cell of the plan not on disk yet, by replay; returns all of the plan's cells."""
+    check_replayable(cfg)
+    finished = {cells.cell_id(key): sweep.done[cells.cell_id(key)].cell for _, _, key in sweep.cells
+                if cells.cell_id(key) in sweep.done}
+    waiting = [(t, c, key) for t, c, key in sweep.cells if cells.cell_id(key) not in finished]
+    for cid in finished:
+        if progress:
+            progress.cell_skipped(cid)
+    if not waiting:
+        return [finished[cells.cell_id(key)] for _, _, key in sweep.cells]
+    out.mkdir(parents=True, exist_ok=True)
+    model = ck.model
+    groups = model.loop_groups()
+    by_config: dict[str, list[tuple[int, dict]]] = {}
+    configs: dict[str, Any] = {}
+    for t, c, key in waiting:
+        cid = cells.cell_id(c.to_dict())
+        configs.setdefault(cid, c)
+        by_config.setdefault(cid, []).append((t, key))
+    policies = {cid: [c.build_policy().bind(g.default_steps) for g in groups] for cid, c in configs.items()}
+    depth = max(p.max_steps for ps in policies.values() for p in ps)
+    recorder = Recorder(model, depth, [ps[0] for ps in policies.values()],
+                        [c.threshold for c in configs.values() if c.policy == "fixed"], cfg.seed,
+                        readout_steps=[min(g.default_steps, depth) for g in groups],
+                        oracle=any(ps[0].retrospective for ps in policies.values()))
+    indices = sorted({t for t, _, _ in waiting})
+    names = [tasks.names[i] for i in indices]
+    with lm_eval_output(quiet=cfg.quiet):
+        loaded = _load_tasks(tasks, indices, cfg)
+
+    if progress:
+        progress.cell_started(f"recording {', '.join(names)} at depth {depth}")
+    t0 = time.perf_counter()
+    recording = RecordingLM.over(ck, recorder, cfg.batch_size, cfg.add_bos_token, cfg.seed,
+                                 on_progress=progress.requests if progress else None)
+    _evaluate(recording, loaded, cfg, bootstrap_iters=0, log_samples=False)
+    _keep_requests(loaded)
+    record_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    costs = measure(model, depth, [ps[0] for ps in policies.values()], recording.sample, cfg.batch_size, cfg.seed)
+    costs_s = time.perf_counter() - t0
+
+    writer = ThreadPoolExecutor(max_workers=4)
+    writes: list[Future] = []
+    for cid, config in configs.items():
+        group = by_config[cid]
+        label = f"{config.policy} τ={config.threshold:g} on {', '.join(tasks.names[t] for t, _ in group)} (replay)"
+        if progress:
+            progress.cell_started(label)
+        started = run_metadata(seed=cfg.seed, run_id=sweep.run_id, batch_size=cfg.batch_size,
+                               device=str(model.device), dtype=ck.dtype, world_size=1)
+        t0 = time.perf_counter()
+        _reset_answers(loaded)
+        lm = ReplayLM(recording, config, costs)
+        res = _evaluate(lm, loaded, cfg, cfg.bootstrap_iters, cfg.log_samples)
+        elapsed = time.perf_counter() - t0
+        chosen = [tasks.names[t] for t, _ in group]
+        produced = task_cells(res, chosen, [k for _, k in group], sweep.model,
+                              resolved_policy(config, policies[cid][0]),
+                              [s for s in lm.request_stats if s["task_name"] in chosen], started, cfg.log_samples,
+                              elapsed)
+        for cell, samples in produced:
+            cell["mode"] = "replay"
+            cell["wall_clock"]["estimated"] = True
+            cell["replay"] = {
+                "recording_depth": depth, "record_s": record_s, "cost_model_s": costs_s,
+                "costs": costs.to_dict(), "generation": lm.generation.get(cell["task"]["name"]),
+                "exact_by_construction": config.policy == "fixed" and len(groups) == 1
+                and cell["task"]["name"] not in lm.generation}
+            cell = cells.strict(cell)
+            # Each write waits on the disk (fsync) longer than a replay cell computes: overlap them.
+            writes.append(writer.submit(results.write, out, cell, samples))
+            finished[cell["cell_id"]] = cell
+        if progress:
+            for _ in group:
+                progress.cell_finished(label)
+    writer.shutdown(wait=True)
+    for write in writes:
+        write.result()  # a failed write fails the sweep, as it does when written in line
+    return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
