@@ -207,7 +207,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         replay: bool = typer.Option(False, "--replay", help="Every cell from one recording pass (mode: replay; "
                                     "see the README on when to trust it)."),
         verify: bool = typer.Option(False, "--verify", help="With --replay: rerun each policy's frontier cells "
-                                    "exactly and write replay-vs-exact tables."),
+                                    "exactly into OUT/verify and print replay vs exact."),
+        verify_cells: Optional[str] = typer.Option(None, "--verify-cells", help="With --verify: more cells to "
+                                                   "rerun exactly, as policy:threshold pairs (kl:1e-3,…)."),
         knobs: dict = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
@@ -226,7 +228,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
                       add_bos_token=add_bos_token, replay=replay)
-    if verify and not replay:
+    if (verify or verify_cells) and not replay:
         raise ExitbenchError("--verify checks a replay sweep against exact runs; add --replay")
     if batch_size < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
@@ -246,18 +248,18 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         err_console.print(note, highlight=False)
     with SweepProgress(console, err_console, len(sweep.cells), enabled=rank0, quiet=quiet) as progress:
         if replay:
-            from .replay import run_replay
-            finished = run_replay(ck, task_set, cfg, out, sweep, progress)
+            from .replay import ReplaySweep, parse_named, verify_frontier
+            named = parse_named(verify_cells)
+            replayer = ReplaySweep(ck, task_set, cfg, sweep, progress)
+            finished = replayer.run(out)
+            report = verify_frontier(replayer, finished, out, named) if verify or named else None
         else:
             finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
     if rank0:
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
-    if verify:
-        from .replay import verify_frontier
+    if replay and report is not None:
         from .tables import replay_table
-        with SweepProgress(console, err_console, 0, quiet=quiet) as progress:
-            report = verify_frontier(ck, task_set, cfg, out, sweep, progress)
-        console.print(replay_table(report))
+        console.print(replay_table(report["rows"], title=f"replay vs exact ({out / 'verify'})"))
 
 
 @app.command()

@@ -156,9 +156,10 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
 
 
 def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: ExitConfig, cfg: SweepConfig,
-               model: dict, keys: list[dict], run_id: str, on_requests: Callable[[int, int], None] | None = None
-               ) -> list[tuple[dict, list | None]]:
-    """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0."""
+               model: dict, keys: list[dict], run_id: str, on_requests: Callable[[int, int], None] | None = None,
+               stats_out: list[dict] | None = None) -> list[tuple[dict, list | None]]:
+    """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0
+    (and, into `stats_out`, each request's exits and costs)."""
     import lm_eval
 
     from .lm import ExitbenchLM
@@ -193,6 +194,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     for part in gathered:
         for s in part:
             unique.setdefault((s["task_name"], s["doc_id"], s["idx"]), s)
+    if stats_out is not None:
+        stats_out += unique.values()
     return task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
                       list(unique.values()), started, cfg.log_samples, elapsed)
 

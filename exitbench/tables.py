@@ -22,6 +22,22 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
+def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """Replay vs exact per verified cell (exitbench.replay.verify)."""
+    table = Table(title=title)
+    for col in ("task", "policy", "τ", "quality replay", "quality exact", "± stderr", "iters replay",
+                "iters exact", "Δ iters", "exits agree", "diverged"):
+        table.add_column(col, justify="left" if col in ("task", "policy") else "right")
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        table.add_row(r["task"], r["policy"], f"{r['threshold']:g}", num(r["quality_replay"], ".4g"),
+                      num(r["quality_exact"], ".4g"), num(r["stderr_exact"], ".2g"),
+                      num(r["iterations_replay"], ".2f"), num(r["iterations_exact"], ".2f"),
+                      num(r["iterations_rel_diff"], "+.1%"), num(r["exit_agreement"], ".1%"),
+                      num(r["diverged_share"], ".0%"))
+    return table
+
+
 def reuse_note(reused: list[dict[str, Any]], out) -> str | None:
     """What a rerun takes from disk instead of computing: how many cells, and when they were measured."""
     if not reused:

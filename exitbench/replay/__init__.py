@@ -6,6 +6,7 @@ lm.py         lm-eval models that record (RecordingLM) and replay one exit confi
 costs.py      the per-iteration costs a replay cell's estimated wall-clock is made of
 sweep.py      the replay sweep; verify.py: frontier cells rerun exactly, replay vs exact
 """
-from .sweep import run_replay
+from .sweep import ReplaySweep, run_replay
+from .verify import parse_named, verify_frontier
 
-__all__ = ["run_replay"]
+__all__ = ["ReplaySweep", "parse_named", "run_replay", "verify_frontier"]

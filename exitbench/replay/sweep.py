@@ -24,6 +24,7 @@ import torch
 
 from .. import cells, results
 from ..distributed import init_distributed
+from ..engine import ExitConfig
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..provenance import run_metadata
@@ -112,85 +113,110 @@ def _reset_answers(loaded: dict) -> None:
             instance.filtered_resps = {}
 
 
-def run_replay(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, sweep: SweepPlan,
-               progress: Any | None = None) -> list[dict[str, Any]]:
-    """Every cell of the plan not on disk yet, by replay; returns all of the plan's cells."""
-    check_replayable(cfg)
-    finished = {cells.cell_id(key): sweep.done[cells.cell_id(key)].cell for _, _, key in sweep.cells
-                if cells.cell_id(key) in sweep.done}
-    waiting = [(t, c, key) for t, c, key in sweep.cells if cells.cell_id(key) not in finished]
-    for cid in finished:
-        if progress:
-            progress.cell_skipped(cid)
-    if not waiting:
-        return [finished[cells.cell_id(key)] for _, _, key in sweep.cells]
-    out.mkdir(parents=True, exist_ok=True)
-    model = ck.model
-    groups = model.loop_groups()
-    by_config: dict[str, list[tuple[int, dict]]] = {}
-    configs: dict[str, Any] = {}
-    for t, c, key in waiting:
-        cid = cells.cell_id(c.to_dict())
-        configs.setdefault(cid, c)
-        by_config.setdefault(cid, []).append((t, key))
-    policies = {cid: [c.build_policy().bind(g.default_steps) for g in groups] for cid, c in configs.items()}
-    depth = max(p.max_steps for ps in policies.values() for p in ps)
-    recorder = Recorder(model, depth, [ps[0] for ps in policies.values()],
-                        [c.threshold for c in configs.values() if c.policy == "fixed"], cfg.seed,
-                        readout_steps=[min(g.default_steps, depth) for g in groups],
-                        oracle=any(ps[0].retrospective for ps in policies.values()))
-    indices = sorted({t for t, _, _ in waiting})
-    names = [tasks.names[i] for i in indices]
-    with lm_eval_output(quiet=cfg.quiet):
-        loaded = _load_tasks(tasks, indices, cfg)
+class ReplaySweep:
+    """A sweep plan's cells by replay: the recording is made once, when the first cell needs it."""
 
-    if progress:
-        progress.cell_started(f"recording {', '.join(names)} at depth {depth}")
-    t0 = time.perf_counter()
-    recording = RecordingLM.over(ck, recorder, cfg.batch_size, cfg.add_bos_token, cfg.seed,
-                                 on_progress=progress.requests if progress else None)
-    _evaluate(recording, loaded, cfg, bootstrap_iters=0, log_samples=False)
-    _keep_requests(loaded)
-    record_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    costs = measure(model, depth, [ps[0] for ps in policies.values()], recording.sample, cfg.batch_size, cfg.seed)
-    costs_s = time.perf_counter() - t0
+    def __init__(self, ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, sweep: SweepPlan,
+                 progress: Any | None = None):
+        check_replayable(cfg)
+        self.ck, self.tasks, self.cfg, self.sweep, self.progress = ck, tasks, cfg, sweep, progress
+        groups = ck.model.loop_groups()
+        self.configs: dict[str, ExitConfig] = {}
+        for _, c, _ in sweep.cells:
+            self.configs.setdefault(cells.cell_id(c.to_dict()), c)
+        self.policies = {cid: [c.build_policy().bind(g.default_steps) for g in groups]
+                         for cid, c in self.configs.items()}
+        self.depth = max(p.max_steps for ps in self.policies.values() for p in ps)
+        self.indices = sorted({t for t, _, _ in sweep.cells})
+        self.recording: RecordingLM | None = None
 
-    writer = ThreadPoolExecutor(max_workers=4)
-    writes: list[Future] = []
-    for cid, config in configs.items():
-        group = by_config[cid]
-        label = f"{config.policy} τ={config.threshold:g} on {', '.join(tasks.names[t] for t, _ in group)} (replay)"
-        if progress:
-            progress.cell_started(label)
-        started = run_metadata(seed=cfg.seed, run_id=sweep.run_id, batch_size=cfg.batch_size,
-                               device=str(model.device), dtype=ck.dtype, world_size=1)
+    def record(self) -> None:
+        model, cfg = self.ck.model, self.cfg
+        groups = model.loop_groups()
+        first = [ps[0] for ps in self.policies.values()]
+        recorder = Recorder(model, self.depth, first,
+                            [c.threshold for c in self.configs.values() if c.policy == "fixed"], cfg.seed,
+                            readout_steps=[min(g.default_steps, self.depth) for g in groups],
+                            oracle=any(p.retrospective for p in first))
+        with lm_eval_output(quiet=cfg.quiet):
+            self.loaded = _load_tasks(self.tasks, self.indices, cfg)
+        if self.progress:
+            self.progress.cell_started(f"recording {', '.join(self.tasks.names[i] for i in self.indices)} at depth "
+                                       f"{self.depth}")
         t0 = time.perf_counter()
-        _reset_answers(loaded)
-        lm = ReplayLM(recording, config, costs)
-        res = _evaluate(lm, loaded, cfg, cfg.bootstrap_iters, cfg.log_samples)
+        self.recording = RecordingLM.over(self.ck, recorder, cfg.batch_size, cfg.add_bos_token, cfg.seed,
+                                          on_progress=self.progress.requests if self.progress else None)
+        _evaluate(self.recording, self.loaded, cfg, bootstrap_iters=0, log_samples=False)
+        _keep_requests(self.loaded)
+        self.record_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.costs = measure(model, self.depth, first, self.recording.sample, cfg.batch_size, cfg.seed)
+        self.costs_s = time.perf_counter() - t0
+
+    def replay(self, cid: str, task_keys: list[tuple[int, dict]]) -> tuple[list[tuple[dict, list | None]], ReplayLM]:
+        """The cells of one exit config on the given tasks, and the model that answered them."""
+        if self.recording is None:
+            self.record()
+        cfg, config = self.cfg, self.configs[cid]
+        started = run_metadata(seed=cfg.seed, run_id=self.sweep.run_id, batch_size=cfg.batch_size,
+                               device=str(self.ck.model.device), dtype=self.ck.dtype, world_size=1)
+        t0 = time.perf_counter()
+        _reset_answers(self.loaded)
+        lm = ReplayLM(self.recording, config, self.costs)
+        res = _evaluate(lm, self.loaded, cfg, cfg.bootstrap_iters, cfg.log_samples)
         elapsed = time.perf_counter() - t0
-        chosen = [tasks.names[t] for t, _ in group]
-        produced = task_cells(res, chosen, [k for _, k in group], sweep.model,
-                              resolved_policy(config, policies[cid][0]),
+        chosen = [self.tasks.names[t] for t, _ in task_keys]
+        produced = task_cells(res, chosen, [k for _, k in task_keys], self.sweep.model,
+                              resolved_policy(config, self.policies[cid][0]),
                               [s for s in lm.request_stats if s["task_name"] in chosen], started, cfg.log_samples,
                               elapsed)
-        for cell, samples in produced:
+        one_group = len(self.ck.model.loop_groups()) == 1
+        for cell, _ in produced:
+            name = cell["task"]["name"]
             cell["mode"] = "replay"
             cell["wall_clock"]["estimated"] = True
             cell["replay"] = {
-                "recording_depth": depth, "record_s": record_s, "cost_model_s": costs_s,
-                "costs": costs.to_dict(), "generation": lm.generation.get(cell["task"]["name"]),
-                "exact_by_construction": config.policy == "fixed" and len(groups) == 1
-                and cell["task"]["name"] not in lm.generation}
-            cell = cells.strict(cell)
-            # Each write waits on the disk (fsync) longer than a replay cell computes: overlap them.
-            writes.append(writer.submit(results.write, out, cell, samples))
-            finished[cell["cell_id"]] = cell
-        if progress:
-            for _ in group:
-                progress.cell_finished(label)
-    writer.shutdown(wait=True)
-    for write in writes:
-        write.result()  # a failed write fails the sweep, as it does when written in line
-    return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
+                "recording_depth": self.depth, "record_s": self.record_s, "cost_model_s": self.costs_s,
+                "costs": self.costs.to_dict(), "generation": lm.generation.get(name),
+                "exact_by_construction": config.policy == "fixed" and one_group and name not in lm.generation}
+        return [(cells.strict(cell), samples) for cell, samples in produced], lm
+
+    def run(self, out: Path) -> list[dict[str, Any]]:
+        """Every cell of the plan not on disk yet; returns all of the plan's cells."""
+        sweep, progress = self.sweep, self.progress
+        finished = {cells.cell_id(key): sweep.done[cells.cell_id(key)].cell for _, _, key in sweep.cells
+                    if cells.cell_id(key) in sweep.done}
+        by_config: dict[str, list[tuple[int, dict]]] = {}
+        for t, c, key in sweep.cells:
+            if cells.cell_id(key) in finished:
+                if progress:
+                    progress.cell_skipped(cells.cell_id(key))
+            else:
+                by_config.setdefault(cells.cell_id(c.to_dict()), []).append((t, key))
+        if by_config:
+            out.mkdir(parents=True, exist_ok=True)
+        # Each write waits on the disk (fsync) longer than a replay cell computes: overlap them.
+        with ThreadPoolExecutor(max_workers=4) as writer:
+            writes: list[Future] = []
+            for cid, task_keys in by_config.items():
+                config = self.configs[cid]
+                label = (f"{config.policy} τ={config.threshold:g} on "
+                         f"{', '.join(self.tasks.names[t] for t, _ in task_keys)} (replay)")
+                if progress:
+                    progress.cell_started(label)
+                produced, _ = self.replay(cid, task_keys)
+                for cell, samples in produced:
+                    writes.append(writer.submit(results.write, out, cell, samples))
+                    finished[cell["cell_id"]] = cell
+                if progress:
+                    for _ in task_keys:
+                        progress.cell_finished(label)
+        for write in writes:
+            write.result()  # a failed write fails the sweep, as it does when written in line
+        return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
+
+
+def run_replay(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, sweep: SweepPlan,
+               progress: Any | None = None) -> list[dict[str, Any]]:
+    """Every cell of the plan not on disk yet, by replay; returns all of the plan's cells."""
+    return ReplaySweep(ck, tasks, cfg, sweep, progress).run(out)

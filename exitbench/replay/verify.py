@@ -1,0 +1,117 @@
+"""`--verify`: the replay cells a conclusion rests on, rerun exactly, and how far replay was from them.
+
+Per task and policy the cells on that policy's quality-vs-iterations frontier (plus any named) are run by the
+exact engine into OUT/verify/, and each pair is compared: quality (within the exact cell's standard error?),
+mean iterations, and the share of tokens whose exit steps agree. `pareto` and `check` read an exact cell in
+place of its replay twin, so a verified frontier rests on exact numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from .. import cells, pareto, results
+from ..engine import ExitConfig
+from ..errors import ExitbenchError
+from ..files import atomic_write
+from ..sweep import cell_key, run_config
+from .sweep import ReplaySweep
+
+REPORT = "replay-vs-exact.json"
+SCHEMA = "exitbench.replay_verification"
+
+
+def parse_named(text: str | None) -> list[tuple[str, float]]:
+    """`policy:threshold` pairs, comma-separated (e.g. kl:1e-3,second_order:0.316)."""
+    out = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, tau = part.strip().partition(":")
+        try:
+            out.append((name, float(tau)))
+        except ValueError:
+            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}"
+                                 ) from None
+        if not sep:
+            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}")
+    return out
+
+
+def chosen(cell_list: list[dict[str, Any]], named: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    """Each policy's frontier cells per task (quality vs mean iterations), and the named ones; not the cells
+    exact by construction (fixed depth on one loop group, scored)."""
+    picked: dict[str, dict] = {}
+    for (_, _), points in pareto.groups(cell_list).items():
+        higher = points[0].cell["quality"]["higher_is_better"]
+        by_policy: dict[str, list[pareto.Point]] = {}
+        for p in points:
+            by_policy.setdefault(p.policy, []).append(p)
+        for pts in by_policy.values():
+            for p in pareto.frontier(pts, "iterations", higher):
+                picked[p.cell["cell_id"]] = p.cell
+    for c in cell_list:
+        if (c["policy"]["policy"], c["policy"]["threshold"]) in {(n, float(t)) for n, t in named}:
+            picked[c["cell_id"]] = c
+    return [c for c in picked.values() if not c.get("replay", {}).get("exact_by_construction")]
+
+
+def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out: Path,
+                    named: list[tuple[str, float]] = ()) -> dict[str, Any]:
+    """Rerun the chosen replay cells exactly into OUT/verify/ and write the comparison there."""
+    sweep, tasks, cfg, ck = replayer.sweep, replayer.tasks, replayer.cfg, replayer.ck
+    exact_cfg = dataclasses.replace(cfg, replay=False, log_samples=False)
+    index = {name: i for i, name in enumerate(tasks.names)}
+    todo: dict[str, list[dict]] = {}
+    for c in chosen([c for c in cell_list if c.get("mode") == "replay"], list(named)):
+        todo.setdefault(cells.cell_id(c["key"]["exit"]), []).append(c)
+    where = out / "verify"
+    where.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for cid, replayed in todo.items():
+        config = ExitConfig.from_dict(replayed[0]["key"]["exit"])
+        task_idx = [index[c["task"]["name"]] for c in replayed]
+        keys = [cell_key(sweep.model, tasks.names[t], tasks.fingerprints[tasks.names[t]], config, exact_cfg,
+                         ck.model.device.type) for t in task_idx]
+        if replayer.progress:
+            replayer.progress.cell_started(f"verifying {config.policy} τ={config.threshold:g} exactly")
+        exact_stats: list[dict] = []
+        exact = run_config(ck, tasks, task_idx, config, exact_cfg, sweep.model, keys, sweep.run_id,
+                           stats_out=exact_stats)
+        _, lm = replayer.replay(cid, [(t, k) for t, k in zip(task_idx, keys)])
+        for (cell, _), rc in zip(exact, replayed):
+            results.write(where, cells.strict(cell), None)
+            rows.append(compare(rc, cell, lm.request_stats, exact_stats))
+    report = {"schema": SCHEMA, "directory": str(out), "rows": sorted(rows, key=lambda r: (r["task"], r["policy"],
+                                                                                           r["threshold"]))}
+    text = json.dumps(report, indent=1, default=cells.jsonable)
+    atomic_write(where / REPORT, lambda f: f.write(text))
+    return report
+
+
+def compare(replay_cell: dict, exact_cell: dict, replay_stats: list[dict], exact_stats: list[dict]) -> dict:
+    name = exact_cell["task"]["name"]
+    by_request = lambda stats: {(s["doc_id"], s["idx"]): s["exit_steps"] for s in stats  # noqa: E731
+                                if s["task_name"] == name}
+    ours, theirs = by_request(replay_stats), by_request(exact_stats)
+    same = total = 0
+    for req, steps in theirs.items():
+        mine = ours.get(req, [])
+        total += len(steps)
+        same += sum(1 for a, b in zip(mine, steps) if list(a) == list(b))
+    q_r, q_e = replay_cell["quality"]["value"], exact_cell["quality"]["value"]
+    se = exact_cell["quality"].get("stderr")
+    it_r, it_e = replay_cell["iterations"]["mean"], exact_cell["iterations"]["mean"]
+    generation = replay_cell.get("replay", {}).get("generation")
+    return {"task": name, "metric": exact_cell["quality"]["metric"], "policy": exact_cell["policy"]["policy"]
+            + ("-rel" if exact_cell["policy"].get("relative") else ""),
+            "threshold": exact_cell["policy"]["threshold"], "quality_replay": q_r, "quality_exact": q_e,
+            "stderr_exact": se,
+            "quality_within_stderr": None if q_r is None or q_e is None else abs(q_r - q_e) <= (se or 0.0) + 1e-12,
+            "iterations_replay": it_r, "iterations_exact": it_e,
+            "iterations_rel_diff": (it_r - it_e) / it_e if it_r is not None and it_e else None,
+            "exit_agreement": same / total if total else None,
+            "diverged_share": generation["diverged"] / generation["documents"] if generation else None,
+            "exact_cell": exact_cell["cell_id"], "replay_cell": replay_cell["cell_id"]}
