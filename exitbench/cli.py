@@ -280,8 +280,7 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.check_plot_target(plot, cost)
         writable_file(plot, "--plot")
-    cell_list = par.load(directories, on_skip=lambda skipped: err_console.print(
-        f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})", highlight=False))
+    cell_list = par.load(directories, on_skip=_skip_note)
     rep = par.report(cell_list)
     if fmt == "rich":
         for t in pareto_tables(rep, table):
@@ -296,6 +295,26 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.plot(cell_list, plot, cost)
         err_console.print(f"wrote {plot}")
+
+
+@app.command()
+@one_line_errors
+def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Result directory (searched "
+                                            "recursively)."),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", help="The HTML file [RESULTS_DIR/report.html]."),
+           docs: int = typer.Option(3, "--docs", help="Exit maps per task: the documents where policies disagree "
+                                    "most.")):
+    """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
+    from .files import writable_file
+    from .report import write
+
+    if docs < 0:
+        raise ExitbenchError(f"--docs must be ≥ 0, got {docs}")
+    out = writable_file(out or Path(directory) / "report.html", "--out")
+    if out.suffix not in (".html", ".htm"):
+        raise ExitbenchError(f"--out must name an .html file, got {out}")
+    path = write(directory, out, docs, on_skip=_skip_note)
+    err_console.print(f"wrote {path}", highlight=False)
 
 
 @app.command()
@@ -439,6 +458,11 @@ def policies():
         grid = ", ".join(f"{t:g}" for t in cls.default_grid)
         table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid)
     console.print(table)
+
+
+def _skip_note(skipped: list[Path]) -> None:
+    err_console.print(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})",
+                      highlight=False)
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
