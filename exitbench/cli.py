@@ -166,16 +166,36 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
           exit_config: Optional[Path] = typer.Option(None, help="YAML file of exit knobs (overrides the flags)."),
-          seed: int = typer.Option(0, help="Seed of the initial-state noise."), knobs: dict = None):
+          seed: int = typer.Option(0, help="Seed of the initial-state noise."),
+          vs: list[str] = typer.Option([], "--vs", help="Also trace this policy (POLICY or POLICY:τ, repeatable), "
+                                       "drawn beside the first."),
+          html: Optional[Path] = typer.Option(None, "--html", help="Also draw the exit map to this HTML file."),
+          png: Optional[Path] = typer.Option(None, "--png", help="Also draw the exit map to this PNG file."),
+          knobs: dict = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
+    from . import exitmap
     from .embedded import open_checkpoint
     from .exit_config import ExitConfig
+    from .files import writable_file
     from .tables import trace_table
-    from .trace import trace_prompt
+    from .trace import parse_vs, trace_prompt
 
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
+    configs = [cfg, *parse_vs(vs, cfg)]
+    for path, flag, suffix in ((html, "--html", ".html"), (png, "--png", ".png")):
+        if path is not None and path.suffix != suffix:
+            raise ExitbenchError(f"{flag} must name a {suffix} file, got {path}")
+        if path is not None:
+            writable_file(path, flag)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    console.print(trace_table(trace_prompt(ck, prompt, cfg, generate)))
+    reports = [trace_prompt(ck, prompt, c, generate) for c in configs]
+    for rep in reports:
+        console.print(trace_table(rep))
+    maps = [exitmap.from_trace(rep) for rep in reports]
+    title = f"exit map: {ck.path.name}, {reports[0]['mode']} {len(reports[0]['tokens'])} tokens"
+    for path, write in ((html, exitmap.write_html), (png, exitmap.write_png)):
+        if path is not None:
+            err_console.print(f"wrote {write(maps, path, title)}", highlight=False)
 
 
 @app.command()
@@ -279,8 +299,7 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.check_plot_target(plot, cost)
         writable_file(plot, "--plot")
-    cell_list = par.load(directories, on_skip=lambda skipped: err_console.print(
-        f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})", highlight=False))
+    cell_list = par.load(directories, on_skip=_skip_note)
     rep = par.report(cell_list)
     if fmt == "rich":
         for t in pareto_tables(rep, table):
@@ -295,6 +314,26 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.plot(cell_list, plot, cost)
         err_console.print(f"wrote {plot}")
+
+
+@app.command()
+@one_line_errors
+def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Result directory (searched "
+                                            "recursively)."),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", help="The HTML file [RESULTS_DIR/report.html]."),
+           docs: int = typer.Option(3, "--docs", help="Exit maps per task: the documents where policies disagree "
+                                    "most.")):
+    """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
+    from .files import writable_file
+    from .report import write
+
+    if docs < 0:
+        raise ExitbenchError(f"--docs must be ≥ 0, got {docs}")
+    out = writable_file(out or Path(directory) / "report.html", "--out")
+    if out.suffix not in (".html", ".htm"):
+        raise ExitbenchError(f"--out must name an .html file, got {out}")
+    path = write(directory, out, docs, on_skip=_skip_note)
+    err_console.print(f"wrote {path}", highlight=False)
 
 
 @app.command()
@@ -438,6 +477,11 @@ def policies():
         grid = ", ".join(f"{t:g}" for t in cls.default_grid)
         table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid)
     console.print(table)
+
+
+def _skip_note(skipped: list[Path]) -> None:
+    err_console.print(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})",
+                      highlight=False)
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:

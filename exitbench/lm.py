@@ -195,8 +195,14 @@ class ExitbenchLM(LM):
     # ---- the three request types -------------------------------------------------------------------
     def _record(self, req, kind: str, results: list[SequenceResult], seconds: float) -> None:
         stats = cells.request_stats([r for res in results for r in res.records], seconds)
+        # Each exited token's text, log-probability and greedy flag, aligned with stats["exit_steps"], so a
+        # sample's exit map can be drawn without the tokenizer (`exitbench report`, exitbench/exitmap.py).
+        tokens = [t for res in results for t in res.tokens]
         self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx,
-                                   "kind": kind, **stats})
+                                   "kind": kind, **stats,
+                                   "token_text": self.tok.pieces(tokens),
+                                   "logprobs": [float(x) for res in results for x in res.logprobs],
+                                   "greedy": [bool(g) for res in results for g in res.greedy]})
 
     def _run_scoring(self, encoded: list[list[tuple[list[int], int]]], keep_distributions: bool = False
                      ) -> tuple[list[list[SequenceResult]], list[float]]:

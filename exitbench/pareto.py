@@ -48,13 +48,19 @@ class Point:
 def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None) -> list[dict[str, Any]]:
     """Every cell under the directories (recursively). JSON files that are not cells (calibration and geometry
     reports) are skipped and passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
+    return [cell for _, cell in load_paths(directories, on_skip)]
+
+
+def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None
+               ) -> list[tuple[Path, dict[str, Any]]]:
+    """`load`, with each cell's file (what finds the samples file beside it)."""
     found, skipped = [], []
     for d in directories:
         d = Path(d)
         if not d.is_dir():
             raise ExitbenchError(f"{d} is not a directory of result cells")
         cells_here, skipped_here = cells.scan(d.rglob("*.json"))
-        found += [cell for _, cell in cells_here]
+        found += cells_here
         skipped += skipped_here
     if not found:
         extra = f" ({len(skipped)} JSON file(s) there are not cells, e.g. {skipped[0]})" if skipped else ""
@@ -183,7 +189,7 @@ def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def format_tables(rep: dict[str, Any], fmt: str, table: str | None = None) -> str:
-    """md / csv / json text of a report (the terminal's rich tables live in report.py). CSV is one table per
+    """md / csv / json text of a report (the terminal's rich tables live in tables.py). CSV is one table per
     stream (the frontier unless `table` says matched); md and json hold both unless `table` picks one."""
     import json
 
@@ -226,6 +232,16 @@ def check_plot_target(path: Path, axis: str) -> None:
 
 
 def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
+    """Quality against cost, drawn by `draw`, saved to `path` (.png or .svg). Returns the figure."""
+    check_plot_target(path, axis)
+    fig = draw(cell_list, axis)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return fig
+
+
+def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     """Quality against cost, one panel per (task, metric): a curve per policy over its thresholds, the
     fixed-depth baselines as their own curve, the overall frontier highlighted. Returns the figure."""
     import matplotlib
@@ -233,7 +249,6 @@ def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    check_plot_target(path, axis)
     grouped = sorted(groups(cell_list).items())
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
     for ax, ((task, metric), points) in zip(axes[0], grouped):
@@ -258,7 +273,4 @@ def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
         ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
     return fig

@@ -225,7 +225,8 @@ def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, r
             for sample in samples:
                 doc = by_doc.get(sample.get("doc_id"), [])
                 sample["exitbench"] = {"requests": len(doc), **cells.summarize(doc)["iterations"],
-                                       "exit_steps": [e for s in doc for e in s["exit_steps"]]}
+                                       **{k: [e for s in doc for e in s.get(k, [])]
+                                          for k in ("exit_steps", "token_text", "logprobs", "greedy")}}
         out.append((cell, samples))
     return out
 

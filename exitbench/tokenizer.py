@@ -52,6 +52,22 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def pieces(self, ids: list[int], previous: int | None = None) -> list[str]:
+        """Each token's own text, with the space the decoder puts before it: token i is read off the decode of
+        (token i−1, token i), since a word-level decoder joins tokens with spaces that no single token holds.
+        `previous` is the token before ids[0], when there is one. Linear in len(ids), so fine for long texts."""
+        out = []
+        for i, t in enumerate(ids):
+            before = ids[i - 1] if i else previous
+            alone = self.decode([t], skip_special_tokens=False)
+            if before is not None:
+                head = self.decode([before], skip_special_tokens=False)
+                pair = self.decode([before, t], skip_special_tokens=False)
+                if pair.startswith(head) and pair[len(head):].endswith(alone):
+                    alone = pair[len(head):]
+            out.append(alone)
+        return out
+
     def token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 

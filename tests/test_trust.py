@@ -194,6 +194,9 @@ def test_log_samples_recomputes_a_cell_that_has_none(tmp_path, capfd):
         assert samples.exists(), name
         rows = [json.loads(line) for line in samples.read_text().splitlines()]
         assert len(rows) == 4 and all("exitbench" in r for r in rows)
+        # Each exited token's text, log p and greedy flag ride beside its exit steps (what exit maps draw).
+        assert all(len(r["exitbench"][k]) == len(r["exitbench"]["exit_steps"]) > 0 for r in rows
+                   for k in ("token_text", "logprobs", "greedy"))
         assert cell["samples"] is True
 
 

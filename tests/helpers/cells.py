@@ -185,3 +185,30 @@ PPL = [  # perplexity, lower is better; full depth 1.00
     hand_made_cell("u", "ppl", False, "first_order", 1.0, 1.5, 4, 0.3e-3),
     hand_made_cell("u", "ppl", False, "oracle", 0.01, 1.00, 4, 2e-3),
 ]
+
+
+def write_cells(directory: Path, cell_list: list[dict[str, Any]]) -> dict[str, Path]:
+    """Each cell as a file under `directory`, named as a sweep names it; cell_id → path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for cell in cell_list:
+        path = directory / cells.filename(cell)
+        path.write_text(json.dumps(cell))
+        out[cell["cell_id"]] = path
+    return out
+
+
+def write_samples(cell_path: Path, docs: dict[int, tuple[float, list[int]]]) -> Path:
+    """A samples file beside a cell in the format `exitbench run --log-samples` writes: doc_id → (acc, exit
+    step of each of the doc's tokens). The tokens are named t0, t1, …; the last one is a greedy miss."""
+    lines = []
+    for doc, (acc, steps) in docs.items():
+        n = len(steps)
+        lines.append(json.dumps({
+            "doc_id": doc, "arguments": [[f"context of doc {doc}", " answer"]], "metrics": ["acc"], "acc": acc,
+            "exitbench": {"mean": sum(steps) / n, "tokens": n, "exit_steps": [[k] for k in steps],
+                          "token_text": [f" t{i}" for i in range(n)], "logprobs": [-0.5] * n,
+                          "greedy": [True] * (n - 1) + [False]}}))
+    path = cell_path.with_suffix(".samples.jsonl")
+    path.write_text("\n".join(lines) + "\n")
+    return path

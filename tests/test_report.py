@@ -1,0 +1,101 @@
+"""`exitbench report`: one self-contained HTML page per sweep, from hand-made cells with known answers (the page
+in a real browser, and over a real sweep's samples, is tests/test_report_browser.py, marked slow)."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+from exitbench import report
+
+from helpers.cells import ACC, PPL, write_cells, write_samples
+from helpers.cli import assert_one_line_error, explain, runner
+from exitbench.cli import app
+
+
+def _cell(policy: str, tau: float):
+    return next(c for c in ACC if c["policy"]["policy"] == policy and c["policy"]["threshold"] == tau)
+
+
+def test_page_is_self_contained(tmp_path):
+    write_cells(tmp_path / "sweep", ACC + PPL)
+    page = report.build(tmp_path / "sweep")
+    # No network at view time: every image inline, no src or href leaving the page but in-page anchors.
+    assert not re.findall(r'(?:src|href)="(?!data:|#)', page)
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == 3 + 2  # a frontier plot per cost axis, a histogram figure per task
+    assert all(base64.b64decode(b).startswith(b"\x89PNG\r\n\x1a\n") for b in images)
+    for section in ("frontiers", "matched", "histograms", "exitmaps", "geometry", "provenance"):
+        assert f'id="{section}"' in page
+    # What is missing is said, not left blank.
+    assert "rerun the sweep with --log-samples" in page and "no geometry report here" in page
+
+
+def test_matched_table_is_sorted_by_iterations(tmp_path):
+    write_cells(tmp_path, ACC)
+    page = report.build(tmp_path)
+    matched = page[page.index('id="matched"'):page.index('id="histograms"')]
+    policies = re.findall(r"<tr><td>([a-z_]+)</td>", matched)
+    # Within 1% of full depth (0.90): oracle 4.5 iterations, kl 6, second_order 7 (0.896), fixed 16.
+    assert policies == ["oracle", "kl", "second_order", "fixed"]
+
+
+def test_exit_maps_put_disagreement_first(tmp_path):
+    paths = write_cells(tmp_path, ACC)
+    # Operating points within 1%: kl 1e-3, second_order 0.1, oracle 0.01 (and fixed 16, which has no samples).
+    # doc 2: the scores differ; doc 1: same score, the widest spread of iterations; docs 0, 3: agreement.
+    docs = {"kl": {0: (1, [3, 3]), 1: (1, [2, 2, 2]), 2: (1, [5]), 3: (0, [4, 4])},
+            "second_order": {0: (1, [3, 4]), 1: (1, [9, 9, 9]), 2: (0, [5]), 3: (0, [4, 4])},
+            "oracle": {0: (1, [3, 3]), 1: (1, [1, 1, 1]), 2: (1, [2]), 3: (0, [4, 4])}}
+    tau = {"kl": 1e-3, "second_order": 0.1, "oracle": 0.01}
+    for policy, by_doc in docs.items():
+        write_samples(paths[_cell(policy, tau[policy])["cell_id"]], by_doc)
+    page = report.build(tmp_path, docs=2)
+    shown = re.findall(r'<div class="doc" data-doc="(\d+)">', page)
+    assert shown == ["2", "1"]
+    block = page[page.index('data-doc="1"'):]
+    block = block[:block.index('<div class="legend">')]
+    rows = re.findall(r'<div class="row" data-tokens="(\d+)">', block)
+    assert rows == ["3", "3", "3"]  # one row per policy, as many tokens as the document scored
+    assert block.count('class="tok') == 9 and block.count('class="tok miss"') == 3
+    assert 'data-step="9"' in block and "exit step 9" in block  # the hover text
+    assert "no samples at the operating point" not in page  # fixed depth is never asked for
+
+
+def test_replay_cells_get_a_column(tmp_path):
+    cells = [dict(c) for c in ACC]
+    cells[2] = {**cells[2], "mode": "replay"}
+    write_cells(tmp_path, cells)
+    page = report.build(tmp_path)
+    assert "1 replay" in page and f"{len(cells) - 1} exact" in page
+    assert "<th class=\"\">mode</th>" in page
+
+
+def test_geometry_figures_are_inlined(tmp_path):
+    write_cells(tmp_path / "sweep", ACC)
+    geo = tmp_path / "sweep" / "geometry"
+    geo.mkdir()
+    (geo / "geometry.json").write_text(json.dumps({"schema": "exitbench.geometry", "source": "tiny-raven"}))
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    (geo / "steps.png").write_bytes(png)
+    page = report.build(tmp_path / "sweep")
+    assert base64.b64encode(png).decode() in page and "no geometry report here" not in page
+
+
+def test_cli_writes_the_page_into_the_directory(tmp_path):
+    write_cells(tmp_path, PPL)
+    res = runner.invoke(app, ["report", str(tmp_path)])
+    assert res.exit_code == 0, explain(res)
+    assert (tmp_path / "report.html").read_text().startswith("<!doctype html>")
+    assert "wrote" in res.stderr
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "empty")]), ["no result cells"])
+    assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "nowhere")]), ["not a directory"])
+    write_cells(tmp_path / "sweep", PPL)
+    assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "sweep"), "--out", str(tmp_path / "r.png")]),
+                          ["--out", ".html"])
+    assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "sweep"), "--docs", "-1"]), ["--docs"])
+    assert not (tmp_path / "sweep" / "report.html").exists()
