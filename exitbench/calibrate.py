@@ -101,6 +101,39 @@ def predictions(engine: ExitEngine, docs: Sequence[list[int]], batch_size: int,
     return preds, iters
 
 
+def replayed_predictions(model, docs: Sequence[list[int]], configs: Sequence[ExitConfig], reference_steps: int,
+                         seed: int, batch_size: int, on_batch: Callable[[], None] | None = None
+                         ) -> tuple[list[list[int]], list[float], list[tuple[list[list[int]], list[float]]]]:
+    """`predictions` for the reference and every config from one recording pass (exitbench.replay): the
+    reference's, then each config's (predictions, iterations)."""
+    import numpy as np
+
+    from .replay.exits import trajectory_exits
+    from .replay.recording import Recorder, Sequence_
+
+    groups = model.loop_groups()
+    policies = [[c.build_policy().bind(g.default_steps) for g in groups] for c in configs]
+    depth = max([reference_steps] + [p.max_steps for ps in policies for p in ps])
+    recorder = Recorder(model, depth, [ps[0] for ps in policies], [reference_steps], seed,
+                        [min(g.default_steps, depth) for g in groups], oracle=False)
+    trajs = []
+    for i in range(0, len(docs), batch_size):
+        trajs += recorder.record([Sequence_(list(d[:-1]), 0, [list(d[1:])]) for d in docs[i:i + batch_size]])
+        if on_batch is not None:
+            on_batch()
+    at_depth = lambda t, r: t.fixed_top[r] if r in t.fixed_top else t.top[-1][:, r - 1]  # noqa: E731
+    reference = [at_depth(t, reference_steps).tolist() for t in trajs]
+    per_config = []
+    for ps in policies:
+        preds, iters = [], []
+        for t in trajs:
+            steps = trajectory_exits(ps, t)
+            preds.append(t.top[-1][np.arange(len(steps)), steps[:, -1] - 1].tolist())
+            iters += steps.sum(1).tolist()
+        per_config.append((preds, iters))
+    return reference, [float(reference_steps * len(groups))] * sum(map(len, reference)), per_config
+
+
 def disagreement(preds: Sequence[list[int]], reference: Sequence[list[int]]) -> list[float]:
     """Per document, the share of positions whose prediction differs from the reference's."""
     return [sum(a != b for a, b in zip(p, r)) / len(r) for p, r in zip(preds, reference)]
@@ -124,10 +157,12 @@ def check_calibratable(policy: str) -> None:
 
 def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: Sequence[float], *,
               epsilon: float, delta: float, test_fraction: float = 0.5, seed: int = 0, batch_size: int = 16,
-              on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+              on_progress: Callable[[int, int], None] | None = None, replay: bool = False) -> dict[str, Any]:
     """Choose the most aggressive threshold of `thresholds` whose consistency risk is ≤ ε with probability
     ≥ 1 − δ; report every threshold's calibration risk, p-value and mean iterations, and the chosen one's
-    risk on held-out documents."""
+    risk on held-out documents. With `replay`, every threshold's predictions come from one recording pass
+    per split (exitbench.replay: every position's context at full depth, where the exact run reads an exited
+    token's own depth), instead of one exact run per threshold."""
     check_calibratable(config.policy)
     for name, value in (("epsilon", epsilon), ("delta", delta)):
         if not isinstance(value, (int, float)) or not 0 < value < 1:
@@ -155,11 +190,18 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
         if on_progress is not None:
             on_progress(done, total)
 
-    ref_preds, ref_iters = predictions(reference, cal, batch_size, tick)
+    taus = list(engines)
+    if replay:
+        total = 2 * batches
+        configs = [ExitConfig.from_dict({**config.to_dict(), "threshold": tau}) for tau in taus]
+        ref_preds, ref_iters, runs = replayed_predictions(model, cal, configs, reference.policies[0].max_steps,
+                                                          config.seed, batch_size, tick)
+    else:
+        ref_preds, ref_iters = predictions(reference, cal, batch_size, tick)
+        runs = [predictions(engines[tau], cal, batch_size, tick) for tau in taus]
     full_depth = sum(ref_iters) / len(ref_iters)
     rows = []
-    for tau, engine in engines.items():
-        preds, iters = predictions(engine, cal, batch_size, tick)
+    for tau, (preds, iters) in zip(taus, runs):
         losses = disagreement(preds, ref_preds)
         risk = sum(losses) / len(losses)
         rows.append({"threshold": tau, "risk": risk, "p_value": hb_pvalue(risk, len(losses), epsilon),
@@ -171,12 +213,18 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
     held_out = None
     if chosen is not None and test:
         total += 2 * -(-len(test) // batch_size)
-        test_ref, _ = predictions(reference, test, batch_size, tick)
-        test_preds, test_iters = predictions(engines[chosen["threshold"]], test, batch_size, tick)
+        if replay:
+            chosen_config = ExitConfig.from_dict({**config.to_dict(), "threshold": chosen["threshold"]})
+            test_ref, _, ((test_preds, test_iters),) = replayed_predictions(
+                model, test, [chosen_config], reference.policies[0].max_steps, config.seed, batch_size, tick)
+        else:
+            test_ref, _ = predictions(reference, test, batch_size, tick)
+            test_preds, test_iters = predictions(engines[chosen["threshold"]], test, batch_size, tick)
         losses = disagreement(test_preds, test_ref)
         held_out = {"documents": len(test), "risk": sum(losses) / len(losses),
                     "mean_iterations": sum(test_iters) / len(test_iters)}
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "config": config.to_dict(),
+            "mode": "replay" if replay else "exact",
             "epsilon": epsilon, "delta": delta, "loss": "share of a document's scored tokens whose exit prediction "
             "differs from full depth", "documents": {"calibration": len(cal), "held_out": len(test)},
             "tokens": {"calibration": sum(len(d) - 1 for d in cal)}, "full_depth_iterations": full_depth,

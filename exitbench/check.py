@@ -63,6 +63,8 @@ class Verdict:
     missing: int
     ignored_missing: int
     frontier_points: int
+    replay_cells: tuple[int, int] = (0, 0)  # (the run's, the baseline's) cells computed by replay
+
 
     @property
     def passed_cells(self) -> int:
@@ -78,6 +80,10 @@ class Verdict:
                     "only the cells the run has)"
         if self.ignored_missing:
             text += f"; {self.ignored_missing} baseline cells not in the run were left out (--present-only)"
+        run_r, base_r = self.replay_cells
+        if run_r or base_r:
+            text += (f"; {run_r} of the run's cells and {base_r} of the baseline's are replay cells (a replay "
+                     "run checked against an exact baseline differs where replay approximates: see the README)")
         return text
 
 
@@ -120,7 +126,8 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
                     add("time / full-depth time", name, b_t, r_t)
     frontier, points = compare_frontiers(run_cells, base_cells, tol)
-    return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points)
+    replayed = (sum(pareto.mode(c) == "replay" for c in run_cells), sum(pareto.mode(c) == "replay" for c in base_cells))
+    return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points, replayed)
 
 
 def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict[str, Any]], int]:

@@ -306,6 +306,11 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
             console.print(t)
     else:
         print(par.format_tables(rep, fmt, table))
+    replayed = par.replay_points(rep)
+    if replayed:
+        err_console.print(f"note: frontiers of {', '.join(replayed)} rest on replay cells (marked ᴿ; wall-clock "
+                          "there is estimated); `exitbench run --replay --verify` reruns them exactly",
+                          highlight=False)
     mixed = par.mixed_runs(rep)
     if mixed:
         err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
@@ -432,6 +437,8 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
                                                   "chosen threshold."),
               batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
               seed: int = typer.Option(0, help="Seed of the held-out split, programs and initial-state noise."),
+              replay: bool = typer.Option(False, "--replay", help="Every threshold from one recording pass per "
+                                          "split instead of one run each (see the README on replay)."),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/"
                                                  "<checkpoint>-<policy>.json]."), knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
@@ -457,7 +464,8 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
                                     programs=programs, seed=seed, purpose="calibrate on")
     with batch_progress(console, "calibrate") as on_progress:
         rep = run_calibration(ck.model, docs, config, grid, epsilon=epsilon, delta=delta,
-                              test_fraction=test_fraction, seed=seed, batch_size=batch_size, on_progress=on_progress)
+                              test_fraction=test_fraction, seed=seed, batch_size=batch_size, on_progress=on_progress,
+                              replay=replay)
     rep.update(source=source, checkpoint=str(ck.path))
     console.print(calibration_table(rep))
     write_report(rep, path)

@@ -40,14 +40,31 @@ class Point:
     def quality(self) -> float:
         return self.cell["quality"]["value"]
 
+    @property
+    def mode(self) -> str:
+        return mode(self.cell)
+
     def cost(self, axis: str) -> float | None:
         section, key = COSTS[axis]
         return self.cell[section][key]
 
 
+def mode(cell: dict[str, Any]) -> str:
+    """"replay" for a cell computed from a recording (exitbench.replay), "exact" otherwise (older cells too)."""
+    return cell.get("mode", "exact")
+
+
+def prefer_exact(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop each replay cell whose exact twin (the same key but for the mode, e.g. from `--verify`) is there."""
+    twin = lambda c: cells.cell_id({k: v for k, v in c["key"].items() if k != "mode"})  # noqa: E731
+    exact = {twin(c) for c in cell_list if mode(c) == "exact"}
+    return [c for c in cell_list if mode(c) == "exact" or twin(c) not in exact]
+
+
 def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None) -> list[dict[str, Any]]:
-    """Every cell under the directories (recursively). JSON files that are not cells (calibration and geometry
-    reports) are skipped and passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
+    """Every cell under the directories (recursively), an exact cell in place of its replay twin. JSON files that
+    are not cells (calibration and geometry reports) are skipped and passed to `on_skip`; a file that claims to
+    be a cell but is broken stops the load."""
     return [cell for _, cell in load_paths(directories, on_skip)]
 
 
@@ -67,7 +84,8 @@ def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | 
         raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}{extra}")
     if skipped and on_skip is not None:
         on_skip(skipped)
-    return found
+    kept = {id(c) for c in prefer_exact([c for _, c in found])}
+    return [(path, c) for path, c in found if id(c) in kept]
 
 
 def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
@@ -132,6 +150,7 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
             ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
+                "mode": best.mode,
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
                 "speedup": ref_time / time if ref_time and time else None,
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
@@ -146,6 +165,17 @@ def run_id(cell: dict[str, Any]) -> str | None:
     return cell["run"].get("run_id")
 
 
+def replay_points(rep: dict[str, Any]) -> dict[str, int]:
+    """Per group, how many of its frontier points (any cost axis) and matched-quality rows are replay cells."""
+    out = {}
+    for group, entry in rep.items():
+        n = sum(p["mode"] == "replay" for pts in entry["frontiers"].values() for p in pts)
+        n += sum(r["mode"] == "replay" for r in entry["matched_quality"])
+        if n:
+            out[group] = n
+    return out
+
+
 def mixed_runs(rep: dict[str, Any]) -> list[str]:
     """The groups whose matched-quality speed-ups compare cells measured by different runs."""
     return [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
@@ -158,7 +188,7 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
         entry = {"higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
                  "matched_quality": matched_quality(points)}
         as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
-                                      "cost": p.cost(axis)} for p in pts]
+                                      "cost": p.cost(axis), "mode": p.mode} for p in pts]
         by_policy: dict[str, list[Point]] = {}
         for p in points:
             by_policy.setdefault(p.policy, []).append(p)

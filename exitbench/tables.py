@@ -60,7 +60,7 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
         for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
         for r in entry["matched_quality"]:
-            t.add_row(f"{100 * r['tolerance']:g}%", r["policy"], f"{r['threshold']:g}", f"{r['quality']:.4g}",
+            t.add_row(f"{100 * r['tolerance']:g}%", _marked(r), f"{r['threshold']:g}", f"{r['quality']:.4g}",
                       f"{r['mean_iterations']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}×",
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
         out.append(t)
@@ -74,8 +74,13 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
     for col in ("policy", "τ", "quality", "mean iters"):
         f.add_column(col, justify="left" if col == "policy" else "right")
     for p in entry["frontiers"]["iterations"]:
-        f.add_row(p["policy"], f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
+        f.add_row(_marked(p), f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
     return f
+
+
+def _marked(row: dict[str, Any]) -> str:
+    """A policy name, with a mark when its number comes from a replay cell rather than an exact run."""
+    return row["policy"] + (" ᴿ" if row.get("mode") == "replay" else "")
 
 
 def regression_table(rows: list[dict[str, Any]], title: str) -> Table:

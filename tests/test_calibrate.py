@@ -156,6 +156,23 @@ def test_risks_are_the_disagreement_with_full_depth():
         assert rep["held_out"]["documents"] == len(test) and 0 <= rep["held_out"]["risk"] <= 1
 
 
+def test_replay_calibration_reads_every_threshold_from_one_recording():
+    """Same grid, same reference; a one-token document is replayed exactly, so its risks and iterations are the
+    exact run's; on whole documents replay reads other tokens at their own iteration (README, "Replay")."""
+    model = tiny(init_scale=1.0)
+    taus = [1e-30, 0.3, 3.0]
+    config = ExitConfig("first_order", max_steps=8)
+    pairs = _docs(16, 2, 1)  # two tokens: one scored position per document
+    exact = calibrate(model, pairs, config, taus, epsilon=0.3, delta=0.2, test_fraction=0.25, seed=3)
+    replayed = calibrate(model, pairs, config, taus, epsilon=0.3, delta=0.2, test_fraction=0.25, seed=3,
+                         replay=True)
+    assert replayed["mode"] == "replay" and exact["mode"] == "exact"
+    for a, b in zip(exact["thresholds"], replayed["thresholds"]):
+        assert b["risk"] == pytest.approx(a["risk"], abs=1e-12)
+        assert b["mean_iterations"] == pytest.approx(a["mean_iterations"])
+    assert replayed["chosen"] == exact["chosen"]
+
+
 @pytest.mark.parametrize("kwargs,words", [
     (dict(epsilon=0.0), ["--epsilon", "between 0 and 1"]),
     (dict(epsilon=1.5), ["--epsilon"]),

@@ -70,10 +70,10 @@ def test_cli_formats_and_plot(tmp_path):
     assert "## Matched quality" in res.stdout and "| group" in res.stdout
     res = CliRunner().invoke(app, ["pareto", str(d), "--format", "csv"])
     header, *rows = res.stdout.split("\n\n")[0].splitlines()
-    assert header == "group,axis,policy,threshold,quality,cost"
+    assert header == "group,axis,policy,threshold,quality,cost,mode"
     # Every cost axis is named in its rows (not overwritten by the cost value), and costs are numbers.
     assert {r.split(",")[1] for r in rows} == {"iterations", "wall_clock", "flops"}
-    assert all(float(r.split(",")[-1]) > 0 for r in rows)
+    assert all(float(r.split(",")[-2]) > 0 and r.endswith(",exact") for r in rows)
     fig = pareto.plot(ACC + PPL, tmp_path / "p.png")
     axes = fig.axes
     assert len(axes) == 2 and (tmp_path / "p.png").stat().st_size > 0

@@ -6,9 +6,15 @@ array operations over an (n, K) table. `tests/test_replay.py` checks it against 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
+import torch
 
 from ..policies import ExitPolicy
+
+if TYPE_CHECKING:
+    from .recording import Trajectories
 
 
 def first_exits(policy: ExitPolicy, values: np.ndarray) -> np.ndarray:
@@ -31,5 +37,22 @@ def first_exits(policy: ExitPolicy, values: np.ndarray) -> np.ndarray:
     return leave.argmax(axis=1) + 1
 
 
-def fixed_exits(depth: int, n: int) -> np.ndarray:
-    return np.full(n, depth, dtype=np.int64)
+def trajectory_exits(policies: Sequence[ExitPolicy], traj: "Trajectories", member: int = 0,
+                     by_target: bool = True) -> np.ndarray:
+    """Exit step per scored token and loop group, (n, G), one policy per group. The oracle agrees with full depth
+    by the target's log-probability where a target is given (scoring), by the argmax where the model chose the
+    token (generation)."""
+    from .recording import variant_key
+
+    n = len(traj.positions)
+    out = []
+    for g, policy in enumerate(policies):
+        if policy.signal_free:
+            out.append(np.full(n, policy.max_steps))
+        elif policy.retrospective:
+            top = torch.from_numpy(traj.top[g][:, :policy.max_steps])
+            picked = torch.from_numpy(traj.picked[member][g][:, :policy.max_steps])
+            out.append(policy.exit_steps(top, picked, torch.full((n,), by_target)).numpy())
+        else:
+            out.append(first_exits(policy, traj.signals[g][variant_key(policy)]))
+    return np.stack(out, 1)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import torch
 from lm_eval.api.model import LM
 
 from .. import cells
@@ -25,8 +24,8 @@ from ..flops import FlopModel
 from ..lm import ExitbenchLM
 from ..models import Checkpoint
 from .costs import CostModel
-from .exits import first_exits
-from .recording import Recorder, Sequence_, Trajectories, variant_key
+from .exits import trajectory_exits
+from .recording import Recorder, Sequence_, Trajectories
 
 
 @dataclass
@@ -59,6 +58,8 @@ class RecordingLM(ExitbenchLM):
         return self
 
     def _record_passes(self, seqs: list[Sequence_]) -> list[Trajectories]:
+        for seq in seqs[:max(0, SAMPLE - len(self.sample))]:
+            self.sample.append((seq.inputs + seq.members[0][-1:], seq.first + 1))
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].inputs))
         out: list[Trajectories | None] = [None] * len(seqs)
         for a in range(0, len(order), self.batch_size):
@@ -78,7 +79,6 @@ class RecordingLM(ExitbenchLM):
         for group in groups:
             (tokens, n_ctx), _ = pairs[group[0]]
             seqs.append(Sequence_(tokens[:-1], n_ctx - 1, [pairs[i][0][0][n_ctx:] for i in group]))
-        self.sample += [pairs[g[0]][0] for g in groups[:SAMPLE] if len(self.sample) < SAMPLE]
         out = [None] * len(requests)
         for group, seq, traj in zip(groups, seqs, self._record_passes(seqs)):
             for m, i in enumerate(group):
@@ -134,22 +134,8 @@ class ReplayLM(LM):
         # The options of a question share a pass and, but for the oracle, its exits.
         key = (id(traj), member if self.policies[-1].retrospective else 0, by_target)
         if key not in self._exits:
-            self._exits[key] = self._first_exits(traj, member, by_target)
+            self._exits[key] = trajectory_exits(self.policies, traj, member, by_target)
         return self._exits[key]
-
-    def _first_exits(self, traj: Trajectories, member: int, by_target: bool) -> np.ndarray:
-        n = len(traj.positions)
-        out = []
-        for g, policy in enumerate(self.policies):
-            if policy.signal_free:
-                out.append(np.full(n, policy.max_steps))
-            elif policy.retrospective:
-                top = torch.from_numpy(traj.top[g][:, :policy.max_steps])
-                picked = torch.from_numpy(traj.picked[member][g][:, :policy.max_steps])
-                out.append(policy.exit_steps(top, picked, torch.full((n,), by_target)).numpy())
-            else:
-                out.append(first_exits(policy, traj.signals[g][variant_key(policy)]))
-        return np.stack(out, 1)
 
     def outputs(self, traj: Trajectories, member: int, exits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The target's log-probability and the argmax at each token's exit."""

@@ -170,7 +170,6 @@ class ReplaySweep:
                               resolved_policy(config, self.policies[cid][0]),
                               [s for s in lm.request_stats if s["task_name"] in chosen], started, cfg.log_samples,
                               elapsed)
-        one_group = len(self.ck.model.loop_groups()) == 1
         for cell, _ in produced:
             name = cell["task"]["name"]
             cell["mode"] = "replay"
@@ -178,7 +177,9 @@ class ReplaySweep:
             cell["replay"] = {
                 "recording_depth": self.depth, "record_s": self.record_s, "cost_model_s": self.costs_s,
                 "costs": self.costs.to_dict(), "generation": lm.generation.get(name),
-                "exact_by_construction": config.policy == "fixed" and one_group and name not in lm.generation}
+                # Fixed depth on scored tasks: every position recomputed at r (one loop group) or in a pass of
+                # its own (several), so the same computation as the exact run's.
+                "exact_by_construction": config.policy == "fixed" and name not in lm.generation}
         return [(cells.strict(cell), samples) for cell, samples in produced], lm
 
     def run(self, out: Path) -> list[dict[str, Any]]:
