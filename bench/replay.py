@@ -83,12 +83,16 @@ def wide_checkpoint(tmp: Path, width: int) -> Path:
     from engine import wide_model  # the same random model bench/engine.py times
 
     ck = open_checkpoint(None)
-    return save_checkpoint(wide_model(ck.model.config, width), tmp / f"wide-{width}", ck.tokenizer)
+    special = {k: v for k, v in ck.config.items() if k.endswith("_token_id")}  # the same tokenizer's ids
+    return save_checkpoint(wide_model(ck.model.config, width), tmp / f"wide-{width}", ck.tokenizer,
+                           extra_config=special)
 
 
 def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, label: str, figures: dict,
-                        data_dir: Path | None = None) -> None:
-    """The whole replay sweep (every policy's grid and the baselines) against one exact run at full depth."""
+                        data_dir: Path | None = None, policies: tuple[str, ...] = ("all",),
+                        also_exact: str | None = None) -> None:
+    """The whole replay sweep (every policy's grid and the baselines, or `policies`') against one exact run at
+    full depth; with `also_exact`, one exact cell of that policy (its default threshold) for scale."""
     from exitbench import cells
     from exitbench.embedded import open_checkpoint
     from exitbench.engine import ExitConfig
@@ -99,8 +103,8 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
     ck = open_checkpoint(checkpoint)
     tasks = resolve_tasks(task_names, data_dir)
     depth = ck.model.loop_groups()[0].default_steps
-    exact_cfg = SweepConfig(tasks=task_names, policies=["all"], limit=limit, quiet=True)
-    replay_cfg = SweepConfig(tasks=task_names, policies=["all"], limit=limit, quiet=True, replay=True)
+    exact_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True)
+    replay_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True, replay=True)
     with tempfile.TemporaryDirectory() as tmp:
         sweep = plan(ck, tasks, replay_cfg, Path(tmp) / "replay", "cpu")
         full = ExitConfig("fixed", threshold=depth)
@@ -114,18 +118,29 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
         made = replayer.run(Path(tmp) / "replay")
         replay_s = time.perf_counter() - t0
         tokens = sum(c["iterations"]["tokens"] for c, _ in exact)
+        other_s = None
+        if also_exact:
+            other = ExitConfig(also_exact)
+            t0 = time.perf_counter()
+            run_config(ck, tasks, idx, other, exact_cfg, sweep.model,
+                       [cell_key(sweep.model, n, tasks.fingerprints[n], other, exact_cfg, "cpu") for n in task_names],
+                       sweep.run_id)
+            other_s = time.perf_counter() - t0
         per_cell = sum(c["wall_clock"]["cell_s"] for c in made)
         ratio = replay_s / exact_s
-        print(f"[{label}]  target: whole replay sweep ≤ 1.5 × one exact full-depth run")
+        print(f"[{label}, policies: {', '.join(policies)}]  target: whole replay sweep ≤ 1.5 × one exact "
+              "full-depth run")
         print(f"one exact run at depth {depth}: {exact_s:.1f} s ({tokens} scored tokens) · replay sweep of "
               f"{len(made)} cells: {replay_s:.1f} s (recording {replayer.record_s:.1f} s, cost model "
               f"{replayer.costs_s:.1f} s, cells {per_cell:.1f} s) · ratio {ratio:.2f}")
+        if other_s is not None:
+            print(f"  for scale: one exact {also_exact} cell at its default threshold takes {other_s:.1f} s")
         full_replay = [c for c in made if c["policy"]["policy"] == "fixed" and c["policy"]["threshold"] == depth]
         for ce, cr in zip(sorted((c for c, _ in exact), key=lambda c: c["task"]["name"]),
                           sorted(full_replay, key=lambda c: c["task"]["name"])):
             print(f"  {ce['task']['name']}: full-depth quality exact {ce['quality']['value']:.6g}, replay "
                   f"{cr['quality']['value']:.6g}")
-        figures[label] = {"exact_full_depth_s": exact_s, "replay_sweep_s": replay_s, "ratio": ratio,
+        figures[f"{label}, {'+'.join(policies)}"] = {"exact_full_depth_s": exact_s, "one_exact_cell_s": other_s, "replay_sweep_s": replay_s, "ratio": ratio,
                           "cells": len(made), "record_s": replayer.record_s, "cost_model_s": replayer.costs_s,
                           "cells_s": per_cell, "cell_ids": len({cells.cell_id(c["key"]) for c in made})}
 
@@ -150,9 +165,13 @@ def main() -> int:
             sweep_vs_full_depth(str(path), ["chains", "chains_mc", "chains_lambada"], 48,
                                 f"random model n_embd {args.wide}, chains tasks, 48 documents", figures)
     if "gpt2" in sections:
-        sweep_vs_full_depth("tiny-looped-gpt2", ["gsm8k_text"], args.gpt2_docs,
-                            f"tiny-looped-gpt2, gsm8k_text perplexity, {args.gpt2_docs} documents", figures,
-                            data_dir=GSM8K)
+        label = f"tiny-looped-gpt2, gsm8k_text perplexity, {args.gpt2_docs} documents"
+        sweep_vs_full_depth("tiny-looped-gpt2", ["gsm8k_text"], args.gpt2_docs, label, figures, data_dir=GSM8K,
+                            also_exact="kl")
+        # Decoding rules on an earlier loop group read out through every later group at every iteration (K² per
+        # token, as their exact cells pay too): the decoding-free rules alone show the recording's own cost.
+        sweep_vs_full_depth("tiny-looped-gpt2", ["gsm8k_text"], args.gpt2_docs, label, figures, data_dir=GSM8K,
+                            policies=("first_order", "second_order", "second_order_magnitude", "cosine"))
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))

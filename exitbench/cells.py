@@ -18,6 +18,10 @@ Schema `exitbench.cell` version 2 (documented in the README):
     samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
     run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
                versions, git_revision, started, host, machine
+    mode       "replay" for a cell computed from a recording (exitbench.replay; then also in its key, and
+               wall_clock.estimated is true); absent for an exact cell
+    replay     recording_depth, record_s, cost_model_s, costs, generation {documents, diverged},
+               exact_by_construction
 
 A file that carries the schema tag must have every field above that readers use (`REQUIRED`); one that does
 not is reported by name, never half-read.

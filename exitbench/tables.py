@@ -26,7 +26,7 @@ def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
     """Replay vs exact per verified cell (exitbench.replay.verify)."""
     table = Table(title=title)
     for col in ("task", "policy", "τ", "quality replay", "quality exact", "± stderr", "iters replay",
-                "iters exact", "Δ iters", "exits agree", "diverged"):
+                "iters exact", "Δ iters", "exits agree", "answers cut"):
         table.add_column(col, justify="left" if col in ("task", "policy") else "right")
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:

@@ -88,7 +88,23 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
                                                                                            r["threshold"]))}
     text = json.dumps(report, indent=1, default=cells.jsonable)
     atomic_write(where / REPORT, lambda f: f.write(text))
+    table = markdown(report["rows"])
+    atomic_write(where / REPORT.replace(".json", ".md"), lambda f: f.write(table))
     return report
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table (for a README or a pull request)."""
+    from tabulate import tabulate
+
+    pct = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    body = [[r["task"], r["policy"], f"{r['threshold']:g}", pct(r["quality_replay"], ".4g"),
+             pct(r["quality_exact"], ".4g"), pct(r["stderr_exact"], ".2g"), pct(r["iterations_replay"], ".2f"),
+             pct(r["iterations_exact"], ".2f"), pct(r["iterations_rel_diff"], "+.1%"), pct(r["exit_agreement"], ".1%"),
+             pct(r["diverged_share"], ".0%")] for r in rows]
+    head = ["task", "policy", "τ", "quality replay", "quality exact", "± stderr", "iters replay", "iters exact",
+            "Δ iters", "exits agree", "answers cut"]
+    return tabulate(body, headers=head, tablefmt="github", disable_numparse=True) + "\n"
 
 
 def compare(replay_cell: dict, exact_cell: dict, replay_stats: list[dict], exact_stats: list[dict]) -> dict:
