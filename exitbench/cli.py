@@ -23,7 +23,8 @@ err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, wha
 
 CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
                              help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
-DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torch_dtype), float32, bfloat16 or "
+                        "float16.")
 NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
                             "broken checkpoints); refused by default.")
 
@@ -80,17 +81,18 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          programs: int = typer.Option(256, "--programs", help="Held-out programs for --depth."),
          seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint."""
-    from .embedded import open_checkpoint
+    from .embedded import open_checkpoint, resolve
     from .info import describe
+    from .models.checkpoint import check_dtype_name, inspect_checkpoint
 
     if programs < 1:
         raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
-    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    report = describe(ck)
+    report = describe(inspect_checkpoint(resolve(checkpoint)), check_dtype_name(dtype))  # headers only
     if depth:
         from .depth import depth_report
 
-        report["depth"] = depth_report(ck, n_programs=programs, seed=seed)
+        report["depth"] = depth_report(open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite),
+                                       n_programs=programs, seed=seed)
     if as_json:
         print(json.dumps(report, indent=2))
         return
