@@ -79,15 +79,29 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          depth: bool = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r "
                                     "on held-out programs of the checkpoint's synthetic task."),
          programs: int = typer.Option(256, "--programs", help="Held-out programs for --depth."),
-         seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")):
-    """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint."""
+         seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states."),
+         memory_plan: bool = typer.Option(False, "--plan", help="Also print the memory a run needs: weights, KV "
+                                          "cache (one slot per iteration per loop layer) and activations."),
+         batch_size: int = typer.Option(1, "--batch-size", help="--plan: rows run together."),
+         context: Optional[int] = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and "
+                                               "generated tokens [the model's context]."),
+         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="--plan: iterations per loop group "
+                                                 "[each group's default depth].")):
+    """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
+    from its config and safetensors headers (no weight is loaded unless --depth)."""
     from .embedded import open_checkpoint, resolve
     from .info import describe
-    from .models.checkpoint import check_dtype_name, inspect_checkpoint
+    from .models.checkpoint import check_dtype_name, inspect_checkpoint, parse_dtype
 
     if programs < 1:
         raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
-    report = describe(inspect_checkpoint(resolve(checkpoint)), check_dtype_name(dtype))  # headers only
+    layout = inspect_checkpoint(resolve(checkpoint))  # headers only
+    report = describe(layout, check_dtype_name(dtype))
+    if memory_plan:
+        from .memory import plan
+
+        report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
+                              layout.model.config.block_size if context is None else context, max_steps)
     if depth:
         from .depth import depth_report
 
@@ -98,12 +112,16 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
         return
     table = Table(title=f"exitbench info: {report['source']}", show_header=False)
     for key, value in report.items():
-        if key == "depth":
+        if key in ("depth", "plan"):
             continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
+    if memory_plan:
+        from .tables import plan_table
+
+        console.print(plan_table(report["plan"]))
     if depth:
         from .tables import depth_tables
 
