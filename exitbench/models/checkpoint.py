@@ -207,9 +207,13 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> tuple[str, int, int] | 
             continue
         flat = t.reshape(-1)
         # In chunks: a bool mask of a whole 346M-entry embedding would add a third of a GB to the load's peak.
+        # A chunk is screened by its min and max, which are non-finite exactly when it holds a NaN or an inf
+        # (both propagate): 1.8 s over Huginn's 3.56B bf16 weights on 2 cores, against 27 s for an isfinite
+        # mask per chunk. Only a chunk that fails is masked, to count and place its bad values.
         for start in range(0, flat.numel(), 1 << 24):
-            bad = ~torch.isfinite(flat[start:start + (1 << 24)])
-            if bool(bad.any()):
+            low, high = torch.aminmax(flat[start:start + (1 << 24)])
+            if not bool(torch.isfinite(low) & torch.isfinite(high)):
+                bad = ~torch.isfinite(flat[start:start + (1 << 24)])
                 count = sum(int((~torch.isfinite(flat[i:i + (1 << 24)])).sum()) for i in range(0, flat.numel(), 1 << 24))
                 return key, count, start + int(bad.nonzero()[0])
     return None
