@@ -2,7 +2,7 @@
 
 - models: tiny Raven, looped GPT-2 and tokenizer builders, Huginn's published shape, random token ids
 - engine: the exit policies' formulas restated in numpy, the exit rule as a loop, a reference engine
-- cli: running `exitbench` in this process or as a subprocess, and the one-line error check
+- cli: running `exitbench` in this process or as a subprocess (with its peak memory), and the one-line error check
 - cells: reading result cells, checking them against the schema, hand-made cells with known answers
 - files: before/after listings of a directory, a checkpoint shard cut short
 - paths: where the repository, its task folders and the local GSM8K copy are
