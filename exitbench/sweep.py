@@ -137,14 +137,17 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
     ident = checkpoint_identity(ck.path)
     return {"path": str(ck.path), "source": source_label(ck.path), "architecture": ck.model.architecture,
             "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
-            "dtype": ck.dtype}
+            "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {})}
 
 
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
              device: str, world_size: int = 1) -> dict[str, Any]:
     """Everything that can change a number in the cell (README, "What a cell's key holds"). Batch size, device
     and world size change only timings, but a cell's timings are results too."""
-    return {"model": model["fingerprint"], "dtype": model["dtype"], "task": task, "task_fingerprint": task_fingerprint,
+    # A compiled step changes timings (and float rounding); named only when on, so other cells keep their ids.
+    compiled = {"compiled": True} if model.get("compiled") else {}
+    return {"model": model["fingerprint"], "dtype": model["dtype"], **compiled, "task": task,
+            "task_fingerprint": task_fingerprint,
             "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
             "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,

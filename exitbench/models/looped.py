@@ -46,6 +46,7 @@ class LoopGroup:
     max_steps: int
     random_init: bool = False
     modules: list[nn.Module] = field(default_factory=list)  # what one iteration computes, for FLOP counts
+    compiled: bool = False  # `step` is torch.compile'd (LoopedLM.compile_loops)
 
 
 def unit_trunc_normal(shape: Sequence[int], generator: torch.Generator | None = None,
@@ -108,6 +109,22 @@ class LoopedLM(nn.Module):
     def checkpoint_extras(self) -> dict[str, torch.Tensor]:
         """Tensors the checkpoint format stores beyond `state_dict()`."""
         return {}
+
+    def compile_loops(self) -> None:
+        """Replace each loop group's `step` by its torch.compile'd version: the code every token runs r times.
+
+        dynamic=True: the engine's tick holds however many tokens are in flight, at whatever positions, so
+        shapes change every call; specialising on them would recompile nearly every tick. Everything that
+        runs a step (the engine's loops, the prefill walk) picks it up, since they call `group.step`.
+        """
+        for group in self.loop_groups():
+            if not group.compiled:
+                group.step = torch.compile(group.step, dynamic=True)
+                group.compiled = True
+
+    @property
+    def compiled(self) -> bool:
+        return any(g.compiled for g in self.loop_groups())
 
     # ---- derived -------------------------------------------------------------------------------
     def loop_groups(self) -> list[LoopGroup]:
