@@ -23,7 +23,10 @@ err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, wha
 
 CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
                              help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
-DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torch_dtype), float32, bfloat16 or "
+                        "float16.")
+CompileOpt = typer.Option(False, "--compile", help="torch.compile each loop group's step (dynamic shapes): "
+                          "faster iterations after a one-off compilation of tens of seconds.")
 NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
                             "broken checkpoints); refused by default.")
 
@@ -78,30 +81,49 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          depth: bool = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r "
                                     "on held-out programs of the checkpoint's synthetic task."),
          programs: int = typer.Option(256, "--programs", help="Held-out programs for --depth."),
-         seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")):
-    """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint."""
-    from .embedded import open_checkpoint
+         seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states."),
+         memory_plan: bool = typer.Option(False, "--plan", help="Also print the memory a run needs: weights, KV "
+                                          "cache (one slot per iteration per loop layer) and activations."),
+         batch_size: int = typer.Option(1, "--batch-size", help="--plan: rows run together."),
+         context: Optional[int] = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and "
+                                               "generated tokens [the model's context]."),
+         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="--plan: iterations per loop group "
+                                                 "[each group's default depth].")):
+    """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
+    from its config and safetensors headers (no weight is loaded unless --depth)."""
+    from .embedded import open_checkpoint, resolve
     from .info import describe
+    from .models.checkpoint import check_dtype_name, inspect_checkpoint, parse_dtype
 
     if programs < 1:
         raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
-    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    report = describe(ck)
+    layout = inspect_checkpoint(resolve(checkpoint))  # headers only
+    report = describe(layout, check_dtype_name(dtype))
+    if memory_plan:
+        from .memory import plan
+
+        report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
+                              layout.model.config.block_size if context is None else context, max_steps)
     if depth:
         from .depth import depth_report
 
-        report["depth"] = depth_report(ck, n_programs=programs, seed=seed)
+        report["depth"] = depth_report(open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite),
+                                       n_programs=programs, seed=seed)
     if as_json:
         print(json.dumps(report, indent=2))
         return
     table = Table(title=f"exitbench info: {report['source']}", show_header=False)
     for key, value in report.items():
-        if key == "depth":
+        if key in ("depth", "plan"):
             continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value)
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
+    if memory_plan:
+        from .tables import plan_table
+
+        console.print(plan_table(report["plan"]))
     if depth:
         from .tables import depth_tables
 
@@ -166,7 +188,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
           exit_config: Optional[Path] = typer.Option(None, help="YAML file of exit knobs (overrides the flags)."),
-          seed: int = typer.Option(0, help="Seed of the initial-state noise."),
+          seed: int = typer.Option(0, help="Seed of the initial-state noise."), compile_step: bool = CompileOpt,
           vs: list[str] = typer.Option([], "--vs", help="Also trace this policy (POLICY or POLICY:τ, repeatable), "
                                        "drawn beside the first."),
           html: Optional[Path] = typer.Option(None, "--html", help="Also draw the exit map to this HTML file."),
@@ -188,6 +210,8 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
         if path is not None:
             writable_file(path, flag)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    if compile_step:
+        ck.model.compile_loops()
     reports = [trace_prompt(ck, prompt, c, generate) for c in configs]
     for rep in reports:
         console.print(trace_table(rep))
@@ -230,7 +254,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                     "exactly into OUT/verify and print replay vs exact."),
         verify_cells: Optional[str] = typer.Option(None, "--verify-cells", help="With --verify: more cells to "
                                                    "rerun exactly, as policy:threshold pairs (kl:1e-3,…)."),
-        knobs: dict = None):
+        compile_step: bool = CompileOpt, knobs: dict = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
@@ -261,6 +285,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
+    if compile_step:
+        ck.model.compile_loops()
     grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
     sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
     note = reuse_note(sweep.reused(), out)

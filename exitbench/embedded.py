@@ -38,7 +38,7 @@ def resolve(checkpoint: str | Path | None) -> Path:
     return Path(checkpoint)
 
 
-def open_checkpoint(checkpoint: str | Path | None, dtype: str = "float32", device: str = "cpu",
+def open_checkpoint(checkpoint: str | Path | None, dtype: str = "auto", device: str = "cpu",
                     allow_nonfinite: bool = False) -> Checkpoint:
     return load_checkpoint(resolve(checkpoint), dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)
 

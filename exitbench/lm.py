@@ -38,7 +38,7 @@ from .models import Checkpoint
 
 @register_model("exitbench")
 class ExitbenchLM(LM):
-    def __init__(self, checkpoint: str | None = None, dtype: str = "float32", batch_size: int | str = 1,
+    def __init__(self, checkpoint: str | None = None, dtype: str = "auto", batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
                  **exit_knobs: Any):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, ExitbenchError
+from .errors import ExitbenchError
 from .tasks import SHIPPED_TASKS
 
 MODEL = "exitbench"
@@ -123,7 +123,7 @@ def check_model_args(model_args: dict[str, Any]) -> None:
     """What ExitbenchLM(**model_args) would reject before and while loading, without reading the weights."""
     from .exit_config import ExitConfig
     from .lm import ExitbenchLM
-    from .models.checkpoint import parse_dtype
+    from .models.checkpoint import check_dtype_name
 
     params = inspect.signature(ExitbenchLM.__init__).parameters
     own = [name for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD]
@@ -134,7 +134,7 @@ def check_model_args(model_args: dict[str, Any]) -> None:
                              f"known: {', '.join(own + exit_knobs)}")
     bound = {name: model_args.get(name, params[name].default) for name in own}
     ExitConfig(**{k: v for k, v in model_args.items() if k in exit_knobs})
-    parse_dtype(bound["dtype"])
+    check_dtype_name(bound["dtype"])
     check_checkpoint(bound["checkpoint"])
 
 
@@ -147,23 +147,9 @@ def check_device(device: Any) -> None:
 
 
 def check_checkpoint(checkpoint: Any) -> None:
-    """The checks load_checkpoint makes before it reads a tensor, plus each weight file's safetensors header.
-
-    The header lists every tensor's byte range and the library checks them against the file's length, so a
-    truncated file fails here without its weights being read.
-    """
-    from safetensors import SafetensorError, safe_open
-
+    """Every check load_checkpoint makes before it reads a tensor: config, architecture, each shard's
+    safetensors header against the file's length, keys and shapes against the config (no weight is read)."""
     from .embedded import resolve
-    from .models.checkpoint import read_config, weight_files
-    from .models.registry import architecture_of
+    from .models.checkpoint import inspect_checkpoint
 
-    path = resolve(None if checkpoint is None else str(checkpoint)).expanduser()
-    config = read_config(path)
-    architecture_of(config).config_class.from_dict(config)
-    for shard in weight_files(path):
-        try:
-            with safe_open(str(path / shard), framework="pt"):
-                pass
-        except SafetensorError as exc:
-            raise CheckpointError(f"{path / shard} is truncated or corrupt: {exc}") from None
+    inspect_checkpoint(resolve(None if checkpoint is None else str(checkpoint)))

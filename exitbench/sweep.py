@@ -138,7 +138,7 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
     ident = checkpoint_identity(ck.path)
     return {"path": str(ck.path), "source": source_label(ck.path), "architecture": ck.model.architecture,
             "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
-            "dtype": ck.dtype}
+            "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {})}
 
 
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
@@ -147,8 +147,11 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     and world size change only timings, but a cell's timings are results too. A replay cell's key says so, so
     it never stands in for an exact one."""
     mode = {"mode": "replay"} if cfg.replay else {}
-    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], "task": task,
-            "task_fingerprint": task_fingerprint, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
+    # A compiled step changes timings (and float rounding); named only when on, so other cells keep their ids.
+    compiled = {"compiled": True} if model.get("compiled") else {}
+    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, "task": task,
+            "task_fingerprint": task_fingerprint,
+            "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
             "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,
             "versions": {"exitbench": __version__, "lm_eval": package_version("lm_eval") or package_version("lm-eval"),

@@ -177,3 +177,27 @@ def depth_tables(report: dict[str, Any]) -> list:
     for row in report["step_norm"]:
         norms.add_row(str(row["k"]), f"{row['mean']:.4g}", f"{row['median']:.4g}")
     return [acc, norms]
+
+
+def plan_table(plan: dict[str, Any]) -> Table:
+    """The memory plan of `exitbench info --plan`: what each part needs, in GB, and what it is."""
+    def gb(n: int) -> str:
+        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if n >= scale:
+                return f"{n / scale:,.2f} {unit}"
+        return f"{n} B"
+
+    kv = plan["kv_layout"]
+    steps = ", ".join(str(r) for r in plan["max_steps"])
+    table = Table(title=f"memory plan: batch {plan['batch_size']}, context {plan['context']:,}, max steps {steps}, "
+                        f"{plan['dtype']}")
+    for col in ("part", "bytes", "what"):
+        table.add_column(col)
+    table.add_row("weights", gb(plan["weights"]), "every parameter once (a tied head counted once)")
+    table.add_row("KV cache", gb(plan["kv_cache"]),
+                  f"{kv['loop_layers']} loop layers × {steps} slots + {kv['plain_layers']} plain layers × 1 slot, "
+                  f"{gb(kv['bytes_per_slot'])} a slot")
+    terms = ", ".join(f"{k} {gb(v)}" for k, v in plan["activation_terms"].items())
+    table.add_row("activations", gb(plan["activations"]), f"estimate of the largest transient: {terms}")
+    table.add_row("total", gb(plan["total"]), "")
+    return table

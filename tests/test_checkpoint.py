@@ -251,3 +251,65 @@ def test_failed_save_leaves_nothing(tmp_path, tiny_raven):
         save_checkpoint(make_tiny_raven(seed=2), path, tokenizer=BrokenTokenizer(), overwrite=True)
     assert snapshot(path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+# ---- dtype auto: the checkpoint's own ------------------------------------------------------------------------
+
+def test_auto_dtype_is_the_checkpoints_own(tmp_path, tiny_raven):
+    """A bf16 checkpoint (torch_dtype bfloat16) loads in bf16 by default and in float32 only on request, with
+    the same values either way (bf16 → float32 is exact)."""
+    path = save_checkpoint(tiny_raven.to(torch.bfloat16), tmp_path / "bf16", max_shard_bytes=SHARD_BYTES // 2)
+    assert json.loads((path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    auto = load_checkpoint(path)
+    assert auto.dtype == "bfloat16" and auto.model.dtype == torch.bfloat16
+    wide = load_checkpoint(path, dtype="float32")
+    assert wide.dtype == "float32" and wide.model.dtype == torch.float32
+    for (k, a), (_, w) in zip(auto.model.state_dict().items(), wide.model.state_dict().items()):
+        assert torch.equal(a.float(), w), k
+
+
+def test_auto_dtype_without_torch_dtype_is_the_files(tmp_path, tiny_raven):
+    """No torch_dtype in config.json (nor transformers 5's `dtype`): the dtype the weights are stored in."""
+    path = save_checkpoint(tiny_raven.to(torch.float16), tmp_path / "f16")
+    config = json.loads((path / "config.json").read_text())
+    del config["torch_dtype"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint(path).dtype == "float16"
+    config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint(path).dtype == "bfloat16"
+
+
+def test_auto_dtype_refuses_a_dtype_it_cannot_run(tiny_checkpoint):
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    config["torch_dtype"] = "float8_e4m3fn"
+    (tiny_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="torch_dtype 'float8_e4m3fn'.*--dtype"):
+        load_checkpoint(tiny_checkpoint)
+    assert load_checkpoint(tiny_checkpoint, dtype="float32").dtype == "float32"
+
+
+def test_conversion_goes_through_a_small_scratch_buffer(tiny_checkpoint, tiny_raven, monkeypatch):
+    """A dtype conversion reads a tensor in pieces of SCRATCH_BYTES (so converting a 1.4 GB fp32 embedding to
+    bf16 never holds it in fp32); pieces that split tensors anywhere give the same weights."""
+    import exitbench.models.shards as shards
+
+    monkeypatch.setattr(shards, "SCRATCH_BYTES", 24)  # 6 floats: every tensor splits, most unevenly
+    ck = load_checkpoint(tiny_checkpoint, dtype="bfloat16")
+    for key, t in tiny_raven.state_dict().items():
+        assert torch.equal(ck.model.state_dict()[key], t.to(torch.bfloat16)), key
+
+
+def test_loading_reads_each_kept_tensor_once_and_skips_the_rest(tmp_path, tiny_raven, monkeypatch):
+    """The tied lm_head copy and freqs_cis that Huginn's files carry are checked by shape, never read: the reads
+    add up to the model's own tensors' bytes."""
+    import exitbench.models.shards as shards
+
+    path = save_checkpoint(tiny_raven, tmp_path / "ck")
+    read: list[int] = []
+    original = shards._fill
+    monkeypatch.setattr(shards, "_fill", lambda fh, f, k, o, dst: (read.append(dst.numel() * dst.element_size()),
+                                                                   original(fh, f, k, o, dst)))
+    ck = load_checkpoint(path)
+    unique = {id(p): p for p in ck.model.parameters()}.values()
+    assert sum(read) == sum(p.numel() * p.element_size() for p in unique)

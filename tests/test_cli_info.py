@@ -194,3 +194,30 @@ def test_index_weight_map_not_an_object(tiny_checkpoint):
     (tiny_checkpoint / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": ["freqs_cis"]}))
     res = info("--checkpoint", str(tiny_checkpoint), "--json")
     assert_one_line_error(res, [INDEX])
+
+
+# ---- info reads headers, never weights ---------------------------------------------------------------------------
+
+def test_info_reads_no_weight(tiny_checkpoint, monkeypatch):
+    """`info` describes a checkpoint from config.json, the tokenizer and the safetensors headers: with every way
+    of reading a tensor broken it still reports everything, shard by shard."""
+    import exitbench.models.shards as shards
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("info read a weight")
+
+    monkeypatch.setattr(shards, "read_tensors", refuse)
+    monkeypatch.setattr(shards, "_fill", refuse)
+    res = info("--checkpoint", str(tiny_checkpoint), "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["parameters"] == tiny_parameter_count()
+    assert report["dtype"] == report["stored_dtype"] == "float32"
+    assert report["weight_bytes"] == 4 * tiny_parameter_count()
+    shard_files = sorted(p.name for p in tiny_checkpoint.glob("*.safetensors"))
+    assert [s["file"] for s in report["shards"]] == shard_files
+    assert sum(s["tensors"] for s in report["shards"]) == 77  # Huginn's key set: tied head and freqs_cis included
+    assert sum(s["bytes"] for s in report["shards"]) == \
+        json.loads((tiny_checkpoint / INDEX).read_text())["metadata"]["total_size"]
+    res = info("--checkpoint", str(tiny_checkpoint), "--json", "--dtype", "bfloat16")
+    assert json.loads(res.stdout)["weight_bytes"] == 2 * tiny_parameter_count()

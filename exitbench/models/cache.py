@@ -131,5 +131,11 @@ class KVCache:
         """The key and value (H, D) a reader at `slot` finds for `row`'s token at `position`."""
         return self.k[layer][slot, row, position], self.v[layer][slot, row, position]
 
+    @staticmethod
+    def bytes_for(batch: int, capacity: int, n_heads: int, head_dim: int, slots: dict[int, int],
+                  dtype: torch.dtype) -> int:
+        """What a cache of this shape holds (keys and values), without allocating it: the memory plan's KV."""
+        return 2 * sum(slots.values()) * batch * capacity * n_heads * head_dim * dtype.itemsize
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self.k, self.v) for t in store.values())

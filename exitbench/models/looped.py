@@ -46,6 +46,7 @@ class LoopGroup:
     max_steps: int
     random_init: bool = False
     modules: list[nn.Module] = field(default_factory=list)  # what one iteration computes, for FLOP counts
+    compiled: bool = False  # `step` is torch.compile'd (LoopedLM.compile_loops)
 
 
 def unit_trunc_normal(shape: Sequence[int], generator: torch.Generator | None = None,
@@ -109,6 +110,22 @@ class LoopedLM(nn.Module):
         """Tensors the checkpoint format stores beyond `state_dict()`."""
         return {}
 
+    def compile_loops(self) -> None:
+        """Replace each loop group's `step` by its torch.compile'd version: the code every token runs r times.
+
+        dynamic=True: the engine's tick holds however many tokens are in flight, at whatever positions, so
+        shapes change every call; specialising on them would recompile nearly every tick. Everything that
+        runs a step (the engine's loops, the prefill walk) picks it up, since they call `group.step`.
+        """
+        for group in self.loop_groups():
+            if not group.compiled:
+                group.step = torch.compile(group.step, dynamic=True)
+                group.compiled = True
+
+    @property
+    def compiled(self) -> bool:
+        return any(g.compiled for g in self.loop_groups())
+
     # ---- derived -------------------------------------------------------------------------------
     def loop_groups(self) -> list[LoopGroup]:
         return [s for s in self.stages() if isinstance(s, LoopGroup)]
@@ -125,8 +142,9 @@ class LoopedLM(nn.Module):
         """Unique parameters: a tied head counts once, buffers not at all."""
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
-    def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None) -> KVCache:
-        """A cache with one slot per loop iteration up to each group's `max_steps` (or the given ones)."""
+    def cache_slots(self, max_steps: Sequence[int] | None = None) -> dict[int, int]:
+        """Cache slots per attention layer: one per loop iteration up to each group's `max_steps` (or the given
+        ones) for a loop group's layers, one for a plain layer's."""
         groups = self.loop_groups()
         steps = list(max_steps) if max_steps is not None else [g.max_steps for g in groups]
         depth = {id(group): n for group, n in zip(groups, steps)}
@@ -134,8 +152,12 @@ class LoopedLM(nn.Module):
         for stage in self.stages():
             n = depth.get(id(stage), 1)
             slots.update({layer: max(n, 1) for layer in stage.attn_layers})
+        return slots
+
+    def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None) -> KVCache:
+        """A cache with cache_slots(max_steps) slots per layer, for `batch` rows of `capacity` positions."""
         n_heads, head_dim = self.cache_geometry()
-        return KVCache(batch, n_heads, head_dim, slots, capacity, self.dtype, self.device)
+        return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps), capacity, self.dtype, self.device)
 
     def resolve_steps(self, num_steps: int | Sequence[int] | None) -> list[int]:
         groups = self.loop_groups()

@@ -2,7 +2,7 @@
 
 - models: tiny Raven, looped GPT-2 and tokenizer builders, Huginn's published shape, random token ids
 - engine: the exit policies' formulas restated in numpy, the exit rule as a loop, a reference engine
-- cli: running `exitbench` in this process or as a subprocess, and the one-line error check
+- cli: running `exitbench` in this process or as a subprocess (with its peak memory), and the one-line error check
 - cells: reading result cells, checking them against the schema, hand-made cells with known answers (and files
   of them with samples, for the report)
 - browser: a page opened in headless Chromium: errors, decoded images, exit-map token counts, screenshots

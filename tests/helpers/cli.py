@@ -80,3 +80,20 @@ def assert_one_line_error(res, words=(), fd=None) -> str:
     for word in words:
         assert word in line, (word, line)
     return line
+
+
+# Runs ARGV and writes the peak resident memory of that one child (bytes) to PATH: RUSAGE_CHILDREN of a fresh
+# process counts only the command, never other children the test process has reaped.
+_MEASURE = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
+            "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)); "
+            "sys.exit(code)")
+
+
+def run_measured(cmd: list[str], peak_file, **kwargs):
+    """subprocess.run(cmd, capture_output=True, text=True, **kwargs) and the command's peak RSS in bytes (Linux
+    reports ru_maxrss in KiB)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(peak_file), *cmd], capture_output=True, text=True,
+                          **kwargs)
+    return proc, int(open(peak_file).read())

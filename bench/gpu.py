@@ -1,0 +1,148 @@
+"""Milliseconds per token of fixed depth, second_order and kl, at batch size 1 and 16, on a device.
+
+    python bench/gpu.py                                   # CUDA, a random Huginn-0125-sized model in bf16
+    python bench/gpu.py --checkpoint huginn-0125 --json bench/gpu-results.json
+    python bench/gpu.py --device cpu --checkpoint tiny-raven [--compile]    # the same measurement on CPU
+
+Each variant scores random token sequences teacher-forced (every position runs its own loop and exits on its
+own, as in decoding): one sequence at batch size 1, sixteen at batch size 16. ms/token is the wall time of
+the engine call over the scored tokens, CUDA synchronised before the clock stops, the median over
+--repeats after one warm-up call (which pays torch.compile under --compile, and CUDA's lazy start). The
+variants take turns within each repeat, so a drift in the machine's speed hits them alike. Figures go to
+--json in the form bench/engine.py writes (name → figures; a run updates its own names, keeps the others').
+
+Without --checkpoint: Huginn-0125's published shape (shared/reference/huginn-0125.md §1.1) with random
+weights at its init scales, built on the device in bf16 (7.1 GB; no files are written). Without a CUDA device
+`--device cuda` (the default) ends with one line, as every exitbench command does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from exitbench.devices import resolve_device  # noqa: E402
+from exitbench.embedded import open_checkpoint  # noqa: E402
+from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
+from exitbench.errors import ExitbenchError  # noqa: E402
+from exitbench.models import Raven, RavenConfig  # noqa: E402
+
+HUGINN = dict(n_embd=5280, n_heads=55, vocab_size=65536, intermediate_size=17920, n_layers_in_prelude=2,
+              n_layers_in_recurrent_block=4, n_layers_in_coda=2, block_size=4096, rope_base=50000.0,
+              mean_recurrence=32)
+# (name, policy, threshold): the thresholds are the usual ones (Huginn's paper's kl 5e-4), not tuned to a
+# target depth: on random weights a rule may run to max depth, which this benchmark reports as it is.
+VARIANTS = [("fixed", "fixed", None), ("second_order", "second_order", None), ("kl", "kl", 5e-4)]
+BATCHES = (1, 16)
+
+
+def random_huginn(device: str) -> Raven:
+    with torch.device(device):
+        model = Raven(RavenConfig(**HUGINN)).to(torch.bfloat16)
+    model.init_weights(torch.Generator(device=device).manual_seed(0))
+    return model.eval()
+
+
+def load_model(checkpoint: str | None, device: str, dtype: str):
+    if checkpoint is None:
+        return random_huginn(device)
+    return open_checkpoint(checkpoint, dtype, device).model
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def measure(model, device: str, tokens: int, repeats: int, max_steps: int | None, seed: int = 0) -> dict:
+    """name → figures for every (variant, batch size)."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (tokens + 1,), generator=g).tolist() for _ in range(max(BATCHES))]
+    engines, work = {}, {}
+    for name, policy, tau in VARIANTS:
+        knobs = {} if max_steps is None or policy == "fixed" else {"max_steps": max_steps}
+        threshold = max_steps if policy == "fixed" else tau
+        for batch in BATCHES:
+            key = f"{name}_bs{batch}"
+            engines[key] = ExitEngine(model, ExitConfig(policy, threshold=threshold, **knobs))
+            work[key] = ([(s, 1) for s in seqs[:batch]], batch)
+
+    def call(key: str):
+        requests, batch = work[key]
+        sync(device)
+        t0 = time.perf_counter()
+        results = engines[key].score(requests, batch_size=batch)
+        sync(device)
+        return time.perf_counter() - t0, results
+
+    warmup = {key: call(key)[0] for key in engines}
+    times: dict[str, list[float]] = {key: [] for key in engines}
+    iterations: dict[str, float] = {}
+    for _ in range(repeats):
+        for key in engines:
+            seconds, results = call(key)
+            times[key].append(seconds)
+            its = [i for r in results for i in r.iterations]
+            iterations[key] = sum(its) / len(its)
+    figures = {}
+    for key in engines:
+        scored = sum(len(r) - 1 for r, _ in work[key][0])
+        median = statistics.median(times[key])
+        figures[key] = {"ms_per_token": 1000 * median / scored, "tokens": scored, "batch_size": work[key][1],
+                        "mean_iterations": iterations[key], "max_steps": engines[key].policies[0].max_steps,
+                        "threshold": engines[key].policies[0].threshold, "seconds": times[key],
+                        "warmup_seconds": warmup[key]}
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda).")
+    ap.add_argument("--checkpoint", default=None, help="Checkpoint directory or embedded name (default: a random "
+                    "Huginn-0125-sized model built on the device).")
+    ap.add_argument("--dtype", default="auto", help="With --checkpoint: auto, float32, bfloat16 or float16.")
+    ap.add_argument("--tokens", type=int, default=64, help="Scored tokens per sequence.")
+    ap.add_argument("--max-steps", type=int, default=None, help="Iterations at most [the model's default depth].")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the loop step (exitbench --compile).")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own).")
+    ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    args = ap.parse_args(argv)
+    try:
+        if args.tokens < 1 or args.repeats < 1:
+            raise ExitbenchError(f"--tokens and --repeats must be ≥ 1, got {args.tokens} and {args.repeats}")
+        device = resolve_device(args.device)
+        model = load_model(args.checkpoint, device, args.dtype)
+        if args.tokens + 1 > model.config.block_size:
+            raise ExitbenchError(f"--tokens {args.tokens} exceeds the model's context of {model.config.block_size}")
+    except ExitbenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.compile:
+        model.compile_loops()
+    tag = "_compiled" if args.compile else ""
+    figures = {f"{device.split(':')[0]}{tag}_{key}": {**value, "device": torch.cuda.get_device_name(device)
+                                                      if device.startswith("cuda") else "cpu",
+                                                      "compile": args.compile, "dtype": str(model.dtype)}
+               for key, value in measure(model, device, args.tokens, args.repeats, args.max_steps).items()}
+    for key, value in figures.items():
+        print(f"{key:36s} {value['ms_per_token']:9.3f} ms/token  mean iterations {value['mean_iterations']:.2f}")
+    if args.json:
+        earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
+        args.json.write_text(json.dumps({**earlier, **figures}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
