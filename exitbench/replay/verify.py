@@ -119,6 +119,7 @@ def compare(replay_cell: dict, exact_cell: dict, replay_stats: list[dict], exact
         same += sum(1 for a, b in zip(mine, steps) if list(a) == list(b))
     q_r, q_e = replay_cell["quality"]["value"], exact_cell["quality"]["value"]
     se = exact_cell["quality"].get("stderr")
+    se = se if isinstance(se, (int, float)) else None  # lm-eval reports "N/A" where a metric has no stderr
     it_r, it_e = replay_cell["iterations"]["mean"], exact_cell["iterations"]["mean"]
     generation = replay_cell.get("replay", {}).get("generation")
     return {"task": name, "metric": exact_cell["quality"]["metric"], "policy": exact_cell["policy"]["policy"]
