@@ -82,8 +82,9 @@ class Verdict:
             text += f"; {self.ignored_missing} baseline cells not in the run were left out (--present-only)"
         run_r, base_r = self.replay_cells
         if run_r or base_r:
-            text += (f"; {run_r} of the run's cells and {base_r} of the baseline's are replay cells (a replay "
-                     "run checked against an exact baseline differs where replay approximates: see the README)")
+            text += f"; {run_r} of the run's cells and {base_r} of the baseline's are replay cells"
+            if bool(run_r) != bool(base_r):
+                text += " (replay and exact cells differ where replay approximates: see the README)"
         return text
 
 

@@ -213,6 +213,9 @@ class Run:
         self.serving: list[Request | None] = [None] * rows
         self.next_pos = [0] * rows
         self.idle = [False] * rows  # rows whose next token is ready to enter
+        # Rows done with their request: they take their next one together at the next tick, so their prompts'
+        # prefills run as one batch (one row at a time, a short answer's run is mostly prefill).
+        self.done_rows: list[int] = []
         self.pending: list[Leaving] = []
         self.finished: list[tuple[TokenRecord, int]] = []
         self.uids = iter(range(1 << 62))
@@ -225,10 +228,12 @@ class Run:
     def go(self) -> None:
         self.assign(list(range(self.B)))
         while True:
+            if self.done_rows:
+                self.reassign()
             entering = [b for b in range(self.B) if self.idle[b]]
             if entering:
                 self.enter(entering)
-            if not any(len(loop) for loop in self.loops):
+            if not any(len(loop) for loop in self.loops) and not self.done_rows:
                 break
             for g, loop in enumerate(self.loops):
                 if len(loop):
@@ -260,15 +265,20 @@ class Run:
         if pairs:
             self.prefill(pairs)
 
+    def reassign(self) -> None:
+        """The rows done with their requests take their next ones, in one prefill."""
+        rows, self.done_rows = self.done_rows, []
+        if any(t.row in rows for out in self.pending for t in out.tokens):
+            # Finish the rows' deferred tokens before the next requests' prefill overwrites their keys.
+            self.finish(self.pending)
+            self.pending = []
+        self.assign(rows)
+
     def advance(self, row: int, position: int) -> None:
-        """Row `row` is done with `position`: on to the next one, or to the next request."""
+        """Row `row` is done with `position`: on to the next one, or (at the next tick) to the next request."""
         req = self.serving[row]
         if position >= req.end:
-            if any(t.row == row for out in self.pending for t in out.tokens):
-                # Finish the row's deferred tokens before its next request's prefill overwrites their keys.
-                self.finish(self.pending)
-                self.pending = []
-            self.assign([row])
+            self.done_rows.append(row)
         else:
             self.next_pos[row] = position + 1
             self.idle[row] = True
@@ -397,7 +407,7 @@ class Run:
                 if more:
                     self.advance(token.row, token.position)
                 else:
-                    self.assign([token.row])
+                    self.done_rows.append(token.row)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _context(self, tokens: list[Token]) -> AttnContext:
