@@ -42,6 +42,10 @@ class Point:
 
     @property
     def mode(self) -> str:
+        """How far to trust the number: a replay cell that is exact by construction (fixed depth on a scored task)
+        reads as exact."""
+        if self.cell.get("replay", {}).get("exact_by_construction"):
+            return "exact"
         return mode(self.cell)
 
     def cost(self, axis: str) -> float | None:

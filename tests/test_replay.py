@@ -187,3 +187,13 @@ def test_replay_on_three_loop_groups_and_rolling_windows(tmp_path):
     adaptive = replay[("gsm8k_text", "second_order", 1)]
     assert len(adaptive["iterations"]["per_group_mean"]) == 3
     assert adaptive["iterations"]["tokens"] == exact[("gsm8k_text", "second_order", 1)]["iterations"]["tokens"]
+
+
+def test_replay_samples_carry_token_text_for_exit_maps(tmp_path):
+    run_ok("--tasks", "chains,chains_lambada", "-p", "second_order", "--thresholds", "1", "--baselines", "16",
+           "--limit", "3", "--out", str(tmp_path), "--replay", "--log-samples")
+    samples = [json.loads(line) for f in tmp_path.glob("*.samples.jsonl") for line in f.read_text().splitlines()]
+    assert samples
+    for s in samples:
+        ex = s["exitbench"]
+        assert len(ex["token_text"]) == len(ex["exit_steps"]) == len(ex["logprobs"]) == len(ex["greedy"]) > 0

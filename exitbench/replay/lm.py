@@ -93,9 +93,11 @@ class RecordingLM(ExitbenchLM):
         flat = [(tokens[:-1], n_ctx - 1, tokens[n_ctx:]) for ws in windows for tokens, n_ctx in ws]
         trajs = iter(self._record_passes([Sequence_(i, f, [t]) for i, f, t in flat]))
         out = []
+        targets = iter(t for _, _, t in flat)
         for req, ws in zip(requests, windows):
             parts = [(next(trajs), 0) for _ in ws]
-            self.store[self._key(req)] = Entry("loglikelihood_rolling", parts)
+            self.store[self._key(req)] = Entry("loglikelihood_rolling", parts,
+                                               targets=np.asarray([t for _ in ws for t in next(targets)]))
             out.append(float(sum(t.quality[0][:, -1].sum() for t, _ in parts)))
         return out
 
@@ -115,9 +117,10 @@ class RecordingLM(ExitbenchLM):
 class ReplayLM(LM):
     """lm-eval's requests answered from a recording under one exit config."""
 
-    def __init__(self, recording: RecordingLM, config: ExitConfig, costs: CostModel):
+    def __init__(self, recording: RecordingLM, config: ExitConfig, costs: CostModel, tokens: bool = False):
+        """`tokens`: also keep each exited token's text, log-probability and greedy flag (for samples)."""
         super().__init__()
-        self.recording, self.config, self.costs = recording, config, costs
+        self.recording, self.config, self.costs, self.tokens = recording, config, costs, tokens
         model = recording.ck.model
         self.policies = [config.build_policy().bind(g.default_steps) for g in model.loop_groups()]
         self.K = recording.recorder.K
@@ -155,9 +158,13 @@ class ReplayLM(LM):
                                    nonfinite=not bool(traj.finite[j, steps[-1] - 1])))
         return out
 
-    def _record(self, req, kind: str, records: list[TokenRecord]) -> None:
+    def _record(self, req, kind: str, records: list[TokenRecord], tokens=(), logprobs=(), greedy=()) -> None:
         stats = cells.request_stats(records, 0.0)
         stats["seconds"] = stats["token_seconds"]  # an estimate, like every time in a replay cell
+        if self.tokens:  # as the exact model keeps them, for exit maps drawn from samples
+            stats.update(token_text=self.recording.tok.pieces([int(t) for t in tokens]),
+                         logprobs=[None if x is None else float(x) for x in logprobs],
+                         greedy=[bool(g) for g in greedy])
         self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx, "kind": kind,
                                    **stats})
 
@@ -176,19 +183,27 @@ class ReplayLM(LM):
             # The exact run shares one pass among a question's options, except under the oracle (its exits
             # depend on each option's target): count tokens as it does.
             counted = entry.counted or self.policies[-1].retrospective
-            self._record(req, "loglikelihood", self.records(traj, exits) if counted else [])
+            if counted:
+                self._record(req, "loglikelihood", self.records(traj, exits), entry.targets, picked,
+                             top == entry.targets)
+            else:
+                self._record(req, "loglikelihood", [])
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
         for req in requests:
-            total, records = 0.0, []
-            for traj, m in self._entry(req).parts:
+            entry = self._entry(req)
+            records, picked, top = [], [], []
+            for traj, m in entry.parts:
                 exits = self.exits(traj, m)
-                total += float(self.outputs(traj, m, exits)[0].sum())
+                p, t = self.outputs(traj, m, exits)
+                picked.append(p)
+                top.append(t)
                 records += self.records(traj, exits)
-            self._record(req, "loglikelihood_rolling", records)
-            out.append(total)
+            picked, top = np.concatenate(picked), np.concatenate(top)
+            self._record(req, "loglikelihood_rolling", records, entry.targets, picked, top == entry.targets)
+            out.append(float(picked.sum()))
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
@@ -197,13 +212,14 @@ class ReplayLM(LM):
             entry = self._entry(req)
             (traj, m), = entry.parts
             exits = self.exits(traj, m, by_target=False)
-            _, top = self.outputs(traj, m, exits)
+            picked, top = self.outputs(traj, m, exits)
             counts = self.generation.setdefault(req.task_name, {"documents": 0, "diverged": 0})
             counts["documents"] += 1
             differs = np.flatnonzero(top != np.asarray(entry.generated))
             if differs.size == 0:
                 out.append(entry.text)
-                self._record(req, "generate_until", self.records(traj, exits))
+                self._record(req, "generate_until", self.records(traj, exits), entry.generated, picked,
+                             [True] * len(picked))
                 continue
             # The policy's token differs from the recorded one here, and everything the policy would generate
             # after it is unknown: the answer is cut after that token, and the cell says how many were.
@@ -211,5 +227,7 @@ class ReplayLM(LM):
             cut = int(differs[0]) + 1
             tokens = entry.generated[:cut - 1] + [int(top[cut - 1])]
             out.append(self.recording.generation_text(tokens, entry.until))
-            self._record(req, "generate_until", self.records(traj, exits)[:cut])
+            # (the cut token's log-probability is not recorded: the recording scored the full-depth token there)
+            self._record(req, "generate_until", self.records(traj, exits)[:cut], tokens,
+                         list(picked[:cut - 1]) + [None], [True] * cut)
         return out

@@ -162,7 +162,7 @@ class ReplaySweep:
                                device=str(self.ck.model.device), dtype=self.ck.dtype, world_size=1)
         t0 = time.perf_counter()
         _reset_answers(self.loaded)
-        lm = ReplayLM(self.recording, config, self.costs)
+        lm = ReplayLM(self.recording, config, self.costs, tokens=cfg.log_samples)
         res = _evaluate(lm, self.loaded, cfg, cfg.bootstrap_iters, cfg.log_samples)
         elapsed = time.perf_counter() - t0
         chosen = [self.tasks.names[t] for t, _ in task_keys]
