@@ -25,7 +25,7 @@ from exitbench.replay.exits import first_exits
 from exitbench.replay.recording import Recorder, Sequence_, variant_key
 
 from helpers.cells import load_cells
-from helpers.cli import run_ok
+from helpers.cli import assert_one_line_error, run_cli, run_ok
 from helpers.paths import GSM8K_DIR, REPO
 
 
@@ -197,3 +197,15 @@ def test_replay_samples_carry_token_text_for_exit_maps(tmp_path):
     for s in samples:
         ex = s["exitbench"]
         assert len(ex["token_text"]) == len(ex["exit_steps"]) == len(ex["logprobs"]) == len(ex["greedy"]) > 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--verify"], ["--verify", "--replay"]),
+    (["--replay", "--shard", "0/2"], ["--replay", "one process"]),
+    (["--replay", "--prefill", "exit"], ["--replay", "prefill"]),
+    (["--replay", "--verify-cells", "kl"], ["--verify-cells", "policy:threshold"]),
+])
+def test_replay_refusals_are_one_line(tmp_path, args, words):
+    res, _ = run_cli("--tasks", "chains_lambada", "--limit", "2", "--out", str(tmp_path / "out"), *args)
+    assert_one_line_error(res, words)
+    assert not list((tmp_path / "out").glob("*.json"))  # refused before any cell was computed
