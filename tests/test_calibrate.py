@@ -229,6 +229,7 @@ def test_command_on_a_text_file(tmp_path, tiny_checkpoint):
     assert rep["source"] == {"text": str(text)} and rep["documents"]["calibration"] == 15
 
 
+@pytest.mark.slow  # 4 s of a real run; documents_needed itself is checked fast above
 def test_too_few_documents_says_how_many_are_needed(tmp_path):
     res = runner.invoke(app, ["calibrate", "--programs", "40", "--thresholds", "1e-3", "--out",
                               str(tmp_path / "c.json")])

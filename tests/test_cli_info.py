@@ -157,6 +157,7 @@ def test_python_dash_m_exitbench_is_the_cli(tiny_checkpoint, monkeypatch, capsys
     assert json.loads(got.out) == json.loads(want.stdout) and got.err == ""
 
 
+@pytest.mark.slow  # a second process (2.4 s); the same errors are checked in process by test_bad_checkpoint_one_line
 def test_bad_checkpoint_via_subprocess(tiny_checkpoint):
     """The real entry point: exit code 2, one line on stderr, no traceback, nothing written."""
     truncate_shard(tiny_checkpoint)

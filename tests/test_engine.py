@@ -134,7 +134,8 @@ def test_batched_generate_equals_batch_size_one(noisy_model, policy, knobs):
 
 
 @pytest.mark.parametrize("policy,knobs", [BATCH_CASES[1], BATCH_CASES[3]], ids=["second_order", "oracle"])
-@pytest.mark.parametrize("rows", [3, 5])
+# Five rows under the oracle (4 s) repeats what three rows check; it runs with the slow tests.
+@pytest.mark.parametrize("rows", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_fewer_rows_than_requests_equals_batch_size_one(noisy_model, requests_16, policy, knobs, rows):
     """Rows that finish a request take the next one (continuous batching): still the answers of one at a time."""
     _check_batched_equals_single(noisy_model, requests_16, policy, knobs, rows=rows)
@@ -158,6 +159,7 @@ def embedded_case():
             mixed_prompts(8, seed=3, vocab=vocab))
 
 
+@pytest.mark.slow  # 3 s; the embedded model's batching stays checked fast at the minp_kl grid thresholds
 def test_embedded_checkpoint_batched_equals_batch_size_one(embedded_case):
     model, k, requests, prompts = embedded_case
     for policy, knobs in BATCH_CASES[:4]:
