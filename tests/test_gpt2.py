@@ -515,7 +515,13 @@ def _replay(model, tokens, n_ctx, exits, M):
 LATENT = {"first_order", "second_order", "second_order_magnitude", "cosine"}
 
 
-@pytest.mark.parametrize("policy", list(REGISTRY))
+# Fast: one rule of each kind (latent, decoding, counting, retrospective); every other rule with the slow tests
+# (about 2 s each on three loop groups).
+FAST_KINDS = {"second_order", "kl", "fixed", "oracle"}
+
+
+@pytest.mark.parametrize("policy", [p if p in FAST_KINDS else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in REGISTRY])
 def test_every_policy_batched_equals_one_at_a_time(gpt2, requests_16, policy):
     cls = REGISTRY[policy]
     tau = _spread_threshold(gpt2, requests_16, policy)

@@ -402,6 +402,7 @@ def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
 
 # ---- the looped GPT-2 through lm-eval: perplexity on held-out text, per-group iterations ------------------------
 
+@pytest.mark.slow  # 3 s; test_replay's three-group test runs the same task exactly in the fast set
 def test_looped_gpt2_perplexity_sweep_reports_iterations_per_group(tmp_path):
     from exitbench.models import save_checkpoint
     from exitbench.textcorpus import fit_tokenizer, gsm8k_texts
