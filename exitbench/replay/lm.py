@@ -169,7 +169,7 @@ class ReplayLM(LM):
                                    **stats})
 
     def _entry(self, req) -> Entry:
-        return self.recording.store[(req.task_name, req.doc_id, req.idx)]
+        return self.recording.store[RecordingLM._key(req)]
 
     # ---- lm-eval's three request types -----------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

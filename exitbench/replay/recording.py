@@ -105,9 +105,7 @@ class Recorder:
             if G == 1 and k in self.baselines:
                 whole[k] = s
 
-        def noise(group, x):
-            return self.noise.rows(0, L, x.dtype, device).expand(B, -1, -1) if group.random_init else None
-
+        noise = self._noise(B, L)
         model.walk(model.embed(ids, 0), AttnContext(start=0, cache=cache), [K] * G, noise=noise, on_state=on_state)
         self.seconds["walk"] += time.perf_counter() - t0
 
@@ -179,6 +177,12 @@ class Recorder:
                 fixed_top={r: v[a:z] for r, v in ft.items()}))
         return out
 
+    def _noise(self, B: int, L: int):
+        """Initial-state noise for B rows of L positions, keyed by position as the engine keys it."""
+        def draw(group, x):
+            return self.noise.rows(0, L, x.dtype, x.device).expand(B, -1, -1) if group.random_init else None
+        return draw
+
     def _baselines(self, seqs, ids, whole, rows, positions, targets):
         """Each baseline depth's output at the scored positions: every position of the sequence at depth r."""
         model, G = self.model, len(self.groups)
@@ -189,9 +193,7 @@ class Recorder:
             if G == 1:
                 x = model.walk(self.groups[0].finish(whole[r]), AttnContext(), start=self.bounds[0] + 1)
             else:
-                def noise(group, x):
-                    return self.noise.rows(0, L, x.dtype, x.device).expand(B, -1, -1) if group.random_init else None
-                x = model.walk(model.embed(ids, 0), AttnContext(), [r] * G, noise=noise)
+                x = model.walk(model.embed(ids, 0), AttnContext(), [r] * G, noise=self._noise(B, L))
             logp = torch.log_softmax(model.head(x[rows, positions]).float(), -1)
             top[r] = logp.argmax(-1)
             picked[r] = [logp.gather(1, tgt.unsqueeze(1)).squeeze(1) for tgt in targets]
