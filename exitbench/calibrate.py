@@ -180,7 +180,8 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
         raise ExitbenchError("calibrate: no calibration documents left after the held-out split")
     reference = ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "policy": "fixed",
                                                         "threshold": config.max_steps, "patience": None,
-                                                        "relative": False, "min_steps": 1}))
+                                                        "relative": False, "min_steps": 1,
+                                                        "exit_model": None}))
     batches = -(-len(cal) // batch_size)
     total, done = batches * (len(engines) + 1), 0
 

@@ -38,6 +38,8 @@ class ExitConfig:
     patience: int | None = field(default=None, metadata=knob("Consecutive hits needed to exit (default: the "
                                                              "policy's own)."))
     relative: bool = field(default=False, metadata=knob("Latent rules: divide step norms by ‖s_k‖."))
+    exit_model: str | None = field(default=None, metadata=knob("The learned policy's exit model (the JSON file "
+                                                               "`exitbench fit-exit` wrote)."))
     prefill: str = field(default="full", metadata=knob("Prompt tokens run at full depth ('full') or with exits "
                                                        "like the rest ('exit')."))
     warm_start: bool = field(default=False, metadata=knob("Start each token from the previous token's final "
@@ -56,7 +58,20 @@ class ExitConfig:
         return REGISTRY[self.policy](**{name: getattr(self, name) for name in POLICY_KNOBS})
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Knobs added after results were first written appear only when set, so older cells keep their ids.
+        out = asdict(self)
+        if out["exit_model"] is None:
+            del out["exit_model"]
+        return out
+
+    def key_dict(self) -> dict[str, Any]:
+        """to_dict() as a cell's key holds it: an exit model by its content, not by where the file lies."""
+        out = self.to_dict()
+        if self.exit_model:
+            from .policies.learned import load_exit_model
+
+            out["exit_model"] = "sha256:" + load_exit_model(self.exit_model).digest
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], what: str = "exit config key") -> "ExitConfig":

@@ -110,6 +110,8 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
     configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed, **runs)
                for r in (cfg.baselines or default_baselines(default_steps))]
     names = expand_policies(cfg.policies)
+    if "all" in cfg.policies and not shared.get("exit_model"):
+        names = [n for n in names if not REGISTRY[n].needs_exit_model]  # 'all' the rules this sweep can run
     if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
         raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
                              f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
@@ -120,7 +122,8 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
             thresholds = [cls.default_threshold]
         else:
             thresholds = cfg.thresholds or list(cls.default_grid)
-        knobs = {**shared, "relative": bool(shared.get("relative")) and cls.uses_relative}
+        knobs = {**shared, "relative": bool(shared.get("relative")) and cls.uses_relative,
+                 "exit_model": shared.get("exit_model") if cls.needs_exit_model else None}
         for tau in thresholds:
             if cls.integer_threshold and float(tau) != int(tau):
                 raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
@@ -151,7 +154,7 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     compiled = {"compiled": True} if model.get("compiled") else {}
     return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, "task": task,
             "task_fingerprint": task_fingerprint,
-            "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.to_dict(),
+            "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
             "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,
             "versions": {"exitbench": __version__, "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
@@ -207,7 +210,8 @@ def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
     """A cell's policy section: the config as asked, with what the model resolved it to."""
     return {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
             "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
-            "needs_logits": policy.needs_logits}
+            "needs_logits": policy.needs_logits,
+            **({"exit_model_sha256": policy.model.digest} if policy.needs_exit_model else {})}
 
 
 def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, resolved: dict,

@@ -26,6 +26,7 @@ from exitbench.replay.recording import Recorder, Sequence_, variant_key
 
 from helpers.cells import load_cells
 from helpers.cli import assert_one_line_error, run_cli, run_ok
+from helpers.engine import knobs_for
 from helpers.paths import GSM8K_DIR, REPO
 
 
@@ -66,10 +67,10 @@ def tiny64():
 
 
 @pytest.mark.parametrize("name,tau", [("second_order", 1.0), ("first_order", 0.1), ("kl", 1e-3),
-                                      ("entropy_diff", 1e-2), ("cosine", 1e-3), ("oracle", None)])
+                                      ("entropy_diff", 1e-2), ("cosine", 1e-3), ("learned", 0.3), ("oracle", None)])
 def test_recording_equals_the_engine_on_one_token_continuations(tiny64, name, tau):
     requests = _one_token_requests(tiny64)
-    config = ExitConfig(name) if tau is None else ExitConfig(name, threshold=tau)
+    config = ExitConfig(name, **knobs_for(name)) if tau is None else ExitConfig(name, threshold=tau, **knobs_for(name))
     engine = ExitEngine(tiny64.model, config)
     exact = engine.score(requests, batch_size=4)
     policy = engine.policies[0]

@@ -29,7 +29,7 @@ Memory = dict[str, torch.Tensor]
 
 REGISTRY: dict[str, type["ExitPolicy"]] = {}
 # The knobs a policy takes (their defaults and help live in exitbench.exit_config.ExitConfig).
-POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative")
+POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model")
 
 
 def register(cls: type["ExitPolicy"]) -> type["ExitPolicy"]:
@@ -58,6 +58,8 @@ class ExitPolicy:
     signal_free: ClassVar[bool] = False
     # The first iteration at which the signal means something.
     defined_from: ClassVar[int] = 1
+    # Reads a fitted model from the file named by the exit_model knob (the learned rule).
+    needs_exit_model: ClassVar[bool] = False
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(POLICY_KNOBS))
@@ -70,6 +72,7 @@ class ExitPolicy:
         self.max_steps = knobs.get("max_steps")
         self.patience = self.default_patience if patience is None else patience
         self.relative = knobs.get("relative", False)
+        self.exit_model = knobs.get("exit_model")
         self._validate()
 
     def _validate(self) -> None:
@@ -89,6 +92,12 @@ class ExitPolicy:
         if self.relative and not self.uses_relative:
             raise ExitbenchError(f"{self.name}: relative=True has no meaning for this policy; "
                                  f"it applies to {', '.join(n for n, c in REGISTRY.items() if c.uses_relative)}")
+        if self.needs_exit_model and not self.exit_model:
+            raise ExitbenchError(f"{self.name}: needs --exit-model FILE, the exit model `exitbench fit-exit` "
+                                 "writes for this checkpoint")
+        if self.exit_model and not self.needs_exit_model:
+            raise ExitbenchError(f"{self.name}: --exit-model has no meaning for this policy; it applies to "
+                                 f"{', '.join(n for n, c in REGISTRY.items() if c.needs_exit_model)}")
 
     def bind(self, max_steps: int) -> "ExitPolicy":
         """Fix max_steps from the loop group when the config left it open."""
@@ -98,7 +107,13 @@ class ExitPolicy:
         return self
 
     def knobs(self) -> dict[str, Any]:
-        return {"policy": self.name, **{name: getattr(self, name) for name in POLICY_KNOBS}}
+        return {"policy": self.name, **{name: getattr(self, name) for name in POLICY_KNOBS
+                                        if name != "exit_model" or self.exit_model}}
+
+    @property
+    def variant(self) -> str:
+        """What a recording of this rule's signal depends on beyond thresholds, patience and step limits."""
+        return self.name + ("-rel" if self.relative else "")
 
     # ---- what subclasses implement -----------------------------------------------------------------
     def start(self, s0: torch.Tensor, vocab: int) -> Memory:

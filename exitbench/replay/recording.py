@@ -58,7 +58,7 @@ class Trajectories:
 
 def variant_key(policy: ExitPolicy) -> str:
     """Policies that share a signal (they differ in threshold, patience, min/max steps) share a recording."""
-    return policy.name + ("-rel" if policy.relative else "")
+    return policy.variant
 
 
 class Recorder:

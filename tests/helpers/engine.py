@@ -24,12 +24,89 @@ DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence
 RELATIVE = {"first_order", "second_order", "second_order_magnitude"}
 
 
+# ---- the learned rule's model, for tests: a small MLP with fixed random weights -------------------------------
+# Written out here (not fitted) so the restatement below checks the policy's arithmetic, not a fit. The weights
+# are small enough that tanh stays off its flat ends and the risk spreads over (0, 1) on any model's states.
+LEARNED_FEATURES = ["log_k", "log_step", "log_rel_step", "log_second", "log_magnitude", "cos", "log_contraction",
+                    "prev_log_step", "prev_log_rel_step", "prev_log_second", "prev_log_magnitude", "prev_cos",
+                    "prev_log_contraction"]
+
+
+def _test_exit_model() -> dict:
+    rng = np.random.default_rng(0)
+    n, hidden = len(LEARNED_FEATURES), 4
+    first = 0.2 * rng.standard_normal((hidden, n))
+    first[0, 1] = 1.0  # hidden unit 0 reads the step size mostly: the risk falls as steps shrink, so thresholds
+    out = 0.3 * rng.standard_normal(hidden)  # on it exit at different iterations of one trajectory
+    out[0] = -3.0
+    return {"schema": "exitbench.exit_model", "schema_version": 1, "kind": "mlp", "features": LEARNED_FEATURES,
+            "mean": [1.0] + [-3.0] * (n - 1), "scale": [1.0] + [2.0] * (n - 1),
+            "hidden_weights": first.tolist(), "hidden_bias": (0.1 * rng.standard_normal(hidden)).tolist(),
+            "weights": out.tolist(), "bias": 0.2,
+            "checkpoint": {"fingerprint": "test", "path": "none"}}
+
+
+TEST_EXIT_MODEL = _test_exit_model()
+
+
+def exit_model_file() -> str:
+    """TEST_EXIT_MODEL as a file (one per test process)."""
+    import json
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"exitbench-test-exit-model-{os.getpid()}.json")
+    if not os.path.exists(path):
+        with open(path, "w") as fh:
+            json.dump(TEST_EXIT_MODEL, fh)
+    return path
+
+
+def knobs_for(policy: str) -> dict:
+    """The knobs a policy cannot run without: the learned rule's exit model."""
+    return {"exit_model": exit_model_file()} if policy == "learned" else {}
+
+
+def learned_risk(states: np.ndarray, model: dict = TEST_EXIT_MODEL) -> np.ndarray:
+    """The learned rule's signal after iterations 1 … K, from s_0 … s_K, restated from the feature
+    definitions in exitbench/policies/learned.py's docstring (Δ_0 = 0, logs floored at 1e-12, lags at k = 1
+    repeating the current values)."""
+    floor = 1e-12
+    s = states.astype(np.float32)
+    K = s.shape[0] - 1
+    norm = lambda v: float(np.sqrt(np.sum(v.astype(np.float64) ** 2)))  # noqa: E731
+    log = lambda v: math.log(max(v, floor))  # noqa: E731
+    prev_delta, prev_step, first, lag = np.zeros_like(s[0]), 0.0, None, None
+    out = np.empty(K)
+    for k in range(1, K + 1):
+        delta = s[k] - s[k - 1]
+        step = norm(delta)
+        first = step if k == 1 else first
+        both = step * prev_step
+        cos = float(delta.astype(np.float64) @ prev_delta.astype(np.float64)) / both if both > 0 else 0.0
+        current = [log(step), log(max(step, floor) / max(norm(s[k]), floor)), log(norm(delta - prev_delta)),
+                   log(abs(step - prev_step)), max(-1.0, min(1.0, cos)), log(max(step, floor) / max(first, floor))]
+        lag = current if k == 1 else lag
+        f = np.array([math.log(k)] + current + lag)
+        lag, prev_delta, prev_step = current, delta, step
+        named = dict(zip(LEARNED_FEATURES, f))
+        x = np.array([(named[n] - m) / sc for n, m, sc in zip(model["features"], model["mean"], model["scale"])])
+        if model["kind"] == "mlp":
+            z = np.tanh(np.array(model["hidden_weights"]) @ x + np.array(model["hidden_bias"])) @ \
+                np.array(model["weights"]) + model["bias"]
+        else:
+            z = np.array(model["weights"]) @ x + model["bias"]
+        out[k - 1] = 1.0 / (1.0 + math.exp(z))
+    return out
+
+
 def tiny(init_scale: float = 1.0, seed: int = 0, mean: int = 8, max_rec: int = 16):
     return make_tiny_raven(seed, init_scale=init_scale, mean_recurrence=mean, max_recurrence=max_rec)
 
 
 def engine(model, policy: str, **knobs) -> ExitEngine:
     knobs.setdefault("record_signals", True)
+    knobs = {**knobs_for(policy), **knobs}
     return ExitEngine(model, ExitConfig(policy=policy, **knobs))
 
 
@@ -114,6 +191,8 @@ def direct_signals(name: str, states: np.ndarray, logps: np.ndarray, relative: b
             v = float(run)
         elif name == "fixed":
             v = float(k)
+        elif name == "learned":
+            v = learned_risk(states)[k - 1]
         else:
             raise KeyError(name)
         if relative and not math.isinf(v):

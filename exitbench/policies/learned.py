@@ -1,0 +1,189 @@
+"""A learned decoding-free exit: a small model (logistic regression, or a one-layer MLP) on features of the
+latent trajectory.
+
+`exitbench fit-exit` (exitbench.fit_exit) fits the model on a recording of held-out documents; this module
+is the rule that runs it. Its signal is the predicted risk that the token's prediction is not yet final
+(1 − P(settled)), and a token exits once the risk falls below τ. The features are the ones the hand-made
+rules each read alone, on log scales (step norms span decades over a trajectory), plus the iteration and the
+same quantities one step back:
+
+    log_k            log k: the depth prior (most tokens settle within a few iterations, few settle late)
+    log_step         log ‖Δ_k‖                         (first_order)
+    log_rel_step     log ‖Δ_k‖ / ‖s_k‖                 (first_order, relative)
+    log_second       log ‖Δ_k − Δ_{k−1}‖               (second_order)
+    log_magnitude    log |‖Δ_k‖ − ‖Δ_{k−1}‖|           (second_order_magnitude)
+    cos              cos(Δ_k, Δ_{k−1})                 (is the step still turning?)
+    log_contraction  log ‖Δ_k‖ / ‖Δ_1‖                 (how far the step has shrunk since the first)
+    prev_*           the six above at k − 1            (a trend, which patience approximates for the others)
+
+Δ_0 is taken as 0 (so at k = 1 the second-order terms equal the step and cos is 0) and the lagged features at
+k = 1 repeat the current ones; `log_k` tells the model that it is looking at the first iteration. Every term is
+a norm or a dot product of (n, d) states, the rest is arithmetic on (n,) numbers, so the probe costs about
+what second_order's does plus one dot product (bench/RESULTS.md measures it at n_embd 1024).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ExitbenchError
+from .base import ExitPolicy, Memory, register
+
+SCHEMA, SCHEMA_VERSION = "exitbench.exit_model", 1
+CURRENT = ("log_step", "log_rel_step", "log_second", "log_magnitude", "cos", "log_contraction")
+FEATURES = ("log_k",) + CURRENT + tuple(f"prev_{name}" for name in CURRENT)
+# Norms below this are zero for the logs: float32 states round at ~1e-7 of ‖s‖, far above it, so only an
+# exactly repeated state reaches the floor.
+FLOOR = 1e-12
+
+
+def features(s: torch.Tensor, memory: Memory) -> torch.Tensor:
+    """Every feature of FEATURES for tokens at new states s (n, d), float64 (n, F); updates `memory`."""
+    delta, delta_prev = s - memory["prev"], memory["delta"]
+    step, second, size = torch.linalg.vector_norm(torch.stack([delta, delta - delta_prev, s]), dim=-1).double()
+    dot = torch.linalg.vecdot(delta, delta_prev).double()
+    step_prev = memory["step"]
+    k = memory["k"] + 1
+    first = torch.where(k == 1, step, memory["first"])
+    floor = lambda x: x.clamp_min(FLOOR)  # noqa: E731
+    both = step * step_prev
+    cos = (dot / torch.where(both > 0, both, torch.ones_like(both))).clamp(-1.0, 1.0)  # 0 where a step is 0
+    current = torch.stack([floor(step).log(), (floor(step) / floor(size)).log(), floor(second).log(),
+                           floor((step - step_prev).abs()).log(), cos, (floor(step) / floor(first)).log()], 1)
+    # A non-finite state gives NaN features and so a NaN risk, which never passes a threshold (as elsewhere).
+    lag = torch.where((k == 1).unsqueeze(1), current, memory["lag"])
+    memory.update(prev=s, delta=delta, step=step, first=first, k=k, lag=current)
+    return torch.cat([k.log().unsqueeze(1), current, lag], 1)
+
+
+def start_memory(s0: torch.Tensor) -> Memory:
+    n = s0.shape[0]
+    zeros = torch.zeros(n, dtype=torch.float64, device=s0.device)
+    return {"prev": s0, "delta": torch.zeros_like(s0), "step": zeros, "first": zeros, "k": zeros,
+            "lag": torch.zeros(n, len(CURRENT), dtype=torch.float64, device=s0.device)}
+
+
+# ---- the exit-model file -------------------------------------------------------------------------------------
+class ExitModel:
+    """A fitted exit model: z(f) is the log-odds that a token with features f has settled.
+
+    kind "logistic": z = w · (f − mean) / scale + bias. kind "mlp": one hidden tanh layer,
+    z = w · tanh(W (f − mean) / scale + b) + bias. The standardisation is folded into the first layer's weights,
+    so a probe costs one (n, F) matrix product (two for the MLP)."""
+
+    def __init__(self, raw: dict[str, Any], path: str, digest: str):
+        self.raw, self.path, self.digest, self.kind = raw, path, digest, raw["kind"]
+        index = {f: i for i, f in enumerate(raw["features"])}
+        mean = torch.tensor(raw["mean"], dtype=torch.float64)
+        scale = torch.tensor(raw["scale"], dtype=torch.float64)
+        # Columns of FEATURES the file does not use get zero weight: the probe computes the full set anyway.
+        first = torch.tensor(raw["hidden_weights"] if self.kind == "mlp" else [raw["weights"]], dtype=torch.float64)
+        first_bias = torch.tensor(raw["hidden_bias"] if self.kind == "mlp" else [raw["bias"]], dtype=torch.float64)
+        folded = first / scale
+        self.first = torch.zeros(len(FEATURES), first.shape[0], dtype=torch.float64)
+        for name, i in index.items():
+            self.first[FEATURES.index(name)] = folded[:, i]
+        self.first_bias = first_bias - folded @ mean
+        if self.kind == "mlp":
+            self.out = torch.tensor(raw["weights"], dtype=torch.float64)
+            self.out_bias = float(raw["bias"])
+        self.checkpoint = raw.get("checkpoint", {})
+
+    def risk(self, f: torch.Tensor) -> torch.Tensor:
+        """1 − P(settled) for feature rows f (n, F)."""
+        if self.first.device != f.device:
+            self.first, self.first_bias = self.first.to(f.device), self.first_bias.to(f.device)
+            if self.kind == "mlp":
+                self.out = self.out.to(f.device)
+        z = torch.addmm(self.first_bias, f, self.first)
+        z = torch.tanh(z) @ self.out + self.out_bias if self.kind == "mlp" else z[:, 0]
+        return torch.sigmoid(-z)
+
+
+def load_exit_model(path: str | Path) -> ExitModel:
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ExitbenchError(f"--exit-model {path}: cannot read it ({exc.strerror or exc}); "
+                             "write one with `exitbench fit-exit`") from None
+    return _parse(str(path), data)
+
+
+@lru_cache(maxsize=16)
+def _parse(path: str, data: bytes) -> ExitModel:
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExitbenchError(f"--exit-model {path} is not JSON ({exc}); write one with `exitbench fit-exit`") \
+            from None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        raise ExitbenchError(f"--exit-model {path} is not an exit model (schema {SCHEMA!r}); "
+                             "write one with `exitbench fit-exit`")
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise ExitbenchError(f"--exit-model {path} has schema version {raw.get('schema_version')!r}; this "
+                             f"exitbench reads version {SCHEMA_VERSION}: refit it with `exitbench fit-exit`")
+    names = raw.get("features")
+    unknown = [f for f in names or [] if f not in FEATURES]
+    if not names or unknown:
+        raise ExitbenchError(f"--exit-model {path}: unknown feature {unknown[0] if unknown else None!r}; "
+                             f"features are {', '.join(FEATURES)}")
+    kind = raw.get("kind")
+    if kind not in ("logistic", "mlp"):
+        raise ExitbenchError(f"--exit-model {path}: kind must be 'logistic' or 'mlp', got {kind!r}")
+    hidden = len(raw.get("hidden_bias") or []) if kind == "mlp" else 0
+    shapes = {"mean": [len(names)], "scale": [len(names)], "weights": [hidden or len(names)]}
+    if kind == "mlp":
+        shapes.update(hidden_bias=[hidden], hidden_weights=[hidden, len(names)])
+    for field, shape in shapes.items():
+        if not _numbers(raw.get(field), shape) or not hidden and kind == "mlp":
+            raise ExitbenchError(f"--exit-model {path}: {field!r} must be finite numbers of shape "
+                                 f"{'×'.join(map(str, shape))}")
+    if any(v <= 0 for v in raw["scale"]):
+        raise ExitbenchError(f"--exit-model {path}: every 'scale' must be > 0")
+    bias = raw.get("bias")
+    if not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        raise ExitbenchError(f"--exit-model {path}: 'bias' must be a finite number, got {bias!r}")
+    return ExitModel(raw, path, digest)
+
+
+def _numbers(value: Any, shape: list[int]) -> bool:
+    """Whether `value` is nested lists of finite numbers of exactly this shape."""
+    if not isinstance(value, list) or len(value) != shape[0]:
+        return False
+    if len(shape) > 1:
+        return all(_numbers(v, shape[1:]) for v in value)
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+
+
+@register
+class Learned(ExitPolicy):
+    """Predicted risk that the prediction is not yet final < τ: a small model of trajectory features, fitted per
+    checkpoint by `exitbench fit-exit` on held-out documents (label: the oracle's criterion)."""
+
+    name = "learned"
+    source = "exitbench fit-exit: logistic regression or a one-layer MLP on decoding-free trajectory features"
+    needs_exit_model = True
+    default_threshold = 0.1
+    default_grid = (0.5, 0.4, 0.3, 0.2, 0.15, 0.1, 0.07, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001)
+
+    def __init__(self, **knobs: Any):
+        super().__init__(**knobs)
+        self.model = load_exit_model(self.exit_model)
+
+    @property
+    def variant(self) -> str:
+        return f"{self.name}-{self.model.digest[:16]}"
+
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        return start_memory(s0)
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        return self.model.risk(features(s, memory))
