@@ -182,8 +182,8 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
 
 @app.command()
 @one_line_errors
-@exit_knobs("policy", "threshold", "min_steps", "max_steps", "patience", "relative", "prefill", "warm_start",
-            policy="second_order")
+@exit_knobs("policy", "threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "prefill",
+            "warm_start", policy="second_order")
 def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
@@ -197,6 +197,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from . import exitmap
     from .embedded import open_checkpoint
+    from .fit_exit import check_fitted_for
     from .exit_config import ExitConfig
     from .files import writable_file
     from .tables import trace_table
@@ -210,6 +211,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
         if path is not None:
             writable_file(path, flag)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    check_fitted_for(ck, cfg.exit_model)
     if compile_step:
         ck.model.compile_loops()
     reports = [trace_prompt(ck, prompt, c, generate) for c in configs]
@@ -224,7 +226,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
 
 @app.command()
 @one_line_errors
-@exit_knobs("min_steps", "max_steps", "patience", "relative", "prefill", "warm_start")
+@exit_knobs("min_steps", "max_steps", "patience", "relative", "exit_model", "prefill", "warm_start")
 def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
         policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
                                          help="Exit policy (repeatable), or 'all'."),
@@ -262,6 +264,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .distributed import init_distributed
     from .embedded import open_checkpoint, resolve
     from .files import writable_dir
+    from .fit_exit import check_fitted_for
     from .progress import SweepProgress
     from .tables import reuse_note, summary_table
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
@@ -285,6 +288,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
+    check_fitted_for(ck, knobs.get("exit_model"))
     if compile_step:
         ck.model.compile_loops()
     grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
@@ -442,7 +446,7 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
 
 @app.command()
 @one_line_errors
-@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", policy="second_order")
+@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", "exit_model", policy="second_order")
 def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's "
                                             "tokens whose prediction differs from full depth."),
               delta: float = typer.Option(0.1, "--delta", help="Allowed probability that the chosen threshold's "
@@ -472,6 +476,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     from .calibrate import check_calibratable, write_report
     from .documents import token_lists
     from .embedded import open_checkpoint
+    from .fit_exit import check_fitted_for
     from .exit_config import ExitConfig
     from .files import writable_file
     from .policies import REGISTRY
@@ -484,6 +489,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     check_calibratable(policy)
     grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    check_fitted_for(ck, config.exit_model)
     path = writable_file(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
         docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
@@ -496,6 +502,59 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     console.print(calibration_table(rep))
     write_report(rep, path)
     err_console.print(f"wrote {path}")
+
+
+@app.command("fit-exit")
+@one_line_errors
+def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
+             task: Optional[str] = typer.Option(None, "--task", "-t", help="Fit on this lm-eval task's training "
+                                                "(else validation) split, never the split it evaluates."),
+             text: Optional[str] = typer.Option(None, "--text", help="Fit on this text file (blank-line separated "
+                                                "documents)."),
+             data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+             limit: int = typer.Option(256, "--limit", help="Documents (or held-out programs) to fit on."),
+             tokens: int = typer.Option(65536, "--tokens", help="Cap on the tokens of those documents."),
+             disjoint_from: Optional[str] = typer.Option(None, "--disjoint-from", help="Drop documents that begin "
+                                                         "with an evaluation document of these tasks (default: "
+                                                         "--task, or chains for held-out programs)."),
+             kind: str = typer.Option("mlp", "--kind", help="mlp (one hidden tanh layer of 32) or logistic "
+                                      "(regression)."),
+             batch_size: int = typer.Option(16, help="Sequences recorded together."),
+             seed: int = typer.Option(0, help="Seed of the programs, the validation split and the noise."),
+             out: Optional[Path] = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exit-models/"
+                                                "<checkpoint>.json]."), ):
+    """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early."""
+    from .documents import synthetic_training, token_lists
+    from .embedded import open_checkpoint
+    from .files import writable_file
+    from .fit_exit import drop_evaluation_overlap, evaluation_tokens, fit, provenance, write_exit_model
+    from .policies import REGISTRY
+    from .progress import batch_progress
+    from .tables import exit_model_tables
+
+    if limit < 2:
+        raise ExitbenchError(f"--limit must be ≥ 2 (one document to fit on, one to check), got {limit}")
+    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    path = writable_file(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
+    if disjoint_from is None:
+        checked = [task] if task else (["chains"] if not text and synthetic_training(ck) else [])
+    else:
+        checked = [t.strip() for t in disjoint_from.split(",") if t.strip()]
+    with console.status("fit-exit: reading the documents"):
+        docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
+                                   programs=limit, seed=f"fit-exit-{seed}", purpose="fit on", split="fitting")
+        docs, disjoint = drop_evaluation_overlap(docs[:limit], evaluation_tokens(ck, checked, data_dir))
+    with batch_progress(console, "fit-exit") as on_progress:
+        batches = -(-len(docs) // batch_size)
+        done = iter(range(1, batches + 1))
+        content = fit(ck.model, docs, kind=kind, seed=seed, batch_size=batch_size,
+                      thresholds=REGISTRY["learned"].default_grid,
+                      on_batch=lambda: on_progress(next(done), batches))
+    content.update(provenance(ck, source, docs, disjoint, seed))
+    for table in exit_model_tables(content):
+        console.print(table)
+    write_exit_model(content, path)
+    err_console.print(f"wrote {path}  (use: exitbench run --policy learned --exit-model {path})", highlight=False)
 
 
 @app.command()

@@ -48,8 +48,11 @@ def text_documents(path: str | Path) -> list[str]:
     return docs
 
 
-def task_documents(task: str, data_dir: str | None = None) -> list[str]:
-    """The evaluation documents of an lm-eval task as plain text (context followed by the gold target)."""
+def task_documents(task: str, data_dir: str | None = None, *, split: str = "evaluation",
+                   contexts: bool = False) -> list[str]:
+    """An lm-eval task's documents as plain text (context followed by the gold target; with `contexts`, the
+    context alone where there is one): its evaluation split, or with split="fitting" the split that is not
+    evaluated (training, else validation), for fitting things to the model without touching the evaluation."""
     from lm_eval.tasks import get_task_dict
 
     from .tasks import resolve_tasks
@@ -57,13 +60,27 @@ def task_documents(task: str, data_dir: str | None = None) -> list[str]:
     taskset = resolve_tasks([task], data_dir)
     docs = []
     for obj in get_task_dict(taskset.specs, taskset.manager).values():
-        for doc in obj.eval_docs:
+        for doc in obj.eval_docs if split == "evaluation" else _fitting_docs(task, obj):
             target = obj.doc_to_target(doc)
             text = obj.doc_to_text(doc)
+            if contexts and text:
+                docs.append(text)
+                continue
             if isinstance(target, str):
                 text = f"{text}{obj.config.target_delimiter if text else ''}{target}"
             docs.append(text)
     return docs
+
+
+def _fitting_docs(task: str, obj):
+    """The training, else validation, documents of a task whose evaluation reads another split."""
+    eval_split = obj.config.test_split or obj.config.validation_split
+    for has, docs, split in ((obj.has_training_docs, obj.training_docs, obj.config.training_split),
+                             (obj.has_validation_docs, obj.validation_docs, obj.config.validation_split)):
+        if has() and split != eval_split:
+            return docs()
+    raise ExitbenchError(f"task {task} has no training or validation split apart from the one it evaluates on; "
+                         "fit on --text FILE of held-out text instead")
 
 
 def encode_documents(ck: Checkpoint, docs: Sequence[str], max_tokens: int) -> list[torch.Tensor]:
@@ -93,15 +110,16 @@ def heldout_programs(ck: Checkpoint, n_programs: int, seed: int) -> list[torch.T
     return [inputs]
 
 
-def document_source(task: str | None, text: str | None, data_dir: str | None, programs: int, seed: int
-                    ) -> tuple[list[str] | None, dict[str, Any]]:
-    """The documents of --task or --text (None: the checkpoint's held-out programs), and how to name them."""
+def document_source(task: str | None, text: str | None, data_dir: str | None, programs: int, seed: int | str,
+                    split: str = "evaluation") -> tuple[list[str] | None, dict[str, Any]]:
+    """The documents of --task (its `split`) or --text (None: the checkpoint's held-out programs), and how to
+    name them."""
     if task and text:
         raise ExitbenchError("give --task or --text, not both")
     if text:
         return text_documents(text), {"text": str(text)}
     if task:
-        return task_documents(task, data_dir), {"task": task, "data_dir": data_dir}
+        return task_documents(task, data_dir, split=split), {"task": task, "split": split, "data_dir": data_dir}
     return None, {"heldout_programs": programs, "seed": seed}
 
 
@@ -117,13 +135,13 @@ def token_batches(ck: Checkpoint, docs: Sequence[str] | None, max_tokens: int, p
 
 
 def token_lists(ck: Checkpoint, *, task: str | None = None, text: str | None = None, data_dir: str | None = None,
-                max_tokens: int = 8192, programs: int = 128, seed: int = 0, purpose: str = "measure on"
-                ) -> tuple[list[list[int]], dict[str, Any]]:
+                max_tokens: int = 8192, programs: int = 128, seed: int | str = 0, purpose: str = "measure on",
+                split: str = "evaluation") -> tuple[list[list[int]], dict[str, Any]]:
     """Token lists of --task, --text or the held-out programs (each at least two tokens long), and how to name
     their source."""
     if max_tokens < 2 or programs < 1:
         raise ExitbenchError(f"--tokens must be ≥ 2 and --programs ≥ 1, got {max_tokens}, {programs}")
-    docs, source = document_source(task, text, data_dir, programs, seed)
+    docs, source = document_source(task, text, data_dir, programs, seed, split)
     batches = token_batches(ck, docs, max_tokens, programs, seed, purpose)
     rows = [row.tolist() for b in batches for row in (b if b.dim() == 2 else b.unsqueeze(0))]
     return [r for r in rows if len(r) >= 2], source

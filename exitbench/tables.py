@@ -145,6 +145,29 @@ def calibration_table(report: dict[str, Any]) -> Table:
     return t
 
 
+def exit_model_tables(content: dict[str, Any]) -> list[Table]:
+    """A fitted exit model: its exits per threshold on the validation documents, and what each feature weighs."""
+    valid = content["metrics"]["validation"]
+    data = content["data"]
+    exits = Table(title=f"learned exit rule, validation ({data['validation_documents']} documents): log loss "
+                        f"{valid['log_loss']:.4f}, AUC {valid['auc']:.4f}; the oracle exits at "
+                        f"{valid['oracle_mean_iterations']:.2f} iterations")
+    for col in ("threshold", "mean iterations", "over oracle", "tokens changed"):
+        exits.add_column(col, justify="right")
+    for row in valid["by_threshold"]:
+        exits.add_row(f"{row['threshold']:g}", f"{row['mean_iterations']:.2f}",
+                      f"{row['mean_iterations'] / valid['oracle_mean_iterations']:.2f}×",
+                      f"{100 * row['disagreement']:.2f}%")
+    gained = content["metrics"]["permutation_log_loss_increase"]
+    weights = Table(title=f"{content['kind']} on {len(content['features'])} features: held-out log loss gained "
+                          "when one is shuffled")
+    for col in ("feature", "Δ log loss"):
+        weights.add_column(col, justify="left" if col == "feature" else "right")
+    for name in sorted(gained, key=lambda f: -gained[f]):
+        weights.add_row(name, f"{gained[name]:+.5f}")
+    return [exits, weights]
+
+
 def trace_table(report: dict[str, Any]):
     knobs = report["policy"]
     title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}) · "

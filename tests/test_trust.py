@@ -406,7 +406,7 @@ def test_pareto_skips_reports_that_are_not_cells_and_makes_the_plot_folder(tmp_p
 
 # ---- what a newcomer reads ------------------------------------------------------------------------------------------
 
-COMMANDS = ["info", "train", "trace", "run", "pareto", "geometry", "check", "calibrate", "policies"]
+COMMANDS = ["info", "train", "trace", "run", "pareto", "geometry", "check", "calibrate", "fit-exit", "policies"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
