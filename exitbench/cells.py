@@ -63,7 +63,8 @@ def filename(cell: dict[str, Any]) -> str:
     p = cell["policy"]
     threshold = "" if p["threshold"] is None else f"{p['threshold']:g}"
     rel = "-rel" if p.get("relative") else ""
-    return f"{cell['task']['name']}__{p['policy']}{rel}-{threshold}__{cell['cell_id']}.json"
+    window = f"-kv{p['kv_window']}" if p.get("kv_window") else ""
+    return f"{cell['task']['name']}__{p['policy']}{rel}-{threshold}{window}__{cell['cell_id']}.json"
 
 
 def is_cell(obj: Any) -> bool:
