@@ -147,8 +147,9 @@ def calibration_table(report: dict[str, Any]) -> Table:
 
 def trace_table(report: dict[str, Any]):
     knobs = report["policy"]
-    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}) · "
-             f"{report['mode']} · mean iterations {report['mean_iterations']:.2f}")
+    window = f", KV window {knobs['kv_window']}" if knobs.get("kv_window") else ""
+    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}"
+             f"{window}) · {report['mode']} · mean iterations {report['mean_iterations']:.2f}")
     table = Table(title=title)
     for col in ("input token", "next token", "log p", "greedy", "exit step"):
         table.add_column(col, justify="right" if col in ("log p", "exit step") else "left")

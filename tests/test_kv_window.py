@@ -190,7 +190,8 @@ def test_looped_gpt2_batched_equals_batch_size_one():
     single = [engine(model, "second_order", **knobs).score([r])[0] for r in reqs]
     assert _steps(batched) == _steps(single)
     assert all(_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
-    assert [r.logprobs for r in batched] != [r.logprobs for r in engine(model, "second_order", threshold=0.5).score(reqs)]
+    full = engine(model, "second_order", threshold=0.5).score(reqs)
+    assert [r.logprobs for r in batched] != [r.logprobs for r in full]
 
 
 # ---- memory: the plan and the engine's allocation -------------------------------------------------------
@@ -263,3 +264,11 @@ def test_cell_keys_without_a_window_are_unchanged():
     assert key(ExitConfig("kl", kv_window=0)) == key(ExitConfig("kl")) != key(ExitConfig("kl", kv_window=1))
     windowed = grid(SweepConfig(tasks=["chains"], policies=["kl"], exit={"kv_window": 2}), 4)
     assert {c.kv_window for c in windowed} == {2} and any(c.policy == "fixed" for c in windowed)
+
+
+def test_a_window_is_its_own_series():
+    """pareto, the report and cell file names keep a windowed rule apart from the same rule on the full cache."""
+    from exitbench.cells import series
+
+    assert series({"policy": "kl", "relative": False}) == "kl"
+    assert series({"policy": "second_order", "relative": True, "kv_window": 2}) == "second_order-rel-kv2"

@@ -226,7 +226,8 @@ class TokenLoop:
         at = [k - 1 for k in self.k]
         entries = cache.entries(self.group.attn_layers, [t.row for t in self.tokens],
                                 [t.position for t in self.tokens], at)
-        self.oracle["kv"][torch.arange(len(at), device=entries.device), torch.tensor(at, device=entries.device)] = entries
+        device = entries.device
+        self.oracle["kv"][torch.arange(len(at), device=device), torch.tensor(at, device=device)] = entries
 
     def _oracle_restore_entries(self, gone: list[int], steps: list[int], kept: torch.Tensor, cache: KVCache) -> None:
         """Put back the entries of each settled token's last `window` iterations up to its exit (the window's
