@@ -17,12 +17,13 @@ from exitbench.models import AttnContext, LoopGroup, Raven, RavenConfig
 from exitbench.sweep import SweepConfig, cell_key, grid
 
 from helpers.cli import assert_one_line_error
-from helpers.engine import engine, mixed_prompts, mixed_requests, spread_threshold, tiny
+from helpers.engine import (engine, exit_steps, logprobs_close, mixed_prompts, mixed_requests, spread_threshold,
+                            tiny)
 from helpers.models import HUGINN_CONFIG, make_gpt2, make_tiny_raven, random_ids
 
 runner = CliRunner()
 K = 12
-LOGP_TOL = 1e-5
+REQUESTS = mixed_requests(8)  # 5 … 9 tokens, 3 … 6 of them context
 
 
 @pytest.fixture(scope="module")
@@ -30,31 +31,18 @@ def noisy_model():
     return tiny(init_scale=1.0)
 
 
-@pytest.fixture(scope="module")
-def requests_8():
-    return mixed_requests(8)
-
-
-def _steps(results):
-    return [[rec.exit_steps for rec in r.records] for r in results]
-
-
-def _close(a, b, tol=LOGP_TOL):
-    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
-
-
 # ---- a window as deep as the loop is the full cache ----------------------------------------------------
 
 @pytest.mark.parametrize("policy,knobs", [("fixed", dict(threshold=8)), ("first_order", dict(threshold=0.3)),
                                           ("kl", dict(threshold=3e-3)), ("oracle", dict(threshold=1e-2))])
-def test_window_covering_every_iteration_is_the_full_cache(noisy_model, requests_8, policy, knobs):
+def test_window_covering_every_iteration_is_the_full_cache(noisy_model, policy, knobs):
     if policy != "fixed":
         knobs = dict(knobs, max_steps=K)
-    full = engine(noisy_model, policy, **knobs).score(requests_8)
+    full = engine(noisy_model, policy, **knobs).score(REQUESTS)
     depth = knobs.get("max_steps", knobs["threshold"])
     for window in (depth, depth + 5):
-        windowed = engine(noisy_model, policy, kv_window=window, **knobs).score(requests_8)
-        assert _steps(windowed) == _steps(full)
+        windowed = engine(noisy_model, policy, kv_window=window, **knobs).score(REQUESTS)
+        assert exit_steps(windowed) == exit_steps(full)
         assert [r.logprobs for r in windowed] == [r.logprobs for r in full]  # bit for bit
     prompts = mixed_prompts(4)
     assert [r.logprobs for r in engine(noisy_model, policy, kv_window=depth, **knobs).generate(prompts, 3)] == \
@@ -137,8 +125,8 @@ CASES = [  # policy, knobs, window, whole-sequence scoring (no prefill: every po
 
 @pytest.mark.parametrize("policy,knobs,window,whole", CASES,
                          ids=[f"{p}-c{c}{'-whole' if w else ''}" for p, _, c, w in CASES])
-def test_window_follows_the_rule(noisy_model, requests_8, policy, knobs, window, whole):
-    reqs = [(t, 1) for t, _ in requests_8[:5]] if whole else requests_8[:5]
+def test_window_follows_the_rule(noisy_model, policy, knobs, window, whole):
+    reqs = [(t, 1) for t, _ in REQUESTS[:5]] if whole else REQUESTS[:5]
     eng = engine(noisy_model, policy, kv_window=window, **knobs)
     results = eng.score(reqs)
     full = engine(noisy_model, policy, **knobs).score(reqs)
@@ -151,7 +139,7 @@ def test_window_follows_the_rule(noisy_model, requests_8, policy, knobs, window,
         ref = windowed_reference(noisy_model, tokens, n_ctx - 1, forced, depth, window,
                                  eng.noise.rows(0, len(tokens), x.dtype, x.device))
         want = [float(ref[p][tokens[p + 1]]) for p in forced]
-        assert _close(res.logprobs, want), (res.logprobs, want)
+        assert logprobs_close(res.logprobs, want), (res.logprobs, want)
         moved = max(moved, max(abs(a - b) for a, b in zip(res.logprobs, ref_full.logprobs)))
     assert moved > 1e-3, "the window should change this workload's answers for the test to mean something"
     if policy != "fixed":  # exits both inside the window (carried forward) and past it (nothing to carry)
@@ -161,24 +149,24 @@ def test_window_follows_the_rule(noisy_model, requests_8, policy, knobs, window,
 # ---- batching never changes an answer, with the window on -----------------------------------------------
 
 @pytest.mark.parametrize("policy", ["first_order", "second_order", "oracle"])
-def test_batched_equals_batch_size_one(noisy_model, requests_8, policy):
+def test_batched_equals_batch_size_one(noisy_model, policy):
     if policy == "oracle":
         knobs = dict(threshold=1e-2)
     else:
-        probe = engine(noisy_model, policy, threshold=1e-30, max_steps=K).score(requests_8)
+        probe = engine(noisy_model, policy, threshold=1e-30, max_steps=K).score(REQUESTS)
         knobs = dict(threshold=spread_threshold(probe, policy, K, 1, 2 if policy == "second_order" else 1))
     knobs.update(max_steps=K, kv_window=3)
     for rows in (None, 3):
-        batched = engine(noisy_model, policy, **knobs).score(requests_8, batch_size=rows)
-        single = [engine(noisy_model, policy, **knobs).score([req])[0] for req in requests_8]
+        batched = engine(noisy_model, policy, **knobs).score(REQUESTS, batch_size=rows)
+        single = [engine(noisy_model, policy, **knobs).score([req])[0] for req in REQUESTS]
         assert len({s for r in batched for s in r.iterations}) >= 3
-        assert _steps(batched) == _steps(single)
-        assert all(_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
+        assert exit_steps(batched) == exit_steps(single)
+        assert all(logprobs_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
     prompts = mixed_prompts(6)
     batched = engine(noisy_model, policy, **knobs).generate(prompts, 4, batch_size=4)
     single = [engine(noisy_model, policy, **knobs).generate([p], 4)[0] for p in prompts]
-    assert [b.tokens for b in batched] == [s.tokens for s in single] and _steps(batched) == _steps(single)
-    assert all(_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
+    assert [b.tokens for b in batched] == [s.tokens for s in single] and exit_steps(batched) == exit_steps(single)
+    assert all(logprobs_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
 
 
 def test_looped_gpt2_batched_equals_batch_size_one():
@@ -188,8 +176,8 @@ def test_looped_gpt2_batched_equals_batch_size_one():
     knobs = dict(threshold=0.5, kv_window=2)
     batched = engine(model, "second_order", **knobs).score(reqs)
     single = [engine(model, "second_order", **knobs).score([r])[0] for r in reqs]
-    assert _steps(batched) == _steps(single)
-    assert all(_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
+    assert exit_steps(batched) == exit_steps(single)
+    assert all(logprobs_close(b.logprobs, s.logprobs) for b, s in zip(batched, single))
     full = engine(model, "second_order", threshold=0.5).score(reqs)
     assert [r.logprobs for r in batched] != [r.logprobs for r in full]
 
