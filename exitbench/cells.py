@@ -59,11 +59,18 @@ def cell_id(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def series(policy: dict[str, Any]) -> str:
+    """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
+    `-kvC` under a KV window (its own series, beside the same rule on the full cache)."""
+    rel = "-rel" if policy.get("relative") else ""
+    window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
+    return policy["policy"] + rel + window
+
+
 def filename(cell: dict[str, Any]) -> str:
     p = cell["policy"]
     threshold = "" if p["threshold"] is None else f"{p['threshold']:g}"
-    rel = "-rel" if p.get("relative") else ""
-    return f"{cell['task']['name']}__{p['policy']}{rel}-{threshold}__{cell['cell_id']}.json"
+    return f"{cell['task']['name']}__{series(p)}-{threshold}__{cell['cell_id']}.json"
 
 
 def is_cell(obj: Any) -> bool:

@@ -76,6 +76,7 @@ def one_line_errors(fn):
 
 @app.command()
 @one_line_errors
+@exit_knobs("kv_window")
 def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
          as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
          depth: bool = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r "
@@ -88,22 +89,24 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          context: Optional[int] = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and "
                                                "generated tokens [the model's context]."),
          max_steps: Optional[int] = typer.Option(None, "--max-steps", help="--plan: iterations per loop group "
-                                                 "[each group's default depth].")):
+                                                 "[each group's default depth]."), knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
     from .embedded import open_checkpoint, resolve
+    from .exit_config import ExitConfig
     from .info import describe
     from .models.checkpoint import check_dtype_name, inspect_checkpoint, parse_dtype
 
     if programs < 1:
         raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+    kv_window = ExitConfig(**knobs).kv_window  # validated and normalised (0: none) as a run validates it
     layout = inspect_checkpoint(resolve(checkpoint))  # headers only
     report = describe(layout, check_dtype_name(dtype))
     if memory_plan:
         from .memory import plan
 
         report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
-                              layout.model.config.block_size if context is None else context, max_steps)
+                              layout.model.config.block_size if context is None else context, max_steps, kv_window)
     if depth:
         from .depth import depth_report
 
@@ -183,7 +186,7 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
 @app.command()
 @one_line_errors
 @exit_knobs("policy", "threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "prefill",
-            "warm_start", policy="second_order")
+            "warm_start", "kv_window", policy="second_order")
 def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
@@ -226,7 +229,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
 
 @app.command()
 @one_line_errors
-@exit_knobs("min_steps", "max_steps", "patience", "relative", "exit_model", "prefill", "warm_start")
+@exit_knobs("min_steps", "max_steps", "patience", "relative", "exit_model", "prefill", "warm_start", "kv_window")
 def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
         policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
                                          help="Exit policy (repeatable), or 'all'."),

@@ -44,6 +44,10 @@ class ExitConfig:
                                                        "like the rest ('exit')."))
     warm_start: bool = field(default=False, metadata=knob("Start each token from the previous token's final "
                                                           "state."))
+    kv_window: int | None = field(default=None, metadata=knob("Keep each loop layer's KV entries of the last C "
+                                                              "iterations only, a rolling buffer (Huginn's "
+                                                              "compress-s, C × core layers; 1 is its vLLM "
+                                                              "plugin); 0 or unset: one slot per iteration."))
     record_signals: bool = field(default=False, metadata=knob("Keep every token's signal at every iteration.",
                                                               command_line=False))
     seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", command_line=False))
@@ -51,6 +55,11 @@ class ExitConfig:
     def __post_init__(self):
         if self.prefill not in ("full", "exit"):
             raise ExitbenchError(f"prefill must be 'full' or 'exit', got {self.prefill!r}")
+        if self.kv_window is not None:
+            if isinstance(self.kv_window, bool) or not isinstance(self.kv_window, int) or self.kv_window < 0:
+                raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
+                                     f"loop layer keeps (0: all of them), got {self.kv_window!r}")
+            self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
         self.build_policy()  # validate the knobs now, not at the first token
 
     def build_policy(self) -> ExitPolicy:
@@ -58,10 +67,12 @@ class ExitConfig:
         return REGISTRY[self.policy](**{name: getattr(self, name) for name in POLICY_KNOBS})
 
     def to_dict(self) -> dict[str, Any]:
-        # Knobs added after results were first written appear only when set, so older cells keep their ids.
+        """Every knob; those added after results were first written (the exit model, the KV window) only when
+        set, so configs (and cell keys) without them read as they did before they existed."""
         out = asdict(self)
-        if out["exit_model"] is None:
-            del out["exit_model"]
+        for knob in ("exit_model", "kv_window"):
+            if out[knob] is None:
+                del out[knob]
         return out
 
     def key_dict(self) -> dict[str, Any]:

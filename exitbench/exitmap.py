@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cells import series
+
 CMAP = "YlGnBu"  # light = early exit, dark = deep: the eye finds the expensive tokens first
 MISS_COLOR = "#d62728"
 
@@ -101,7 +103,7 @@ def sample_context(sample: dict[str, Any]) -> str:
 
 
 def policy_label(knobs: dict[str, Any]) -> str:
-    name = knobs["policy"] + ("-rel" if knobs.get("relative") else "")
+    name = series(knobs)
     return f"{name} τ={knobs['threshold']:g}" if knobs.get("threshold") is not None else name
 
 

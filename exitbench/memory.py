@@ -2,8 +2,9 @@
 
 At Huginn-0125's size the KV cache, not the weights, decides what fits: every core layer keeps one slot per
 loop iteration (models/cache.py), so a run of B rows over T positions with up to R iterations holds
-2 · (R · core layers + plain layers) · B · T · heads · head_dim values. The engine allocates exactly that for
-its requests' longest sequence (engine.Run), and this plan computes it with the same slot table
+2 · (R · core layers + plain layers) · B · T · heads · head_dim values; a KV window of c iterations puts
+min(R, c) in place of R. The engine allocates exactly that for its requests' longest sequence (engine.Run),
+and this plan computes it with the same slot table
 (`LoopedLM.cache_slots`) and the same byte count (`KVCache.bytes_for`), so plan and allocation cannot drift.
 
 Activations are an estimate of the largest transient (the terms are named in the plan); bench/RESULTS.md
@@ -24,9 +25,10 @@ _NOT_LAYER_WEIGHTS = ("wte", "wpe", "lm_head")
 
 
 def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
-         max_steps: int | Sequence[int] | None = None) -> dict[str, Any]:
+         max_steps: int | Sequence[int] | None = None, kv_window: int | None = None) -> dict[str, Any]:
     """Bytes a run of `batch` rows over sequences of up to `context` positions needs, with each loop group
-    capped at `max_steps` iterations (default: each group's default depth, what a run uses unless told).
+    capped at `max_steps` iterations (default: each group's default depth, what a run uses unless told) and
+    its layers keeping the KV entries of the last `kv_window` iterations (None: all of them).
     `model` may live on the meta device (a CheckpointLayout's): only shapes are read."""
     groups = model.loop_groups()
     block = model.config.block_size
@@ -42,17 +44,18 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
     size = dtype.itemsize
     unique = {id(p): p for p in model.parameters()}.values()
     weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in unique)
-    slots = model.cache_slots(steps)
+    slots = model.cache_slots(steps, kv_window)
     n_heads, head_dim = model.cache_geometry()
     kv = KVCache.bytes_for(batch, context, n_heads, head_dim, slots, dtype)
     acts = activations(model, dtype, batch, context)
     looped = {layer for g in groups for layer in g.attn_layers}
     return {
         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch, "context": context,
-        "max_steps": steps,
+        "max_steps": steps, "kv_window": kv_window,
         "weights": weights,
         "kv_cache": kv,
-        "kv_layout": {"loop_layers": len(looped), "slots_per_loop_layer": steps,
+        "kv_layout": {"loop_layers": len(looped),
+                      "slots_per_loop_layer": [min(r, kv_window) if kv_window else r for r in steps],
                       "plain_layers": len(slots) - len(looped),
                       "bytes_per_slot": KVCache.bytes_for(batch, context, n_heads, head_dim, {0: 1}, dtype)},
         "activations": sum(acts.values()),

@@ -29,8 +29,7 @@ class Point:
 
     @property
     def policy(self) -> str:
-        p = self.cell["policy"]
-        return p["policy"] + ("-rel" if p.get("relative") else "")
+        return cells.series(self.cell["policy"])
 
     @property
     def threshold(self) -> float:
@@ -121,13 +120,14 @@ def frontier(points: list[Point], axis: str, higher: bool) -> list[Point]:
 
 
 def full_depth(points: list[Point]) -> Point:
-    """The fixed-depth cell at the policies' max steps (the deepest fixed cell when policies disagree)."""
+    """The fixed-depth cell at the policies' max steps (the deepest fixed cell when policies disagree; the full
+    cache's where a KV window's sits beside it)."""
     fixed = [p for p in points if p.cell["policy"]["policy"] == "fixed"]
     if not fixed:
         raise ExitbenchError(f"no fixed-depth cell for task {points[0].cell['task']['name']}: rerun with baselines")
     adaptive_max = {p.cell["policy"]["max_steps"] for p in points if p.cell["policy"]["policy"] != "fixed"}
     at_max = [p for p in fixed if p.threshold in adaptive_max]
-    return max(at_max or fixed, key=lambda p: p.threshold)
+    return max(at_max or fixed, key=lambda p: (p.threshold, not p.cell["policy"].get("kv_window")))
 
 
 def within(quality: float, reference: float, eps: float, higher: bool) -> bool:

@@ -100,13 +100,13 @@ def default_baselines(max_steps: int) -> list[int]:
 def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
     """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds. The shared
     exit knobs go to the policies that take them; a baseline keeps those that change how it runs (prefill,
-    warm start)."""
+    warm start, KV window)."""
     swept = {name for name, *_ in ExitConfig.knobs(swept=True)}
     shared = {k: v for k, v in cfg.exit.items() if k not in swept}
     unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
     if unknown:
         raise ExitbenchError(f"unknown exit knob {unknown[0]!r} for a sweep")
-    runs = {k: shared[k] for k in ("prefill", "warm_start") if k in shared}
+    runs = {k: shared[k] for k in ("prefill", "warm_start", "kv_window") if k in shared}
     configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed, **runs)
                for r in (cfg.baselines or default_baselines(default_steps))]
     names = expand_policies(cfg.policies)

@@ -170,8 +170,9 @@ def exit_model_tables(content: dict[str, Any]) -> list[Table]:
 
 def trace_table(report: dict[str, Any]):
     knobs = report["policy"]
-    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}) · "
-             f"{report['mode']} · mean iterations {report['mean_iterations']:.2f}")
+    window = f", KV window {knobs['kv_window']}" if knobs.get("kv_window") else ""
+    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}"
+             f"{window}) · {report['mode']} · mean iterations {report['mean_iterations']:.2f}")
     table = Table(title=title)
     for col in ("input token", "next token", "log p", "greedy", "exit step"):
         table.add_column(col, justify="right" if col in ("log p", "exit step") else "left")
@@ -212,13 +213,15 @@ def plan_table(plan: dict[str, Any]) -> Table:
 
     kv = plan["kv_layout"]
     steps = ", ".join(str(r) for r in plan["max_steps"])
-    table = Table(title=f"memory plan: batch {plan['batch_size']}, context {plan['context']:,}, max steps {steps}, "
-                        f"{plan['dtype']}")
+    slots = ", ".join(str(n) for n in kv["slots_per_loop_layer"])
+    window = f", KV window {plan['kv_window']}" if plan.get("kv_window") else ""
+    table = Table(title=f"memory plan: batch {plan['batch_size']}, context {plan['context']:,}, max steps {steps}"
+                        f"{window}, {plan['dtype']}")
     for col in ("part", "bytes", "what"):
         table.add_column(col)
     table.add_row("weights", gb(plan["weights"]), "every parameter once (a tied head counted once)")
     table.add_row("KV cache", gb(plan["kv_cache"]),
-                  f"{kv['loop_layers']} loop layers × {steps} slots + {kv['plain_layers']} plain layers × 1 slot, "
+                  f"{kv['loop_layers']} loop layers × {slots} slots + {kv['plain_layers']} plain layers × 1 slot, "
                   f"{gb(kv['bytes_per_slot'])} a slot")
     terms = ", ".join(f"{k} {gb(v)}" for k, v in plan["activation_terms"].items())
     table.add_row("activations", gb(plan["activations"]), f"estimate of the largest transient: {terms}")

@@ -33,8 +33,9 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
                                               result.records)]
     # What precedes the first exited token: the prompt when generating, the BOS token when scoring.
     context = tok.decode(ids if generate else ids[:1], skip_special_tokens=False)
-    return {"policy": engine.policies[0].knobs(), "mode": "generate" if generate else "score", "tokens": rows,
-            "context": context,
+    window = {"kv_window": config.kv_window} if config.kv_window else {}
+    return {"policy": {**engine.policies[0].knobs(), **window}, "mode": "generate" if generate else "score",
+            "tokens": rows, "context": context,
             "mean_iterations": sum(result.iterations) / max(1, len(result.iterations))}
 
 

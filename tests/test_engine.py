@@ -11,11 +11,10 @@ from exitbench.errors import ExitbenchError
 from exitbench.flops import FlopModel
 from exitbench.models import KVCache
 
-from helpers.engine import (engine, first_order_rule, kl_rule, mixed_prompts, mixed_requests, reference_run,
-                            spread_threshold, tiny)
+from helpers.engine import (LOGP_TOL, engine, exit_steps, first_order_rule, kl_rule, logprobs_close, mixed_prompts,
+                            mixed_requests, reference_run, spread_threshold, tiny)
 
 K = 12
-LOGP_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +35,6 @@ def requests_16():
     return reqs
 
 
-def _close(a, b, tol=LOGP_TOL):
-    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
-
-
-def _steps(results):
-    return [[rec.exit_steps for rec in r.records] for r in results]
-
-
 # ---- fixed depth is the plain forward ------------------------------------------------------------------
 
 @pytest.mark.parametrize("r", [1, 3, 6, 13])
@@ -55,7 +46,7 @@ def test_fixed_equals_plain_forward(zero_model, requests_16, r):
             logp = torch.log_softmax(zero_model(torch.tensor([tokens]), r)[0].double(), -1)
         want = [float(logp[p, tokens[p + 1]]) for p in range(n_ctx - 1, len(tokens) - 1)]
         assert res.tokens == tokens[n_ctx:]
-        assert _close(res.logprobs, want), (r, res.logprobs, want)
+        assert logprobs_close(res.logprobs, want), (r, res.logprobs, want)
         assert res.greedy == [int(logp[p].argmax()) == tokens[p + 1] for p in range(n_ctx - 1, len(tokens) - 1)]
         assert [rec.position for rec in res.records] == list(range(n_ctx - 1, len(tokens) - 1))
         assert all(rec.exit_steps == [r] for rec in res.records)
@@ -70,10 +61,10 @@ def test_policy_that_never_fires_equals_fixed_at_max_steps(request, requests_16,
     # once the distributions stop moving, which would count as a hit at any threshold).
     adaptive = engine(model, policy, threshold=1e-30, max_steps=8).score(requests_16)
     fixed = engine(model, "fixed", threshold=8).score(requests_16)
-    assert _steps(adaptive) == _steps(fixed)
+    assert exit_steps(adaptive) == exit_steps(fixed)
     assert all(s == [8] for r in adaptive for s in (rec.exit_steps for rec in r.records))
     for a, f in zip(adaptive, fixed):
-        assert a.tokens == f.tokens and _close(a.logprobs, f.logprobs, 1e-6)
+        assert a.tokens == f.tokens and logprobs_close(a.logprobs, f.logprobs, 1e-6)
 
 
 # ---- batching never changes an answer --------------------------------------------------------------------
@@ -98,10 +89,10 @@ def _check_batched_equals_single(model, requests, policy, knobs, k=K, rows=None,
     single = [engine(model, policy, max_steps=k, **knobs, **extra).score([req])[0] for req in requests]
     exits = [s for r in batched for s in r.iterations]
     assert len(set(exits)) >= 3, f"{policy}: the exits should vary for this test to mean something: {exits}"
-    assert _steps(batched) == _steps(single)
+    assert exit_steps(batched) == exit_steps(single)
     for b, s in zip(batched, single):
         assert b.tokens == s.tokens and b.greedy == s.greedy
-        assert _close(b.logprobs, s.logprobs), (b.logprobs, s.logprobs)
+        assert logprobs_close(b.logprobs, s.logprobs), (b.logprobs, s.logprobs)
         for rb, rs in zip(b.records, s.records):
             np.testing.assert_allclose(rb.signals[0], rs.signals[0], rtol=1e-4, atol=1e-5)
 
@@ -124,8 +115,8 @@ def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, ro
     for b, s in zip(batched, single):
         assert len(b.tokens) == 4
         assert b.tokens == s.tokens
-        assert _steps([b]) == _steps([s])
-        assert _close(b.logprobs, s.logprobs)
+        assert exit_steps([b]) == exit_steps([s])
+        assert logprobs_close(b.logprobs, s.logprobs)
 
 
 @pytest.mark.parametrize("policy,knobs", BATCH_CASES[:4], ids=[p for p, _ in BATCH_CASES[:4]])
@@ -174,10 +165,10 @@ def test_embedded_batching_is_exact_at_minp_kl_grid_thresholds(embedded_case):
         run = lambda: engine(model, "minp_kl", threshold=tau, max_steps=k)  # noqa: E731
         batched, single = run().score(requests), [run().score([r])[0] for r in requests]
         differing += [("score", tau, i) for i, (b, s) in enumerate(zip(batched, single))
-                      if _steps([b]) != _steps([s])]
+                      if exit_steps([b]) != exit_steps([s])]
         batched, single = run().generate(prompts, 4), [run().generate([p], 4)[0] for p in prompts]
         differing += [("generate", tau, i) for i, (b, s) in enumerate(zip(batched, single))
-                      if _steps([b]) != _steps([s]) or b.tokens != s.tokens]
+                      if exit_steps([b]) != exit_steps([s]) or b.tokens != s.tokens]
     assert not differing, f"batched and batch-size-1 runs disagree: {differing}"
 
 
@@ -293,7 +284,7 @@ def test_engine_matches_reference_loop(request, requests_16, prefill, warm_start
         assert [rec.position for rec in res.records] == scored
         assert [rec.exit_steps[0] for rec in res.records] == [ref[p][0] for p in scored]
         want = [float(ref[p][1][tokens[p + 1]]) for p in scored]
-        assert _close(res.logprobs, want), (res.logprobs, want)
+        assert logprobs_close(res.logprobs, want), (res.logprobs, want)
         exits.update(ref[p][0] for p in range(len(tokens) - 1))
     assert len(exits) >= 3 and min(exits) < K
 
@@ -320,7 +311,7 @@ def test_oracle_cache_is_as_if_the_token_exited(noisy_model, requests_16, mode):
                             noise_table=eng.noise.rows(0, len(tokens), x.dtype, x.device))
         assert [ref[p][0] for p in forced] == list(forced.values())
         want = [float(ref[p][1][tokens[p + 1]]) for p in forced]
-        assert _close(res.logprobs, want), (res.logprobs, want)
+        assert logprobs_close(res.logprobs, want), (res.logprobs, want)
     assert len(exits) >= 3 and min(exits) < K
 
 
@@ -338,15 +329,15 @@ def test_prefill_exit(noisy_model, requests_16):
     # … except at fixed depth, where exiting and prefilling are the same computation.
     f_full = engine(noisy_model, "fixed", threshold=7, prefill="full").score(reqs)
     f_exit = engine(noisy_model, "fixed", threshold=7, prefill="exit").score(reqs)
-    assert _steps(f_full) == _steps(f_exit)
+    assert exit_steps(f_full) == exit_steps(f_exit)
     for a, b in zip(f_full, f_exit):
-        assert _close(a.logprobs, b.logprobs)
+        assert logprobs_close(a.logprobs, b.logprobs)
 
 
 def test_warm_start_changes_the_start_and_batches(noisy_model, requests_16):
     cold = engine(noisy_model, "first_order", threshold=0.3, max_steps=K).score(requests_16)
     warm = engine(noisy_model, "first_order", threshold=0.3, max_steps=K, warm_start=True).score(requests_16)
-    assert _steps(cold) != _steps(warm)
+    assert exit_steps(cold) != exit_steps(warm)
     assert max(abs(x - y) for a, b in zip(cold, warm) for x, y in zip(a.logprobs, b.logprobs)) > 1e-3
     # The first position of a sequence has no predecessor: it starts cold in both runs.
     for (tokens, n_ctx), c, w in zip(requests_16, cold, warm):
@@ -444,7 +435,7 @@ def test_generation_stops(noisy_model):
             assert c.tokens == f.tokens[:j + 1] and c.stopped_by == "stop_id"
         else:
             assert c.tokens == f.tokens and c.stopped_by == "max_new_tokens"
-        assert _close(c.logprobs, f.logprobs[:len(c.tokens)]) and len(c.records) == len(c.tokens)
+        assert logprobs_close(c.logprobs, f.logprobs[:len(c.tokens)]) and len(c.records) == len(c.tokens)
     assert len(cut[0].tokens) == 3
     # stop callback: row-specific lengths; rows it never stops are unaffected.
     limits = {0: 1, 2: 4, 3: 6}

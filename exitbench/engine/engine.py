@@ -10,7 +10,8 @@ How a run moves (shared/DESIGN.md, "The engine, v2"):
   loop group runs one iteration for whatever tokens are in it (`TokenLoop`), whatever their rows, positions
   and iterations: a batch costs what its tokens' iterations cost, not what its slowest row's do.
 - A token that exits at iteration e has its KV entries at e copied into the slots above e: a later token
-  reading iteration i > e of that layer sees the exited token's deepest entry (Huginn's `latest`).
+  reading iteration i > e of that layer sees the exited token's deepest entry (Huginn's `latest`). With a KV
+  window (`kv_window`) each loop layer keeps c slots, reused every c iterations (models/cache.py has the rule).
 - Rows never see each other, and each position's initial-state noise depends only on (seed, position), so a
   batched run gives the answers of a batch-size-1 run, up to float rounding that the batch shape moves:
   batching is a speed choice, never a change of answer.
@@ -199,14 +200,15 @@ class Run:
         self.B = rows
         capacity = max(r.end for r in reqs) + 1
         self.clock = PhaseClock(self.model.device)
-        self.cache = self.model.new_cache(rows, capacity, [p.max_steps for p in engine.policies])
+        window = engine.config.kv_window
+        self.cache = self.model.new_cache(rows, capacity, [p.max_steps for p in engine.policies], window)
         self.inputs = torch.zeros(rows, capacity, engine.noise.dim, dtype=self.model.dtype,
                                   device=self.model.device) if teacher_forced else None
         self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
             if engine.config.warm_start else None
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
-                                record_signals=engine.config.record_signals, batch=rows)
+                                record_signals=engine.config.record_signals, batch=rows, window=window)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         self.defer = teacher_forced and not engine.policies[-1].needs_logits
         self.queue = deque(reqs)

@@ -46,11 +46,17 @@ class Leaving:
 
 class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
-                 readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int):
+                 readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
+                 window: int | None = None):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
         self.readout_steps, self.probe_is_final, self.record = readout_steps, probe_is_final, record_signals
         self.batch = batch
         self.K = policy.max_steps
+        self.window = window
+        # The oracle runs every token to K and settles on an earlier exit afterwards; under a KV window of
+        # fewer than K iterations the iterations past the exit have overwritten its entries by then, so it
+        # keeps each iteration's entries to put the exit's back.
+        self.keeps_entries = policy.retrospective and bool(window) and window < self.K and bool(group.attn_layers)
         self.vocab = model.output_size
         self.decodes = policy.needs_logits
         # Per place in the table: its token (None: free), iterations so far, hit streak, signals, first step.
@@ -117,6 +123,8 @@ class TokenLoop:
         self.clock.step(started, "core", self.index, n)
         self.k = [k + 1 for k in self.k]
         started = self.clock.start()
+        if self.keeps_entries:
+            self._oracle_keep_entries(cache)
         logits, leave = self._probe(ctx)
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
@@ -203,10 +211,41 @@ class TokenLoop:
     def _oracle_buffers(self, tokens: list[Token], s0: torch.Tensor) -> dict[str, torch.Tensor]:
         """Room for every iteration of new tokens: states, argmax, and the target's log-probability."""
         m, device = len(tokens), s0.device
-        return {"states": torch.zeros(m, self.K, s0.shape[-1], dtype=s0.dtype, device=device),
-                "top": torch.zeros(m, self.K, dtype=torch.long, device=device),
-                "picked": torch.zeros(m, self.K, dtype=torch.float64, device=device),
-                "target": torch.tensor([-1 if t.target is None else t.target for t in tokens], device=device)}
+        buffers = {"states": torch.zeros(m, self.K, s0.shape[-1], dtype=s0.dtype, device=device),
+                   "top": torch.zeros(m, self.K, dtype=torch.long, device=device),
+                   "picked": torch.zeros(m, self.K, dtype=torch.float64, device=device),
+                   "target": torch.tensor([-1 if t.target is None else t.target for t in tokens], device=device)}
+        if self.keeps_entries:  # (token, iteration, layer, key or value, head, dim)
+            heads, head_dim = self.model.cache_geometry()
+            buffers["kv"] = torch.zeros(m, self.K, len(self.group.attn_layers), 2, heads, head_dim,
+                                        dtype=self.model.dtype, device=device)
+        return buffers
+
+    def _oracle_keep_entries(self, cache: KVCache) -> None:
+        """Each token's KV entries of the iteration it just ran."""
+        at = [k - 1 for k in self.k]
+        entries = cache.entries(self.group.attn_layers, [t.row for t in self.tokens],
+                                [t.position for t in self.tokens], at)
+        device = entries.device
+        self.oracle["kv"][torch.arange(len(at), device=device), torch.tensor(at, device=device)] = entries
+
+    def _oracle_restore_entries(self, gone: list[int], steps: list[int], kept: torch.Tensor, cache: KVCache) -> None:
+        """Put back the entries of each settled token's last `window` iterations up to its exit (the window's
+        slots as a token that stopped there left them; `_leave` carries the exit's entry above it)."""
+        rows, positions, iterations, picks = [], [], [], []
+        for i, (j, e) in enumerate(zip(gone, steps)):
+            if e == self.K:
+                continue
+            token = self.tokens[j]
+            for it in range(max(0, e - self.window), e):
+                rows.append(token.row)
+                positions.append(token.position)
+                iterations.append(it)
+                picks.append(i * self.K + it)
+        if rows:
+            flat = kept.view(-1, *kept.shape[2:])
+            cache.put_entries(self.group.attn_layers, rows, positions, iterations,
+                              flat[torch.tensor(picks, device=kept.device)])
 
     def _oracle_record(self, logits: torch.Tensor) -> None:
         rows = torch.arange(len(self.tokens), device=logits.device)
@@ -222,6 +261,8 @@ class TokenLoop:
         record = {name: value[gone] for name, value in self.oracle.items()}
         steps = self.policy.exit_steps(record["top"], record["picked"], record["target"] >= 0)
         states = record["states"][torch.arange(len(gone)), steps - 1].unsqueeze(1)
+        if self.keeps_entries:
+            self._oracle_restore_entries(gone, steps.tolist(), record["kv"], cache)
         logits = None
         if self.probe_is_final:
             tokens = [self.tokens[j] for j in gone]

@@ -6,11 +6,24 @@ keys written at loop iteration i. Plain layers have one slot. When a token exits
 token's deepest entry of the same layer — Huginn's `latest` lookup (huginn-0125.md §3.3) — with plain
 indexing instead of a per-read search.
 
+A KV window of c iterations (Huginn's `compress-sN` with N = c × core layers; its vLLM plugin is c = 1)
+keeps c slots per loop layer as a rolling buffer: iteration i (counted from 1) writes and reads slot
+(i − 1) mod c, so a loop layer costs c slots whatever the depth. The rule a reader then follows: a token at
+iteration j finds, for each earlier token that ran e iterations of the loop,
+  - the entry of that token's latest iteration i ≤ e with i ≡ j (mod c), when it has one (always when e ≥ c:
+    those c iterations filled every slot, so there is nothing to carry);
+  - otherwise (e < c and (j − 1) mod c ≥ e) its deepest entry, iteration e: `carry_forward` fills slots
+    e … c − 1 with it, which is what Huginn's `latest` finds when it falls back from the missing slot.
+With c ≥ the loop's depth every iteration has its own slot and this is the full cache, bit for bit. Tokens
+that run in lockstep (the prefill, a chunk) read each other at the same iteration, exactly as without a
+window; a token decoded after them reads what their last laps left in the slot.
+
 Two ways in. `update` writes a chunk of consecutive positions (training, fixed-depth decoding, the prefill,
 and the engine whenever its tokens share one position and iteration) and reads back a view. `update_tokens`
 writes one token per row, each at its own position and slot, and gathers each token's keys: the engine's
 loop, whose rows advance independently. A (position, head, dim) block is contiguous, so that gather is one
-`index_select` over a flat view, shared by every layer of a step through the context's index.
+`index_select` over a flat view, shared by every layer of a step through the context's index. Callers
+always name loop iterations (0-based); the cache maps them to slots.
 """
 from __future__ import annotations
 
@@ -32,9 +45,13 @@ class TokenIndex:
 
 class KVCache:
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: dict[int, int],
-                 capacity: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 capacity: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 window: int | None = None):
+        """`slots`: slots per layer; `window`: the loop layers' slots are a rolling buffer of this many
+        iterations (their `slots` must then be at most `window`), None: one slot per iteration."""
         self.batch, self.n_heads, self.head_dim = batch, n_heads, head_dim
         self.slots = dict(slots)
+        self.window = window
         self.dtype, self.device = dtype, torch.device(device)
         self.capacity = 0
         self.k: dict[int, torch.Tensor] = {}
@@ -55,12 +72,18 @@ class KVCache:
                 store[layer] = grown
         self.capacity = new_cap
 
-    def update(self, layer: int, slot: int, rows: torch.Tensor | None, start: int,
+    def slot(self, iteration: int | torch.Tensor) -> int | torch.Tensor:
+        """The slot loop iteration `iteration` (0-based; an int, or a tensor of one per token) writes and reads.
+        Plain layers are always at iteration 0, slot 0."""
+        return iteration % self.window if self.window else iteration
+
+    def update(self, layer: int, iteration: int, rows: torch.Tensor | None, start: int,
                k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (b, H, T, D) at positions start… of `rows` (None: every row, in order); return keys and
-        values of positions 0 … start+T, (b, H, start+T, D)."""
+        """Write k, v (b, H, T, D) of loop iteration `iteration` at positions start… of `rows` (None: every row,
+        in order); return keys and values of positions 0 … start+T there, (b, H, start+T, D)."""
         end = start + k.shape[2]
         self.ensure(end)
+        slot = self.slot(iteration)
         K, V = self.k[layer][slot], self.v[layer][slot]
         if rows is None:
             K[:, start:end] = k.transpose(1, 2)
@@ -70,11 +93,15 @@ class KVCache:
         V[rows, start:end] = v.transpose(1, 2)
         return K[rows, :end].transpose(1, 2), V[rows, :end].transpose(1, 2)
 
-    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | int,
+    def _flat(self, rows: torch.Tensor, positions: torch.Tensor | int, iterations: torch.Tensor | int) -> torch.Tensor:
+        """Rows of a layer's flat (slots·batch·capacity) view: each token's entry of its iteration."""
+        return (self.slot(iterations) * self.batch + rows) * self.capacity + positions
+
+    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, iterations: torch.Tensor | int,
                     length: int, mask: torch.Tensor | None) -> TokenIndex:
-        """The flat rows one token per entry of `rows` writes (at its position and slot) and reads (its row's
-        positions 0 … length − 1 at its slot)."""
-        base = (slots * self.batch + rows) * self.capacity
+        """The flat rows one token per entry of `rows` writes (at its position, in its iteration's slot) and
+        reads (its row's positions 0 … length − 1 in that slot)."""
+        base = self._flat(rows, 0, iterations)
         read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
         return TokenIndex(base + positions, read, length, mask)
 
@@ -92,8 +119,10 @@ class KVCache:
 
     def carry_forward(self, layers: list[int], rows: torch.Tensor | list[int] | int | None,
                       positions: list[int] | int, last_slots: list[int] | int) -> None:
-        """Tokens exited: make the slots after each one's `last_slot` of `layers` at its position equal its
-        entry at `last_slot`. Ints broadcast over tokens; `rows` None means every row."""
+        """Tokens exited after iteration last_slot + 1: make the slots after each one's `last_slot` of `layers`
+        at its position equal its entry at `last_slot`. Ints broadcast over tokens; `rows` None means every
+        row. Under a window a token whose iterations reached the last slot has filled every slot: nothing to
+        carry (its entries there are its latest of each residue)."""
         if rows is None:
             rows = list(range(self.batch))
         elif isinstance(rows, torch.Tensor):
@@ -105,7 +134,7 @@ class KVCache:
         rows, positions, last_slots = (rows * n if len(rows) == 1 else rows), expand(positions), expand(last_slots)
         if n == 1:  # one token: two slice copies per layer beat building index tensors
             (b,), (p,), (last,) = rows, positions, last_slots
-            for layer in layers:
+            for layer in [layer for layer in layers if last + 1 < self.slots[layer]]:
                 for store in (self.k, self.v):
                     store[layer][last + 1:, b, p] = store[layer][last, b, p]
             return
@@ -126,6 +155,22 @@ class KVCache:
                 for store in (self.k, self.v):
                     flat = store[layer].view(-1, self.n_heads, self.head_dim)
                     flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def entries(self, layers: list[int], rows: list[int], positions: list[int], iterations: list[int]
+                ) -> torch.Tensor:
+        """(n, layers, 2, H, D): the key and value each token's iteration left in its slot of each layer."""
+        at = self._flat(*(torch.tensor(x, device=self.device) for x in (rows, positions, iterations)))
+        return torch.stack([torch.stack([store[layer].view(-1, self.n_heads, self.head_dim).index_select(0, at)
+                                         for store in (self.k, self.v)], 1) for layer in layers], 1)
+
+    def put_entries(self, layers: list[int], rows: list[int], positions: list[int], iterations: list[int],
+                    entries: torch.Tensor) -> None:
+        """Write back what `entries` read (n, layers, 2, H, D): each token's entries of its iteration, in that
+        iteration's slot."""
+        at = self._flat(*(torch.tensor(x, device=self.device) for x in (rows, positions, iterations)))
+        for j, layer in enumerate(layers):
+            for i, store in enumerate((self.k, self.v)):
+                store[layer].view(-1, self.n_heads, self.head_dim).index_copy_(0, at, entries[:, j, i])
 
     def entry(self, layer: int, slot: int, row: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value (H, D) a reader at `slot` finds for `row`'s token at `position`."""

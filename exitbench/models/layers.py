@@ -28,8 +28,8 @@ class AttnContext:
     row's keys 0 … its position (`length` = 1 + the largest position; `key_mask` hides the rest, None when
     every token sits at length − 1). The exit engine's loop, where rows advance independently. `index` is
     where those tokens write and read at this slot, computed once and shared by the layers of a step.
-    `slot` is the loop iteration whose KV entry a layer writes and reads (0 outside loops): an int shared by
-    every token, or in token mode one per token.
+    `slot` is the loop iteration (0-based) whose KV entry a layer writes and reads (0 outside loops; the cache
+    maps it to a slot of its own): an int shared by every token, or in token mode one per token.
     """
 
     start: int = 0

@@ -142,22 +142,25 @@ class LoopedLM(nn.Module):
         """Unique parameters: a tied head counts once, buffers not at all."""
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
-    def cache_slots(self, max_steps: Sequence[int] | None = None) -> dict[int, int]:
+    def cache_slots(self, max_steps: Sequence[int] | None = None, window: int | None = None) -> dict[int, int]:
         """Cache slots per attention layer: one per loop iteration up to each group's `max_steps` (or the given
-        ones) for a loop group's layers, one for a plain layer's."""
+        ones) for a loop group's layers, at most `window` of them (a rolling buffer, models/cache.py), and one
+        for a plain layer's."""
         groups = self.loop_groups()
         steps = list(max_steps) if max_steps is not None else [g.max_steps for g in groups]
-        depth = {id(group): n for group, n in zip(groups, steps)}
+        depth = {id(group): min(n, window) if window else n for group, n in zip(groups, steps)}
         slots: dict[int, int] = {}
         for stage in self.stages():
             n = depth.get(id(stage), 1)
             slots.update({layer: max(n, 1) for layer in stage.attn_layers})
         return slots
 
-    def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None) -> KVCache:
-        """A cache with cache_slots(max_steps) slots per layer, for `batch` rows of `capacity` positions."""
+    def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None,
+                  window: int | None = None) -> KVCache:
+        """A cache with cache_slots(max_steps, window) slots per layer, for `batch` rows of `capacity` positions."""
         n_heads, head_dim = self.cache_geometry()
-        return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps), capacity, self.dtype, self.device)
+        return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps, window), capacity, self.dtype,
+                       self.device, window)
 
     def resolve_steps(self, num_steps: int | Sequence[int] | None) -> list[int]:
         groups = self.loop_groups()
@@ -170,6 +173,8 @@ class LoopedLM(nn.Module):
         return list(num_steps)
 
     def _check_cache_depth(self, cache: KVCache, steps: list[int]) -> None:
+        if cache.window:  # a rolling buffer takes any depth
+            return
         for group, r in zip(self.loop_groups(), steps):
             slots = cache.slots[group.attn_layers[0]] if group.attn_layers else r
             if r > slots:

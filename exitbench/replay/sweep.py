@@ -71,6 +71,9 @@ def check_replayable(cfg: SweepConfig) -> None:
     if cfg.exit.get("prefill", "full") != "full" or cfg.exit.get("warm_start"):
         raise ExitbenchError("--replay records prompts at full depth and every token from its own initial state; "
                              "it cannot replay --prefill exit or --warm-start (run those cells without --replay)")
+    if cfg.exit.get("kv_window"):
+        raise ExitbenchError("--replay records every position with one KV slot per iteration; it cannot replay "
+                             "--kv-window (run those cells without --replay)")
 
 
 def _load_tasks(tasks: TaskSet, indices: list[int], cfg: SweepConfig) -> dict:

@@ -122,8 +122,7 @@ def compare(replay_cell: dict, exact_cell: dict, replay_stats: list[dict], exact
     se = se if isinstance(se, (int, float)) else None  # lm-eval reports "N/A" where a metric has no stderr
     it_r, it_e = replay_cell["iterations"]["mean"], exact_cell["iterations"]["mean"]
     generation = replay_cell.get("replay", {}).get("generation")
-    return {"task": name, "metric": exact_cell["quality"]["metric"], "policy": exact_cell["policy"]["policy"]
-            + ("-rel" if exact_cell["policy"].get("relative") else ""),
+    return {"task": name, "metric": exact_cell["quality"]["metric"], "policy": cells.series(exact_cell["policy"]),
             "threshold": exact_cell["policy"]["threshold"], "quality_replay": q_r, "quality_exact": q_e,
             "stderr_exact": se,
             "quality_within_stderr": None if q_r is None or q_e is None else abs(q_r - q_e) <= (se or 0.0) + 1e-12,

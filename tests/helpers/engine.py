@@ -310,6 +310,20 @@ def kl_rule(tau: float):
     return rule
 
 
+# ---- comparing engine results -----------------------------------------------------------------------
+
+LOGP_TOL = 1e-5  # batching and the reference loops agree on log-probabilities within this
+
+
+def logprobs_close(a, b, tol=LOGP_TOL) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+def exit_steps(results) -> list[list[list[int]]]:
+    """Each request's tokens' exit steps per loop group."""
+    return [[rec.exit_steps for rec in r.records] for r in results]
+
+
 # ---- workloads and threshold choice for the batching tests ------------------------------------------
 
 def mixed_requests(n: int = 16, seed: int = 0, vocab: int = 100, min_len: int = 2, max_len: int = 9):
