@@ -252,6 +252,25 @@ def wide_model(config, n_embd: int):
     return model.eval()
 
 
+def exit_model_file() -> str:
+    """An exit model of the shape `exitbench fit-exit` writes by default (an MLP of 32 on every feature), with
+    random weights: what a probe costs does not depend on them."""
+    import json
+    import tempfile
+
+    from exitbench.fit_exit import MLP_HIDDEN
+    from exitbench.policies.learned import FEATURES, SCHEMA, SCHEMA_VERSION
+
+    g = torch.Generator().manual_seed(0)
+    n = len(FEATURES)
+    raw = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "kind": "mlp", "features": list(FEATURES),
+           "mean": [0.0] * n, "scale": [1.0] * n, "hidden_weights": torch.randn(MLP_HIDDEN, n, generator=g).tolist(),
+           "hidden_bias": [0.0] * MLP_HIDDEN, "weights": torch.randn(MLP_HIDDEN, generator=g).tolist(), "bias": 0.0}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(raw, fh)
+    return fh.name
+
+
 def probe_cost(ck, K, progs, repeats, width, quick, figures):
     wide = wide_model(ck.model.config, width)
     work = [(p[:12], 1) for p in progs[:1]] if quick else [(p[:16], 1) for p in progs[:4]]
@@ -264,6 +283,7 @@ def probe_cost(ck, K, progs, repeats, width, quick, figures):
         # min_steps = max: the rule computes its signal and decides every iteration, and no token leaves early.
         engines[f"{policy}{' (relative)' if relative else ''}"] = ExitEngine(
             wide, ExitConfig(policy, relative=relative, min_steps=K))
+    engines["learned (mlp)"] = ExitEngine(wide, ExitConfig("learned", exit_model=exit_model_file(), min_steps=K))
     for name, e in engines.items():
         assert abs(run(e, work[:1], 1)[1] - K) < 1e-9, f"{name} fired: the probe bench needs all {K} iterations"
     for e in engines.values():

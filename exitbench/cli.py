@@ -21,6 +21,7 @@ if not console.is_terminal:
     console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
 
+DataDirOpt = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks.")
 CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
                              help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torch_dtype), float32, bfloat16 or "
@@ -383,7 +384,7 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
              task: Optional[str] = typer.Option(None, "--task", "-t", help="Measure on this lm-eval task's documents."),
              text: Optional[str] = typer.Option(None, "--text", help="Measure on this text file (blank-line "
                                                 "separated documents)."),
-             data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+             data_dir: Optional[str] = DataDirOpt,
              steps: Optional[int] = typer.Option(None, "--steps", "-n", help="Iterations per loop group "
                                                  "[the group's max]."),
              tokens: int = typer.Option(4096, "--tokens", help="Tokens of --task/--text to measure on."),
@@ -462,7 +463,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
                                                  "documents."),
               text: Optional[str] = typer.Option(None, "--text", help="Calibrate on this text file (blank-line "
                                                  "separated documents)."),
-              data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+              data_dir: Optional[str] = DataDirOpt,
               tokens: int = typer.Option(8192, "--tokens", help="Tokens of --task/--text to use."),
               programs: int = typer.Option(256, "--programs", help="Held-out programs (chains-trained "
                                            "checkpoints, no --task/--text)."),
@@ -514,7 +515,7 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
                                                 "(else validation) split, never the split it evaluates."),
              text: Optional[str] = typer.Option(None, "--text", help="Fit on this text file (blank-line separated "
                                                 "documents)."),
-             data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks."),
+             data_dir: Optional[str] = DataDirOpt,
              limit: int = typer.Option(256, "--limit", help="Documents (or held-out programs) to fit on."),
              tokens: int = typer.Option(65536, "--tokens", help="Cap on the tokens of those documents."),
              disjoint_from: Optional[str] = typer.Option(None, "--disjoint-from", help="Drop documents that begin "

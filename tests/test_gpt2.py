@@ -658,7 +658,7 @@ def test_flops_count_each_later_group_at_its_readout_depth(gpt2):
 
 # ---- the embedded tiny-looped-gpt2 ---------------------------------------------------------------------------
 
-@pytest.mark.slow  # 27 s: eleven policies, each batched and one request at a time, on the shipped model; the
+@pytest.mark.slow  # 27 s: twelve policies, each batched and one request at a time, on the shipped model; the
 # same property on the random model (test_every_policy_batched_equals_one_at_a_time) stays fast
 def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
     """On the shipped model and real GSM8K text, with thresholds where exits differ per token and per group.

@@ -13,13 +13,14 @@ same quantities one step back:
     log_second       log ‖Δ_k − Δ_{k−1}‖               (second_order)
     log_magnitude    log |‖Δ_k‖ − ‖Δ_{k−1}‖|           (second_order_magnitude)
     cos              cos(Δ_k, Δ_{k−1})                 (is the step still turning?)
-    log_contraction  log ‖Δ_k‖ / ‖Δ_1‖                 (how far the step has shrunk since the first)
+    log_contraction  log ‖Δ_k‖ / max_j≤k ‖Δ_j‖         (how far the step has shrunk from its largest)
     prev_*           the six above at k − 1            (a trend, which patience approximates for the others)
 
-Δ_0 is taken as 0 (so at k = 1 the second-order terms equal the step and cos is 0) and the lagged features at
-k = 1 repeat the current ones; `log_k` tells the model that it is looking at the first iteration. Every term is
-a norm or a dot product of (n, d) states, the rest is arithmetic on (n,) numbers, so the probe costs about
-what second_order's does plus one dot product (bench/RESULTS.md measures it at n_embd 1024).
+Norms and dot products come from one Gram matrix of (s_k, Δ_k, Δ_{k−1}) in float64 (the steps themselves are
+differences in the state's dtype, as the other latent rules take them). Δ_0 is taken as 0 (so at k = 1 the second-order terms equal the step and
+cos is 0) and the lagged features at k = 1 are 0; `log_k` tells the model that it is looking at the first
+iteration. One batched product reads the (n, d) states, the rest is arithmetic on (n,) numbers
+(bench/RESULTS.md measures the probe at n_embd 1024).
 """
 from __future__ import annotations
 
@@ -36,36 +37,62 @@ from ..errors import ExitbenchError
 from .base import ExitPolicy, Memory, register
 
 SCHEMA, SCHEMA_VERSION = "exitbench.exit_model", 1
-CURRENT = ("log_step", "log_rel_step", "log_second", "log_magnitude", "cos", "log_contraction")
+CURRENT = ("log_step", "log_rel_step", "log_second", "log_magnitude", "log_contraction", "cos")
 FEATURES = ("log_k",) + CURRENT + tuple(f"prev_{name}" for name in CURRENT)
 # Norms below this are zero for the logs: float32 states round at ~1e-7 of ‖s‖, far above it, so only an
 # exactly repeated state reaches the floor.
 FLOOR = 1e-12
 
 
+def _gram_map() -> torch.Tensor:
+    """(9, 5): the Gram matrix of (s_k, Δ_k, Δ_{k−1}), flattened, to ‖s_k‖², ‖Δ_k‖², ‖Δ_{k−1}‖²,
+    ‖Δ_k − Δ_{k−1}‖² and Δ_k · Δ_{k−1}: every norm and dot product the features need is a linear function of
+    its entries, so one batched matrix product gives them all."""
+    columns = [{(0, 0): 1}, {(1, 1): 1}, {(2, 2): 1}, {(1, 1): 1, (1, 2): -2, (2, 2): 1}, {(1, 2): 1}]
+    out = torch.zeros(9, len(columns), dtype=torch.float64)
+    for c, terms in enumerate(columns):
+        for (i, j), weight in terms.items():  # split evenly between (i, j) and (j, i) of the symmetric Gram
+            out[3 * i + j, c] += weight / 2
+            out[3 * j + i, c] += weight / 2
+    return out
+
+
+GRAM = _gram_map()
+# Logs of (k, step, size, second, |step − step_prev|, largest step) → log_k and CURRENT's five logs, in order.
+LOGS = torch.tensor([[1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 1], [0, 0, -1, 0, 0, 0], [0, 0, 0, 1, 0, 0],
+                     [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, -1]], dtype=torch.float64)
+
+
 def features(s: torch.Tensor, memory: Memory) -> torch.Tensor:
-    """Every feature of FEATURES for tokens at new states s (n, d), float64 (n, F); updates `memory`."""
-    delta, delta_prev = s - memory["prev"], memory["delta"]
-    step, second, size = torch.linalg.vector_norm(torch.stack([delta, delta - delta_prev, s]), dim=-1).double()
-    dot = torch.linalg.vecdot(delta, delta_prev).double()
-    step_prev = memory["step"]
+    """Every feature of FEATURES for tokens at new states s (n, d), float64 (n, F); updates `memory`.
+
+    About 25 small tensor ops whatever d is (one batched Gram product reads the states): on a lone token each
+    op is mostly dispatch, so their count is what the probe costs, and it is kept low on purpose."""
+    n = s.shape[0]
+    delta = s - memory["prev"]
+    x = torch.stack([s, delta, memory["delta"]], 1).double()
+    q = torch.bmm(x, x.transpose(1, 2)).view(n, 9) @ _on(GRAM, s)
+    size, step, step_prev, second, _ = q.clamp_min(0).sqrt().unbind(1)
     k = memory["k"] + 1
-    first = torch.where(k == 1, step, memory["first"])
-    floor = lambda x: x.clamp_min(FLOOR)  # noqa: E731
-    both = step * step_prev
-    cos = (dot / torch.where(both > 0, both, torch.ones_like(both))).clamp(-1.0, 1.0)  # 0 where a step is 0
-    current = torch.stack([floor(step).log(), (floor(step) / floor(size)).log(), floor(second).log(),
-                           floor((step - step_prev).abs()).log(), cos, (floor(step) / floor(first)).log()], 1)
+    largest = torch.maximum(memory["largest"], step)
+    # 0 where a step is 0 (Δ_0 at k = 1): its Gram entries, and so the dot product, are exactly 0.
+    cos = (q[:, 4] / (step * step_prev).clamp_min(torch.finfo(torch.float64).tiny)).clamp(-1.0, 1.0)
+    logs = torch.stack([k, step, size, second, (step - step_prev).abs(), largest], 1).clamp_min(FLOOR).log()
     # A non-finite state gives NaN features and so a NaN risk, which never passes a threshold (as elsewhere).
-    lag = torch.where((k == 1).unsqueeze(1), current, memory["lag"])
-    memory.update(prev=s, delta=delta, step=step, first=first, k=k, lag=current)
-    return torch.cat([k.log().unsqueeze(1), current, lag], 1)
+    f = torch.cat([logs @ _on(LOGS, s), cos.unsqueeze(1), memory["lag"]], 1)
+    memory.update(prev=s, delta=delta, largest=largest, k=k, lag=f[:, 1:1 + len(CURRENT)])
+    return f
+
+
+def _on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t if t.device == like.device else t.to(like.device)
 
 
 def start_memory(s0: torch.Tensor) -> Memory:
+    """Δ_0 = 0; the lagged features start at 0."""
     n = s0.shape[0]
     zeros = torch.zeros(n, dtype=torch.float64, device=s0.device)
-    return {"prev": s0, "delta": torch.zeros_like(s0), "step": zeros, "first": zeros, "k": zeros,
+    return {"prev": s0, "delta": torch.zeros_like(s0), "largest": zeros, "k": zeros,
             "lag": torch.zeros(n, len(CURRENT), dtype=torch.float64, device=s0.device)}
 
 
@@ -86,13 +113,15 @@ class ExitModel:
         first = torch.tensor(raw["hidden_weights"] if self.kind == "mlp" else [raw["weights"]], dtype=torch.float64)
         first_bias = torch.tensor(raw["hidden_bias"] if self.kind == "mlp" else [raw["bias"]], dtype=torch.float64)
         folded = first / scale
+        # Signs folded in too: the risk is sigmoid(−z), so the last layer is stored negated.
+        last = 1.0 if self.kind == "mlp" else -1.0
         self.first = torch.zeros(len(FEATURES), first.shape[0], dtype=torch.float64)
         for name, i in index.items():
-            self.first[FEATURES.index(name)] = folded[:, i]
-        self.first_bias = first_bias - folded @ mean
+            self.first[FEATURES.index(name)] = last * folded[:, i]
+        self.first_bias = last * (first_bias - folded @ mean)
         if self.kind == "mlp":
-            self.out = torch.tensor(raw["weights"], dtype=torch.float64)
-            self.out_bias = float(raw["bias"])
+            self.out = -torch.tensor(raw["weights"], dtype=torch.float64)
+            self.out_bias = -torch.tensor(float(raw["bias"]), dtype=torch.float64)
         self.checkpoint = raw.get("checkpoint", {})
 
     def risk(self, f: torch.Tensor) -> torch.Tensor:
@@ -100,10 +129,11 @@ class ExitModel:
         if self.first.device != f.device:
             self.first, self.first_bias = self.first.to(f.device), self.first_bias.to(f.device)
             if self.kind == "mlp":
-                self.out = self.out.to(f.device)
+                self.out, self.out_bias = self.out.to(f.device), self.out_bias.to(f.device)
         z = torch.addmm(self.first_bias, f, self.first)
-        z = torch.tanh(z) @ self.out + self.out_bias if self.kind == "mlp" else z[:, 0]
-        return torch.sigmoid(-z)
+        if self.kind == "mlp":
+            return torch.sigmoid(torch.addmv(self.out_bias, torch.tanh(z), self.out))
+        return torch.sigmoid(z.squeeze(1))
 
 
 def load_exit_model(path: str | Path) -> ExitModel:

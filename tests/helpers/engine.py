@@ -70,23 +70,22 @@ def knobs_for(policy: str) -> dict:
 def learned_risk(states: np.ndarray, model: dict = TEST_EXIT_MODEL) -> np.ndarray:
     """The learned rule's signal after iterations 1 … K, from s_0 … s_K, restated from the feature
     definitions in exitbench/policies/learned.py's docstring (Δ_0 = 0, logs floored at 1e-12, lags at k = 1
-    repeating the current values)."""
+    zero), with each norm taken directly in float64."""
     floor = 1e-12
-    s = states.astype(np.float32)
+    s = states.astype(np.float32).astype(np.float64)
     K = s.shape[0] - 1
-    norm = lambda v: float(np.sqrt(np.sum(v.astype(np.float64) ** 2)))  # noqa: E731
+    norm = lambda v: float(np.sqrt(np.sum(v ** 2)))  # noqa: E731
     log = lambda v: math.log(max(v, floor))  # noqa: E731
-    prev_delta, prev_step, first, lag = np.zeros_like(s[0]), 0.0, None, None
+    prev_delta, prev_step, largest, lag = np.zeros_like(s[0]), 0.0, 0.0, [0.0] * 6
     out = np.empty(K)
     for k in range(1, K + 1):
         delta = s[k] - s[k - 1]
         step = norm(delta)
-        first = step if k == 1 else first
+        largest = max(largest, step)
         both = step * prev_step
-        cos = float(delta.astype(np.float64) @ prev_delta.astype(np.float64)) / both if both > 0 else 0.0
-        current = [log(step), log(max(step, floor) / max(norm(s[k]), floor)), log(norm(delta - prev_delta)),
-                   log(abs(step - prev_step)), max(-1.0, min(1.0, cos)), log(max(step, floor) / max(first, floor))]
-        lag = current if k == 1 else lag
+        cos = float(delta @ prev_delta) / both if both > 0 else 0.0
+        current = [log(step), log(step) - log(norm(s[k])), log(norm(delta - prev_delta)),
+                   log(abs(step - prev_step)), max(-1.0, min(1.0, cos)), log(step) - log(largest)]
         f = np.array([math.log(k)] + current + lag)
         lag, prev_delta, prev_step = current, delta, step
         named = dict(zip(LEARNED_FEATURES, f))
