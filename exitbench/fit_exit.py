@@ -107,6 +107,9 @@ class Rows:
 
 def record_rows(model, docs: Sequence[list[int]], seed: int, batch_size: int,
                 on_batch: Callable[[], None] | None = None) -> Rows:
+    """Every predicted position of `docs`, teacher-forced, at every iteration of every loop group (a group's
+    trajectory with the others at full depth, as the replay recorder takes it); tokens with a non-finite state
+    or readout are left out."""
     from .replay.recording import Recorder, Sequence_
 
     groups = model.loop_groups()
