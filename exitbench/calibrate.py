@@ -162,7 +162,8 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
     ≥ 1 − δ; report every threshold's calibration risk, p-value and mean iterations, and the chosen one's
     risk on held-out documents. With `replay`, every threshold's predictions come from one recording pass
     per split (exitbench.replay: every position's context at full depth, where the exact run reads an exited
-    token's own depth), instead of one exact run per threshold."""
+    token's own depth), instead of one exact run per threshold. Under a KV window (`kv_window`) the reference is
+    full depth under the same window: the risk is what the exits cost in the cache regime that will serve."""
     check_calibratable(config.policy)
     for name, value in (("epsilon", epsilon), ("delta", delta)):
         if not isinstance(value, (int, float)) or not 0 < value < 1:
@@ -173,6 +174,9 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
         raise ExitbenchError(f"calibrate: --batch-size must be ≥ 1, got {batch_size}")
     if not thresholds:
         raise ExitbenchError(f"calibrate: policy {config.policy!r} has no threshold grid; pass --thresholds")
+    if replay and config.kv_window:
+        raise ExitbenchError("calibrate: --replay records one KV slot per iteration and cannot replay --kv-window; "
+                             "calibrate under a window without --replay")
     engines = {tau: ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "threshold": tau}))
                for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
     cal, test = split([list(d) for d in docs], test_fraction, seed)
@@ -225,6 +229,7 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
         held_out = {"documents": len(test), "risk": sum(losses) / len(losses),
                     "mean_iterations": sum(test_iters) / len(test_iters)}
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "config": config.to_dict(),
+            "reference": reference.config.to_dict(),
             "mode": "replay" if replay else "exact",
             "epsilon": epsilon, "delta": delta, "loss": "share of a document's scored tokens whose exit prediction "
             "differs from full depth", "documents": {"calibration": len(cal), "held_out": len(test)},

@@ -450,7 +450,8 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
 
 @app.command()
 @one_line_errors
-@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", "exit_model", policy="second_order")
+@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", "exit_model", "kv_window",
+            policy="second_order")
 def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's "
                                             "tokens whose prediction differs from full depth."),
               delta: float = typer.Option(0.1, "--delta", help="Allowed probability that the chosen threshold's "

@@ -173,6 +173,20 @@ def test_replay_calibration_reads_every_threshold_from_one_recording():
     assert replayed["chosen"] == exact["chosen"]
 
 
+def test_calibration_under_a_kv_window_compares_with_full_depth_under_the_same_window():
+    model = tiny(init_scale=1.0)
+    docs = _docs(12, 6, 0)
+    config = ExitConfig("first_order", max_steps=8, kv_window=2)
+    rep = calibrate(model, docs, config, [1e-30, 3.0], epsilon=0.3, delta=0.2, test_fraction=0.25, seed=3)
+    assert rep["config"]["kv_window"] == 2
+    assert rep["reference"]["policy"] == "fixed" and rep["reference"]["threshold"] == 8
+    assert rep["reference"]["kv_window"] == 2
+    # τ = 1e-30 never fires: full depth under the window, the reference itself, so no token disagrees.
+    assert rep["thresholds"][0]["risk"] == 0 and rep["thresholds"][0]["mean_iterations"] == 8
+    with pytest.raises(ExitbenchError, match="cannot replay --kv-window"):
+        calibrate(model, docs, config, [0.3], epsilon=0.3, delta=0.2, replay=True)
+
+
 @pytest.mark.parametrize("kwargs,words", [
     (dict(epsilon=0.0), ["--epsilon", "between 0 and 1"]),
     (dict(epsilon=1.5), ["--epsilon"]),
