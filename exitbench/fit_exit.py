@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cells
 from .errors import ExitbenchError
 from .files import atomic_write
 from .policies import ExitPolicy
@@ -205,16 +205,8 @@ def log_loss(y: np.ndarray, risk: np.ndarray) -> float:
 
 def auc(y: np.ndarray, score: np.ndarray) -> float:
     """Area under the ROC curve of `score` for y = 1 (Mann–Whitney, ties counted half)."""
-    order = np.argsort(score, kind="mergesort")
-    ranks = np.empty(len(score))
-    s = score[order]
-    i = 0
-    while i < len(s):  # average ranks over ties
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
+    _, tie, counts = np.unique(score, return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - (counts - 1) / 2)[tie]  # 1-based ranks, averaged over each tie
     pos = y == 1
     n1, n0 = pos.sum(), (~pos).sum()
     if n1 == 0 or n0 == 0:
@@ -229,13 +221,11 @@ def exits_by_threshold(rows: Rows, risk: np.ndarray, thresholds: Sequence[float]
     token, k, changed, r = rows.token[order], rows.k[order], rows.changed[order], risk[order]
     starts = np.flatnonzero(np.r_[True, token[1:] != token[:-1]])
     ends = np.r_[starts[1:], len(token)]
+    row = np.arange(len(token))
+    last = np.repeat(ends - 1, ends - starts)  # each row's token's last iteration: the exit when none hits
     out = []
     for tau in thresholds:
-        hit = r < tau
-        exit_idx = np.empty(len(starts), dtype=np.int64)
-        for j, (a, b) in enumerate(zip(starts, ends)):
-            first = np.flatnonzero(hit[a:b])
-            exit_idx[j] = a + (first[0] if len(first) else b - a - 1)
+        exit_idx = np.minimum.reduceat(np.where(r < tau, row, last), starts)
         out.append({"threshold": tau, "mean_iterations": float(k[exit_idx].mean()),
                     "disagreement": float(changed[exit_idx].mean())})
     return out
@@ -308,8 +298,9 @@ def documents_digest(docs: Sequence[list[int]]) -> str:
 
 def write_exit_model(content: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda fh: json.dump({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **content}, fh,
-                                            indent=2))
+    # Strict JSON, as cells are: an undefined metric (AUC with one class only) is written as null.
+    raw = cells.strict({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **content})
+    atomic_write(path, lambda fh: json.dump(raw, fh, indent=2, allow_nan=False))
     load_exit_model(path)  # what was written must read back as a valid exit model
     return path
 
@@ -320,23 +311,12 @@ def check_fitted_for(ck, exit_model: str | None) -> None:
         return
     from .identity import checkpoint_identity
 
-    fitted = load_exit_model(exit_model).checkpoint.get("fingerprint")
+    fitted = load_exit_model(exit_model).checkpoint
     here = checkpoint_identity(ck.path).short
-    if fitted != here:
-        raise ExitbenchError(f"--exit-model {exit_model} was fitted on checkpoint {fitted} "
-                             f"({load_exit_model(exit_model).checkpoint.get('path')}), not on {ck.path} ({here}); "
+    if fitted.get("fingerprint") != here:
+        raise ExitbenchError(f"--exit-model {exit_model} was fitted on checkpoint {fitted.get('fingerprint')} "
+                             f"({fitted.get('path')}), not on {ck.path} ({here}); "
                              f"fit one for it with `exitbench fit-exit -c {ck.path}`")
-
-
-def nan_safe(value: Any) -> Any:
-    """JSON has no NaN: a metric that is undefined (one class only) is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nan_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [nan_safe(v) for v in value]
-    return value
 
 
 def provenance(ck, source: dict[str, Any], docs: Sequence[list[int]], disjoint: dict[str, Any], seed: int

@@ -71,7 +71,8 @@ def features(s: torch.Tensor, memory: Memory) -> torch.Tensor:
     n = s.shape[0]
     delta = s - memory["prev"]
     x = torch.stack([s, delta, memory["delta"]], 1).double()
-    q = torch.bmm(x, x.transpose(1, 2)).view(n, 9) @ _on(GRAM, s)
+    gram, logs_map = _maps(s.device)
+    q = torch.bmm(x, x.transpose(1, 2)).view(n, 9) @ gram
     size, step, step_prev, second, _ = q.clamp_min(0).sqrt().unbind(1)
     k = memory["k"] + 1
     largest = torch.maximum(memory["largest"], step)
@@ -79,13 +80,15 @@ def features(s: torch.Tensor, memory: Memory) -> torch.Tensor:
     cos = (q[:, 4] / (step * step_prev).clamp_min(torch.finfo(torch.float64).tiny)).clamp(-1.0, 1.0)
     logs = torch.stack([k, step, size, second, (step - step_prev).abs(), largest], 1).clamp_min(FLOOR).log()
     # A non-finite state gives NaN features and so a NaN risk, which never passes a threshold (as elsewhere).
-    f = torch.cat([logs @ _on(LOGS, s), cos.unsqueeze(1), memory["lag"]], 1)
+    f = torch.cat([logs @ logs_map, cos.unsqueeze(1), memory["lag"]], 1)
     memory.update(prev=s, delta=delta, largest=largest, k=k, lag=f[:, 1:1 + len(CURRENT)])
     return f
 
 
-def _on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t if t.device == like.device else t.to(like.device)
+@lru_cache(maxsize=None)
+def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRAM and LOGS on `device`, copied there once rather than at every iteration."""
+    return GRAM.to(device), LOGS.to(device)
 
 
 def start_memory(s0: torch.Tensor) -> Memory:
