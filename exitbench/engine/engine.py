@@ -74,7 +74,9 @@ class ExitEngine:
         self.readout_steps = [min(g.default_steps, p.max_steps) for g, p in zip(self.groups, self.policies)]
         self.noise = PositionNoise(self.config.seed, self._state_dim())
         self.flops = FlopModel(model, self.readout_steps)
-        self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens"), 0.0)
+        # Seconds per phase and in all, tokens recorded, and loop steps run (batched iterations: with rows
+        # advancing on their own, the steps a run takes are what its time follows on a dispatch-bound device).
+        self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens", "steps"), 0.0)
 
     def _state_dim(self) -> int:
         return self.model.embed(torch.zeros(1, 1, dtype=torch.long, device=self.model.device)).shape[-1]
@@ -162,6 +164,7 @@ class ExitEngine:
             self.stats[phase] += seconds
         self.stats["wall"] += time.perf_counter() - wall
         self.stats["tokens"] += run.n_records
+        self.stats["steps"] += run.steps
 
 
 class WarmStarts:
@@ -222,6 +225,7 @@ class Run:
         self.finished: list[tuple[TokenRecord, int]] = []
         self.uids = iter(range(1 << 62))
         self.on_request, self.requests_done = on_request, 0
+        self.steps = 0
 
     @property
     def n_records(self) -> int:
@@ -239,6 +243,7 @@ class Run:
                 break
             for g, loop in enumerate(self.loops):
                 if len(loop):
+                    self.steps += 1
                     out = loop.step(self.cache)
                     if out is not None:
                         self.leave(g, out)

@@ -197,13 +197,14 @@ class TokenLoop:
             rows = [t.row for t in self.tokens]
             positions = [t.position for t in self.tokens]
             lockstep = rows == list(range(self.batch)) and min(positions) == max(positions)
-            self._where = (positions[0], None) if lockstep else (None, AttnContext.tokens(cache, rows, positions))
+            self._where = (positions[0] if lockstep else None, None)
         position, tokens = self._where
         same_slot = min(self.k) == max(self.k)
         if position is not None and same_slot:
             return AttnContext(start=position, cache=cache, slot=self.k[0])  # every row in lockstep: a chunk
-        if tokens is None:
-            tokens = AttnContext.tokens(cache, [t.row for t in self.tokens], [t.position for t in self.tokens])
+        if tokens is None:  # (also in lockstep, when iterations differ)
+            tokens = AttnContext.tokens(cache, [t.row for t in self.tokens], [t.position for t in self.tokens],
+                                        slot=None)
             self._where = (position, tokens)
         return tokens.at_slot(self.k[0] if same_slot else torch.tensor(self.k, device=cache.device))
 

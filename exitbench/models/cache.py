@@ -33,9 +33,21 @@ import torch
 
 
 @dataclass
+class TokenPlaces:
+    """Where the tokens of one step sit, whatever their iterations: the flat rows of a layer's (slots·batch·
+    capacity) view that each token writes (`write`, (n,)) and reads (`read`, (n·length,)) in slot 0, and the
+    additive mask (n, 1, 1, length) that hides keys past each token's position (None: none are). A slot is an
+    offset of slot·batch·capacity rows from these, so a step computes only that offset."""
+
+    write: torch.Tensor
+    read: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+
+
+@dataclass
 class TokenIndex:
-    """Where the tokens of one step write and read, as rows of a layer's flat (slots·batch·capacity) view:
-    `write` (n,), `read` (n·length,), and the mask of keys past each token's position (None: none are)."""
+    """Where the tokens of one step write and read at their iterations' slots, as in `TokenPlaces`."""
 
     write: torch.Tensor
     read: torch.Tensor
@@ -56,6 +68,7 @@ class KVCache:
         self.capacity = 0
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self._flats: dict[tuple[int, int], torch.Tensor] = {}
         self.ensure(capacity)
 
     def ensure(self, length: int) -> None:
@@ -71,6 +84,7 @@ class KVCache:
                     grown[:, :, : self.capacity] = store[layer]
                 store[layer] = grown
         self.capacity = new_cap
+        self._flats.clear()
 
     def slot(self, iteration: int | torch.Tensor) -> int | torch.Tensor:
         """The slot loop iteration `iteration` (0-based; an int, or a tensor of one per token) writes and reads.
@@ -97,13 +111,38 @@ class KVCache:
         """Rows of a layer's flat (slots·batch·capacity) view: each token's entry of its iteration."""
         return (self.slot(iterations) * self.batch + rows) * self.capacity + positions
 
-    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, iterations: torch.Tensor | int,
-                    length: int, mask: torch.Tensor | None) -> TokenIndex:
-        """The flat rows one token per entry of `rows` writes (at its position, in its iteration's slot) and
-        reads (its row's positions 0 … length − 1 in that slot)."""
-        base = self._flat(rows, 0, iterations)
-        read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
-        return TokenIndex(base + positions, read, length, mask)
+    def flat(self, store: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
+        """A layer's keys or values as (slots·batch·capacity, heads, head_dim) rows, the view made once."""
+        key = (id(store), layer)
+        if key not in self._flats:
+            self._flats[key] = store[layer].view(-1, self.n_heads, self.head_dim)
+        return self._flats[key]
+
+    def token_places(self, rows: list[int], positions: list[int]) -> TokenPlaces:
+        """`TokenPlaces` of one token per entry of `rows` at `positions`, each reading its row's keys 0 … its
+        position (1 + the largest position keys in all, the rest masked)."""
+        length = max(positions) + 1
+        self.ensure(length)
+        rows_t = torch.tensor(rows, device=self.device) * self.capacity
+        pos = torch.tensor(positions, device=self.device)
+        read = (rows_t.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
+        mask = None
+        if min(positions) != length - 1:  # some token must not see keys past its own position
+            hidden = torch.arange(length, device=self.device) > pos.unsqueeze(1)
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
+            mask = mask.view(len(positions), 1, 1, length)
+        return TokenPlaces(rows_t + pos, read, length, mask)
+
+    def token_index(self, places: TokenPlaces, iterations: torch.Tensor | int) -> TokenIndex:
+        """Where the tokens at `places` write and read at loop iteration(s) `iterations` (an int, or one per
+        token)."""
+        offset = self.slot(iterations) * (self.batch * self.capacity)
+        if isinstance(offset, int):
+            if offset == 0:
+                return TokenIndex(places.write, places.read, places.length, places.mask)
+            return TokenIndex(places.write + offset, places.read + offset, places.length, places.mask)
+        read = (places.read.view(-1, places.length) + offset.unsqueeze(1)).view(-1)
+        return TokenIndex(places.write + offset, read, places.length, places.mask)
 
     def update_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +151,7 @@ class KVCache:
         n, H, _, D = k.shape
         out = []
         for store, new in ((self.k, k), (self.v, v)):
-            flat = store[layer].view(-1, H, D)
+            flat = self.flat(store, layer)
             flat.index_copy_(0, index.write, new[:, :, 0])
             out.append(flat.index_select(0, index.read).view(n, index.length, H, D).transpose(1, 2))
         return out[0], out[1]
@@ -153,14 +192,14 @@ class KVCache:
             src, dst = by_depth[n_slots]
             if dst.numel():
                 for store in (self.k, self.v):
-                    flat = store[layer].view(-1, self.n_heads, self.head_dim)
+                    flat = self.flat(store, layer)
                     flat.index_copy_(0, dst, flat.index_select(0, src))
 
     def entries(self, layers: list[int], rows: list[int], positions: list[int], iterations: list[int]
                 ) -> torch.Tensor:
         """(n, layers, 2, H, D): the key and value each token's iteration left in its slot of each layer."""
         at = self._flat(*(torch.tensor(x, device=self.device) for x in (rows, positions, iterations)))
-        return torch.stack([torch.stack([store[layer].view(-1, self.n_heads, self.head_dim).index_select(0, at)
+        return torch.stack([torch.stack([self.flat(store, layer).index_select(0, at)
                                          for store in (self.k, self.v)], 1) for layer in layers], 1)
 
     def put_entries(self, layers: list[int], rows: list[int], positions: list[int], iterations: list[int],
@@ -170,7 +209,7 @@ class KVCache:
         at = self._flat(*(torch.tensor(x, device=self.device) for x in (rows, positions, iterations)))
         for j, layer in enumerate(layers):
             for i, store in enumerate((self.k, self.v)):
-                store[layer].view(-1, self.n_heads, self.head_dim).index_copy_(0, at, entries[:, j, i])
+                self.flat(store, layer).index_copy_(0, at, entries[:, j, i])
 
     def entry(self, layer: int, slot: int, row: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value (H, D) a reader at `slot` finds for `row`'s token at `position`."""

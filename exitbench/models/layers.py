@@ -15,19 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .cache import KVCache, TokenIndex
+    from .cache import KVCache, TokenIndex, TokenPlaces
 
 
 @dataclass
 class AttnContext:
     """Where the tokens being computed sit, and which KV entries their attention layers write and read.
 
-    Chunk mode (`positions` is None): T consecutive tokens from absolute position `start` in each batch row
+    Chunk mode (`places` is None): T consecutive tokens from absolute position `start` in each batch row
     (`rows` picks cache rows; None = all rows, in order). Training, decoding at fixed depth and the prefill.
-    Token mode (`positions` given): one token per entry of `rows`, each at its own position, reading its
-    row's keys 0 … its position (`length` = 1 + the largest position; `key_mask` hides the rest, None when
-    every token sits at length − 1). The exit engine's loop, where rows advance independently. `index` is
-    where those tokens write and read at this slot, computed once and shared by the layers of a step.
+    Token mode (`places` given): one token per row of `rows`, each at its own position (`positions`), reading
+    its row's keys 0 … its position; `places` says where in the cache, worked out once per set of tokens, and
+    `index` where they write and read at this slot, shared by the layers of a step. The exit engine's loop,
+    where rows advance independently.
     `slot` is the loop iteration (0-based) whose KV entry a layer writes and reads (0 outside loops; the cache
     maps it to a slot of its own): an int shared by every token, or in token mode one per token.
     """
@@ -37,39 +37,32 @@ class AttnContext:
     rows: torch.Tensor | None = None
     slot: int | torch.Tensor = 0
     positions: torch.Tensor | None = None
-    length: int = 0
-    key_mask: torch.Tensor | None = None
+    places: "TokenPlaces | None" = None
     index: "TokenIndex | None" = None
     # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and slot.
     rotations: dict[int, torch.Tensor] | None = None
 
     def at_slot(self, slot: int | torch.Tensor) -> "AttnContext":
-        if self.positions is None or self.cache is None:
+        if self.places is None:
             return AttnContext(self.start, self.cache, self.rows, slot)
-        index = self.cache.token_index(self.rows, self.positions, slot, self.length, self.key_mask)
-        return AttnContext(self.start, self.cache, self.rows, slot, self.positions, self.length, self.key_mask,
-                           index, self.rotations)
+        return AttnContext(self.start, self.cache, self.rows, slot, self.positions, self.places,
+                           self.cache.token_index(self.places, slot), self.rotations)
 
     def rotation(self, table: torch.Tensor) -> torch.Tensor:
         """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
-        if self.rotations is None:
-            self.rotations = {}
         if id(table) not in self.rotations:
             self.rotations[id(table)] = table[self.positions]
         return self.rotations[id(table)]
 
     @classmethod
     def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
-               slot: int | torch.Tensor = 0) -> "AttnContext":
-        """Token mode for one token per entry of `rows` at `positions` (lists), at `slot`."""
+               slot: int | torch.Tensor | None = 0) -> "AttnContext":
+        """Token mode for one token per entry of `rows` at `positions` (lists), at `slot` (None: no slot yet;
+        `at_slot` gives one)."""
         device = cache.device
-        pos = torch.tensor(positions, device=device)
-        length = max(positions) + 1
-        mask = None
-        if min(positions) != length - 1:  # some token must not see keys past its own position
-            mask = (torch.arange(length, device=device) <= pos.unsqueeze(1)).view(len(positions), 1, 1, length)
-        ctx = cls(cache=cache, rows=torch.tensor(rows, device=device), positions=pos, length=length, key_mask=mask)
-        return ctx.at_slot(slot)
+        ctx = cls(cache=cache, rows=torch.tensor(rows, device=device), positions=torch.tensor(positions, device=device),
+                  places=cache.token_places(rows, positions), rotations={})
+        return ctx if slot is None else ctx.at_slot(slot)
 
 
 class RMSNorm(nn.Module):
