@@ -263,15 +263,19 @@ def check_bare_loop_agrees(model, K, progs) -> None:
 
 
 # ---- 3. the probe at realistic width ----------------------------------------------------------------------------
+def wide_config(config, n_embd: int) -> dict:
+    """The arguments of a Raven with the embedded model's vocabulary and loop depths, n_embd wide, 4 core layers."""
+    return dict(n_embd=n_embd, n_heads=max(1, n_embd // 64), vocab_size=config.vocab_size,
+                intermediate_size=2 * n_embd, n_layers_in_prelude=0, n_layers_in_recurrent_block=4,
+                n_layers_in_coda=0, block_size=config.block_size, mean_recurrence=config.mean_recurrence,
+                max_recurrence=config.max_recurrence)
+
+
 def wide_model(config, n_embd: int):
-    """A random Raven with the embedded model's vocabulary and loop depths, n_embd wide, 4 core layers."""
+    """A random Raven of `wide_config`, weights from seed 0."""
     from exitbench.models import Raven, RavenConfig
 
-    cfg = RavenConfig(n_embd=n_embd, n_heads=max(1, n_embd // 64), vocab_size=config.vocab_size,
-                      intermediate_size=2 * n_embd, n_layers_in_prelude=0, n_layers_in_recurrent_block=4,
-                      n_layers_in_coda=0, block_size=config.block_size, mean_recurrence=config.mean_recurrence,
-                      max_recurrence=config.max_recurrence)
-    model = Raven(cfg)
+    model = Raven(RavenConfig(**wide_config(config, n_embd)))
     model.init_weights(torch.Generator().manual_seed(0))
     return model.eval()
 
@@ -335,27 +339,35 @@ import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
 from exitbench.embedded import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
-policy, tau, batch = sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+policy, tau, batch, wide = sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
 work = [(p, 1) for p in json.loads(sys.stdin.read())]
-model = open_checkpoint(None).model
+if wide:  # the random model of realistic width, built by this tree's own classes
+    from exitbench.models import Raven, RavenConfig
+    model = Raven(RavenConfig(**wide))
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.eval()
+else:
+    model = open_checkpoint(None).model
 engine = ExitEngine(model, ExitConfig(policy, threshold=tau))
 engine.score(work[:batch])  # warm up
 t0 = time.perf_counter()
 n = 0
-for i in range(0, len(work), batch):
+for i in range(0, len(work), batch):  # one batch per call: the first engine took no batch size
     n += sum(len(r.records) for r in engine.score(work[i:i + batch]))
 print(json.dumps({"tokens_per_s": n / (time.perf_counter() - t0)}))
 """
 
 
-def tokens_per_second(tree: Path, policy: str, tau: float, batch: int, progs, threads: int) -> float:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(threads), policy, repr(tau), str(batch)],
+def tokens_per_second(tree: Path, policy: str, tau: float, batch: int, progs, threads: int,
+                      wide: dict | None = None) -> float:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(threads), policy, repr(tau), str(batch),
+                          json.dumps(wide or {})],
                          input=json.dumps(progs), capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-def before_and_after(rev, K, second_order_tau, progs, repeats, threads, figures):
+def before_and_after(rev, K, second_order_tau, progs, repeats, threads, width, figures):
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), rev], check=True,
@@ -364,17 +376,32 @@ def before_and_after(rev, K, second_order_tau, progs, repeats, threads, figures)
             if (old / "setup.py").exists():  # that revision's optional C probe, built as its install would
                 subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=old, check=True,
                                capture_output=True)
+
+            def compare(label, policy, tau, batch, work, wide=None):
+                times = taking_turns({"before": lambda: tokens_per_second(old, policy, tau, batch, work, threads, wide),
+                                      "after": lambda: tokens_per_second(REPO, policy, tau, batch, work, threads,
+                                                                         wide)}, repeats)
+                b, a = statistics.median(times["before"]), statistics.median(times["after"])
+                figures[label] = {"before": b, "after": a, "before_revision": rev}
+                print(f"{policy + (f' τ={tau:.3g}' if policy != 'fixed' else ''):24} {batch:>5} {b:>10,.0f} "
+                      f"{a:>10,.0f} {a / b:>13.2f}")
+                return b, a
+
             print(f"\n[tokens per second, embedded model, scoring: {rev} (before) vs this tree (after)]")
             print(f"{'policy':24} {'batch':>5} {'before':>10} {'after':>10} {'after/before':>13}")
             for policy, tau in (("fixed", K), ("second_order", second_order_tau)):
                 for batch in (1, 16):
-                    times = taking_turns({"before": lambda: tokens_per_second(old, policy, tau, batch, progs, threads),
-                                          "after": lambda: tokens_per_second(REPO, policy, tau, batch, progs,
-                                                                             threads)}, repeats)
-                    b, a = statistics.median(times["before"]), statistics.median(times["after"])
-                    figures[f"tokens_per_s_{policy}_bs{batch}"] = {"before": b, "after": a, "before_revision": rev}
-                    print(f"{policy + (f' τ={tau:g}' if policy != 'fixed' else ''):24} {batch:>5} {b:>10,.0f} "
-                          f"{a:>10,.0f} {a / b:>13.2f}")
+                    compare(f"tokens_per_s_{policy}_bs{batch}", policy, tau, batch, progs)
+            if width:
+                # Where arithmetic dominates, batch size 16: what exits buy each engine on its own fixed depth.
+                cfg = wide_config(open_checkpoint(None).model.config, width)
+                tau = wide_thresholds(wide_model(open_checkpoint(None).model.config, width), progs, K)["first_order"]
+                work = [p[:12] for p in (progs * 2)[:32]]
+                print(f"\n[tokens per second, random model n_embd {width}, 4 core layers, scoring, batch size 16]")
+                print(f"{'policy':24} {'batch':>5} {'before':>10} {'after':>10} {'after/before':>13}")
+                fixed = compare(f"tokens_per_s_n{width}_fixed_bs16", "fixed", K, 16, work, cfg)
+                exits = compare(f"tokens_per_s_n{width}_first_order_bs16", "first_order", tau, 16, work, cfg)
+                print(f"exits' speed-up over fixed depth: before {exits[0] / fixed[0]:.3f}, after {exits[1] / fixed[1]:.3f}")
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], capture_output=True)
 
@@ -414,7 +441,7 @@ def main() -> int:
         probe_cost(ck, K, progs, repeats, args.wide, args.quick, figures)
     if args.before and "before" in sections:
         tau = figures.get("score_bs16_second_order", {}).get("threshold", 1.0)
-        before_and_after(args.before, K, tau, progs, repeats, args.threads, figures)
+        before_and_after(args.before, K, tau, progs, repeats, args.threads, args.wide, figures)
     print(f"\n({time.perf_counter() - started:.0f} s)")
     if args.json:  # a run of some sections updates their figures and keeps the others'
         earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
