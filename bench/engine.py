@@ -196,8 +196,8 @@ def wide_exits_and_wall_clock(ck, K, progs, repeats, width, quick, figures):
                              max(2, repeats // 2))
         for name, tau in taus.items():
             it_ratio = counts[name][1] / K
-            # Steps over fixed depth's: at this width a step costs what its weights cost to read, whatever
-            # tokens it holds, so rows that run dry at the end of the queue (a short workload's drain) show here.
+            # Steps over fixed depth's: rows that run dry at the end of the queue (a short workload's drain)
+            # show here as steps beyond the iterations.
             step_ratio = counts[name][3] / counts["fixed"][3]
             t_ratio = statistics.median([a / b for a, b in zip(times[name], times["fixed"])])
             figures[f"{mode}_bs{batch}_n{width}_{name}"] = {"threshold": tau, "iteration_ratio": it_ratio,
@@ -367,7 +367,7 @@ def tokens_per_second(tree: Path, policy: str, tau: float, batch: int, progs, th
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
-def before_and_after(rev, K, second_order_tau, progs, repeats, threads, width, figures):
+def before_and_after(rev, config, K, second_order_tau, progs, repeats, threads, width, figures):
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), rev], check=True,
@@ -394,14 +394,15 @@ def before_and_after(rev, K, second_order_tau, progs, repeats, threads, width, f
                     compare(f"tokens_per_s_{policy}_bs{batch}", policy, tau, batch, progs)
             if width:
                 # Where arithmetic dominates, batch size 16: what exits buy each engine on its own fixed depth.
-                cfg = wide_config(open_checkpoint(None).model.config, width)
-                tau = wide_thresholds(wide_model(open_checkpoint(None).model.config, width), progs, K)["first_order"]
+                cfg = wide_config(config, width)
+                tau = wide_thresholds(wide_model(config, width), progs, K)["first_order"]
                 work = [p[:12] for p in (progs * 2)[:32]]
                 print(f"\n[tokens per second, random model n_embd {width}, 4 core layers, scoring, batch size 16]")
                 print(f"{'policy':24} {'batch':>5} {'before':>10} {'after':>10} {'after/before':>13}")
                 fixed = compare(f"tokens_per_s_n{width}_fixed_bs16", "fixed", K, 16, work, cfg)
                 exits = compare(f"tokens_per_s_n{width}_first_order_bs16", "first_order", tau, 16, work, cfg)
-                print(f"exits' speed-up over fixed depth: before {exits[0] / fixed[0]:.3f}, after {exits[1] / fixed[1]:.3f}")
+                print(f"exits' speed-up over fixed depth: before {exits[0] / fixed[0]:.3f}, "
+                      f"after {exits[1] / fixed[1]:.3f}")
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], capture_output=True)
 
@@ -441,7 +442,7 @@ def main() -> int:
         probe_cost(ck, K, progs, repeats, args.wide, args.quick, figures)
     if args.before and "before" in sections:
         tau = figures.get("score_bs16_second_order", {}).get("threshold", 1.0)
-        before_and_after(args.before, K, tau, progs, repeats, args.threads, args.wide, figures)
+        before_and_after(args.before, model.config, K, tau, progs, repeats, args.threads, args.wide, figures)
     print(f"\n({time.perf_counter() - started:.0f} s)")
     if args.json:  # a run of some sections updates their figures and keeps the others'
         earlier = json.loads(args.json.read_text()) if args.json.exists() else {}

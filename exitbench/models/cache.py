@@ -33,21 +33,11 @@ import torch
 
 
 @dataclass
-class TokenPlaces:
-    """Where the tokens of one step sit, whatever their iterations: the flat rows of a layer's (slots·batch·
-    capacity) view that each token writes (`write`, (n,)) and reads (`read`, (n·length,)) in slot 0, and the
-    additive mask (n, 1, 1, length) that hides keys past each token's position (None: none are). A slot is an
-    offset of slot·batch·capacity rows from these, so a step computes only that offset."""
-
-    write: torch.Tensor
-    read: torch.Tensor
-    length: int
-    mask: torch.Tensor | None
-
-
-@dataclass
 class TokenIndex:
-    """Where the tokens of one step write and read at their iterations' slots, as in `TokenPlaces`."""
+    """Where the tokens of one step write and read, as rows of a layer's flat (slots·batch·capacity) view:
+    `write` (n,), `read` (n·length,), and the additive mask (n, 1, 1, length) that hides keys past each token's
+    position (None: none are). Another slot is an offset of slot·batch·capacity rows (`KVCache.at_iteration`),
+    so the index is worked out once per set of tokens, not once per step."""
 
     write: torch.Tensor
     read: torch.Tensor
@@ -118,31 +108,27 @@ class KVCache:
             self._flats[key] = store[layer].view(-1, self.n_heads, self.head_dim)
         return self._flats[key]
 
-    def token_places(self, rows: list[int], positions: list[int]) -> TokenPlaces:
-        """`TokenPlaces` of one token per entry of `rows` at `positions`, each reading its row's keys 0 … its
-        position (1 + the largest position keys in all, the rest masked)."""
-        length = max(positions) + 1
-        self.ensure(length)
-        rows_t = torch.tensor(rows, device=self.device) * self.capacity
-        pos = torch.tensor(positions, device=self.device)
-        read = (rows_t.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
+    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool) -> TokenIndex:
+        """The `TokenIndex` at iteration 0 of one token per entry of `rows` at `positions`, each reading its row's
+        keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it."""
+        base = rows * self.capacity
+        read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
         mask = None
-        if min(positions) != length - 1:  # some token must not see keys past its own position
-            hidden = torch.arange(length, device=self.device) > pos.unsqueeze(1)
+        if masked:
+            hidden = torch.arange(length, device=self.device) > positions.unsqueeze(1)
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
             mask = mask.view(len(positions), 1, 1, length)
-        return TokenPlaces(rows_t + pos, read, length, mask)
+        return TokenIndex(base + positions, read, length, mask)
 
-    def token_index(self, places: TokenPlaces, iterations: torch.Tensor | int) -> TokenIndex:
-        """Where the tokens at `places` write and read at loop iteration(s) `iterations` (an int, or one per
-        token)."""
+    def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int) -> TokenIndex:
+        """`index` (at iteration 0) moved to loop iteration(s) `iterations`: an int, or one per token."""
         offset = self.slot(iterations) * (self.batch * self.capacity)
         if isinstance(offset, int):
             if offset == 0:
-                return TokenIndex(places.write, places.read, places.length, places.mask)
-            return TokenIndex(places.write + offset, places.read + offset, places.length, places.mask)
-        read = (places.read.view(-1, places.length) + offset.unsqueeze(1)).view(-1)
-        return TokenIndex(places.write + offset, read, places.length, places.mask)
+                return index
+            return TokenIndex(index.write + offset, index.read + offset, index.length, index.mask)
+        read = (index.read.view(-1, index.length) + offset.unsqueeze(1)).view(-1)
+        return TokenIndex(index.write + offset, read, index.length, index.mask)
 
     def update_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:

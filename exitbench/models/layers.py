@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .cache import KVCache, TokenIndex, TokenPlaces
+    from .cache import KVCache, TokenIndex
 
 
 @dataclass
@@ -25,9 +25,9 @@ class AttnContext:
     Chunk mode (`places` is None): T consecutive tokens from absolute position `start` in each batch row
     (`rows` picks cache rows; None = all rows, in order). Training, decoding at fixed depth and the prefill.
     Token mode (`places` given): one token per row of `rows`, each at its own position (`positions`), reading
-    its row's keys 0 … its position; `places` says where in the cache, worked out once per set of tokens, and
-    `index` where they write and read at this slot, shared by the layers of a step. The exit engine's loop,
-    where rows advance independently.
+    its row's keys 0 … its position; `places` says where in the cache at iteration 0, worked out once per set
+    of tokens, and `index` where they write and read at this slot, shared by the layers of a step. The exit
+    engine's loop, where rows advance independently.
     `slot` is the loop iteration (0-based) whose KV entry a layer writes and reads (0 outside loops; the cache
     maps it to a slot of its own): an int shared by every token, or in token mode one per token.
     """
@@ -37,7 +37,7 @@ class AttnContext:
     rows: torch.Tensor | None = None
     slot: int | torch.Tensor = 0
     positions: torch.Tensor | None = None
-    places: "TokenPlaces | None" = None
+    places: "TokenIndex | None" = None
     index: "TokenIndex | None" = None
     # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and slot.
     rotations: dict[int, torch.Tensor] | None = None
@@ -46,7 +46,7 @@ class AttnContext:
         if self.places is None:
             return AttnContext(self.start, self.cache, self.rows, slot)
         return AttnContext(self.start, self.cache, self.rows, slot, self.positions, self.places,
-                           self.cache.token_index(self.places, slot), self.rotations)
+                           self.cache.at_iteration(self.places, slot), self.rotations)
 
     def rotation(self, table: torch.Tensor) -> torch.Tensor:
         """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
@@ -59,9 +59,10 @@ class AttnContext:
                slot: int | torch.Tensor | None = 0) -> "AttnContext":
         """Token mode for one token per entry of `rows` at `positions` (lists), at `slot` (None: no slot yet;
         `at_slot` gives one)."""
-        device = cache.device
-        ctx = cls(cache=cache, rows=torch.tensor(rows, device=device), positions=torch.tensor(positions, device=device),
-                  places=cache.token_places(rows, positions), rotations={})
+        rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
+        length = max(positions) + 1
+        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1)
+        ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if slot is None else ctx.at_slot(slot)
 
 
