@@ -27,7 +27,15 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
             raise CheckpointError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
-        return cls(backend, config.get("bos_token_id"), config.get("eos_token_id"), config.get("pad_token_id"))
+        ids = {name: config.get(f"{name}_token_id") for name in ("bos", "eos", "pad")}
+        for name, token_id in ids.items():
+            # config.json's schema has checked the ids against the model's vocab_size; the tokenizer may be
+            # smaller (or have holes), and an id it cannot decode is an <eos> generation never sees.
+            if token_id is not None and backend.id_to_token(token_id) is None:
+                size = backend.get_vocab_size(with_added_tokens=True)
+                raise CheckpointError(f"{Path(path) / 'config.json'}: {name}_token_id {token_id} is not a token of "
+                                      f"{file} (vocabulary of {size}); name an id the tokenizer has")
+        return cls(backend, ids["bos"], ids["eos"], ids["pad"])
 
     def save(self, path: Path) -> None:
         self.backend.save(str(Path(path) / TOKENIZER_FILE))

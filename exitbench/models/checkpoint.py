@@ -1,9 +1,10 @@
 """Hugging-Face-style checkpoint directories: config.json, safetensors (single or sharded), tokenizer.json.
 
 Loading checks everything before touching the model, so a bad directory fails with one line that names the
-problem: a missing file, an unknown architecture, a missing or unexpected key, a shape the config does not
-imply, a truncated safetensors file. Saving writes into a temporary sibling directory and renames it into
-place, so a failed save leaves nothing behind.
+problem: a missing file, an unknown architecture, a config.json field of the wrong type or a token id outside
+the vocabulary (ConfigFile), a missing or unexpected key, a shape or dtype the config does not imply, a
+safetensors header that does not describe its file (shards.read_header). Saving writes into a temporary
+sibling directory and renames it into place, so a failed save leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -13,22 +14,128 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..tokenizer import TOKENIZER_FILE, Tokenizer
+from ..validation import parse
 from .looped import LoopedLM
 from .registry import architecture_of
-from .shards import TensorEntry, read_tensors, scan
+from .shards import DTYPE_NAMES, TensorEntry, read_tensors, scan
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 AUTO = "auto"  # the checkpoint's own dtype (CheckpointLayout.resolve_dtype)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# JSON writes 50000 and 50000.0 for the same number; NaN and Infinity, which Python's json accepts, are not
+# a norm epsilon or a RoPE base.
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    # Strict: "1" is not an id and "no" not a bool. Extra fields allowed: real configs carry many that no
+    # architecture here reads (dropout rates, auto_map, transformers_version), and their types are not ours.
+    # A field typed without None but defaulting to None may be absent (the architecture's default applies)
+    # but not null: null is not a width or a flag.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TrainConfigRecord(_Strict):
+    """What documents.synthetic_training reads back to rebuild the task a checkpoint was trained on."""
+
+    arch: StrictStr = None
+    task: StrictStr | None = None
+    n_chains: StrictInt = None
+    max_hop: StrictInt = None
+
+
+class TrainingRecord(_Strict):
+    command: StrictStr | None = None
+    seed: StrictInt | None = None
+    steps_done: StrictInt | None = None
+    training_seconds: Number | None = None
+    train_config: TrainConfigRecord | None = None
+
+
+class RunRecord(_Strict):
+    git_revision: StrictStr | None = None
+    host: StrictStr | None = None
+    started: StrictStr | None = None
+
+
+class ProvenanceRecord(_Strict):
+    """config.json's `exitbench` block: how exitbench made the checkpoint (info, depth and geometry read it)."""
+
+    training: TrainingRecord = None
+    run: RunRecord = None
+
+
+class ConfigFile(_Strict):
+    """config.json as exitbench reads it: every field some architecture's config (RavenConfig, LoopedGPT2Config)
+    or the loader reads, with its JSON type. Value rules that need the architecture (positive widths, heads that
+    split, loop groups in layer order) stay with the architecture's config; the types and the token ids are
+    checked here, once, before anything reads a field."""
+
+    model_type: StrictStr | None = None
+    architectures: list[StrictStr] | None = None
+    torch_dtype: StrictStr | None = None
+    dtype: StrictStr | None = None
+    exitbench: ProvenanceRecord = None
+    # Both architectures: the vocabulary the token ids must lie in (Raven's padded rows beyond it are padding).
+    vocab_size: StrictInt = None
+    n_embd: StrictInt = None
+    # Raven (Huginn-0125's names, with the Hugging Face aliases hidden_size and num_attention_heads).
+    hidden_size: StrictInt = None
+    n_heads: StrictInt = None
+    num_attention_heads: StrictInt = None
+    intermediate_size: StrictInt = None
+    padded_vocab_size: StrictInt | None = None
+    n_layers_in_prelude: StrictInt = None
+    n_layers_in_recurrent_block: StrictInt = None
+    n_layers_in_coda: StrictInt = None
+    block_size: StrictInt = None
+    rope_base: Number = None
+    norm_eps: Number = None
+    qk_bias: StrictBool = None
+    bias: StrictBool = None
+    tie_embeddings: StrictBool = None
+    mean_recurrence: StrictInt = None
+    mean_backprop_depth: StrictInt = None
+    max_recurrence: StrictInt | None = None
+    init_scale: Number = None
+    # Looped GPT-2 (Hugging Face GPT2Config's names).
+    n_layer: StrictInt = None
+    n_head: StrictInt = None
+    n_positions: StrictInt = None
+    layer_norm_epsilon: Number = None
+    activation_function: StrictStr = None
+    loop_groups: list[list[StrictInt]] = None
+    loop_steps: list[StrictInt] | None = None
+    max_loop_steps: list[StrictInt] | None = None
+    tie_word_embeddings: StrictBool = None
+    # Declared after vocab_size, so the validator below sees it.
+    bos_token_id: TokenId | None = None
+    eos_token_id: TokenId | None = None
+    pad_token_id: TokenId | None = None
+
+    @field_validator("bos_token_id", "eos_token_id", "pad_token_id")
+    @classmethod
+    def _in_vocabulary(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # An id past the vocabulary is a token the model can never emit: an <eos> there never stops generation.
+        vocab = info.data.get("vocab_size")
+        if value is not None and isinstance(vocab, int) and value >= vocab:
+            raise PydanticCustomError("token_id", "must be a token id below vocab_size {vocab} (0…{last})",
+                                      {"vocab": vocab, "last": vocab - 1})
+        return value
 
 
 @dataclass
@@ -72,6 +179,10 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} must hold a JSON object")
+    # Typed once, here, where the file comes in: every reader after this (registry, the architectures'
+    # from_dict, the tokenizer, info) may take a field's type for granted. The dict itself is returned as it
+    # was, so a valid config loads exactly as it did before the schema.
+    parse(ConfigFile, config, str(file), error=CheckpointError)
     return config
 
 
@@ -152,15 +263,23 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
     shards = weight_files(path)
     stored = scan(path, shards, INDEX_FILE)
     found = model_cls.adapt_checkpoint(stored, model_config)
+    # The module tree is built before keys can be compared, and each layer is Python objects even on the meta
+    # device (20,000 layers: 40 s and 1 GB for `info`; a million exhaust memory). Every layer stores at least
+    # one tensor, so a config naming more layers than the files hold tensors is wrong whatever the keys say.
+    layers = getattr(model_config, "n_layers", None) or getattr(model_config, "n_layer", 0)
+    if layers > len(stored):
+        raise CheckpointError(f"{path / CONFIG_FILE} names {layers:,} layers, but the safetensors files hold only "
+                              f"{len(stored)} tensors; each layer needs its own weights")
     with torch.device("meta"):
         model = model_cls(model_config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    expected.update({k: tuple(v.shape) for k, v in model.checkpoint_extras().items()})
+    model_tensors = {**model.state_dict(), **model.checkpoint_extras()}
+    expected = {k: tuple(v.shape) for k, v in model_tensors.items()}
     for key, shape in expected.items():
         if key not in found:
             raise CheckpointError(f"checkpoint {path} lacks key {key} (expected {len(expected)} keys)")
         if tuple(found[key].shape) != shape:
             raise CheckpointError(f"key {key} has shape {tuple(found[key].shape)} but config.json implies {shape}")
+        _check_dtype(path, key, found[key], model_tensors[key].dtype)
     unexpected = sorted(set(found) - set(expected))
     if unexpected:
         raise CheckpointError(f"checkpoint {path} has {len(unexpected)} keys the config does not explain, "
@@ -170,6 +289,19 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
     entries = {k: found[k] for k in model.state_dict() if not (tied and k == "lm_head.weight")}
     tokenizer = Tokenizer.from_dir(path, config)
     return CheckpointLayout(path, config, model, entries, stored, tokenizer, sorted(shards))
+
+
+def _check_dtype(path: Path, key: str, entry: TensorEntry, wanted: torch.dtype) -> None:
+    """A floating tensor of the model must be stored floating (any width: the load converts it to the run's
+    dtype); any other must be stored as it is. An I32 tensor the size of an F32 one passes every byte count,
+    and loaded as it is it would be an integer weight."""
+    if wanted.is_floating_point:
+        if not entry.dtype.is_floating_point:
+            raise CheckpointError(f"{path / entry.shard}: tensor {key} is stored as {DTYPE_NAMES[entry.dtype]}, but "
+                                  "the model needs floating-point weights there (F32, F16, BF16 or F64)")
+    elif entry.dtype != wanted:
+        raise CheckpointError(f"{path / entry.shard}: tensor {key} is stored as {DTYPE_NAMES[entry.dtype]}, but "
+                              f"the model needs {DTYPE_NAMES.get(wanted, wanted)} there")
 
 
 def load_checkpoint(path: str | Path, dtype: str = AUTO, device: str = "cpu",

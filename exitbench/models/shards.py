@@ -7,12 +7,18 @@ and byte range, then the bytes. Reading the header is enough to describe a check
 then read with plain file reads into tensors allocated at their final dtype: no memory map whose touched pages
 count as a second copy, and a dtype conversion goes through a bounded scratch buffer, so loading a checkpoint
 peaks at about its weights' bytes in the dtype the run uses.
+
+Since nothing else parses the header, it is checked here as strictly as the `safetensors` library checks it:
+integer offsets in bounds, byte lengths equal to shape × dtype size, and tensors that tile the data section
+with no byte shared or unclaimed. All of it is arithmetic on the header and the file's length; a header that
+lies would otherwise load one tensor's bytes as another's, and the model would run, wrongly.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +28,7 @@ from ..errors import CheckpointError
 DTYPE_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                "BOOL": torch.bool}
+DTYPE_NAMES = {dtype: code for code, dtype in DTYPE_CODES.items()}
 # A header larger than this is not a header (the format caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
 # Converting dtypes goes through a scratch buffer of this size: 64 MiB bounds the extra memory of a conversion
@@ -52,9 +59,11 @@ class TensorEntry:
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
-    """Every tensor entry of one safetensors file, checked against the file's length (a file cut short is named
-    as truncated here, before anything is read)."""
-    name = file.name
+    """Every tensor entry of one safetensors file, checked as strictly as the format (and the `safetensors`
+    library) checks it, from the header and the file's length alone: offsets and shape dimensions are
+    non-negative integers, each tensor's byte length is its shape times its dtype's size, and the tensors,
+    in file order, tile the data section exactly. A file cut short is named as truncated; two tensors sharing
+    bytes, or bytes no tensor claims, as corrupt: either way before anything is read."""
     size = file.stat().st_size
     with open(file, "rb") as fh:
         head = fh.read(8)
@@ -71,28 +80,78 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
         raise CheckpointError(f"{file} is truncated or corrupt: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file} is truncated or corrupt: its header is not a JSON object")
-    base = 8 + n
+    metadata = header.get("__metadata__") or {}  # absent and null alike: the format's metadata is optional
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file} is corrupt: its __metadata__ must map names to strings, got "
+                              f"{_shown(metadata)}")
+    base, data_bytes = 8 + n, size - 8 - n
     out: dict[str, TensorEntry] = {}
     for key, spec in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            code, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} has no dtype, shape and "
-                                  "data_offsets") from None
-        if code not in DTYPE_CODES:
-            raise CheckpointError(f"{file}: tensor {key} has dtype {code}, which exitbench cannot load; "
-                                  f"known: {', '.join(DTYPE_CODES)}")
-        entry = TensorEntry(name, DTYPE_CODES[code], shape, base + int(begin), base + int(end))
-        if entry.nbytes != entry.numel * entry.dtype.itemsize or entry.nbytes < 0:
-            raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} spans {entry.nbytes} bytes, its "
-                                  f"shape {list(shape)} in {code} needs {entry.numel * entry.dtype.itemsize}")
-        if entry.end > size:
-            raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} ends at byte {entry.end:,}, the "
-                                  f"file has {size:,}")
-        out[key] = entry
+        if key != "__metadata__":
+            out[key] = _entry(file, key, spec, base, size)
+    _check_tiling(file, out, base, data_bytes)
     return out
+
+
+def _entry(file: Path, key: str, spec: Any, base: int, size: int) -> TensorEntry:
+    """One header entry as a TensorEntry, or one line saying which of its fields is wrong and how."""
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
+        raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} has no dtype, shape and "
+                              "data_offsets")
+    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    # Strict like the format's own parser: "512" or 512.0 is not an offset and true is not a dimension,
+    # though Python's int() would take all three.
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{file} is corrupt: tensor {key} has shape {_shown(shape)}; a shape is a list of "
+                              "non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{file} is corrupt: tensor {key} has data_offsets {_shown(offsets)}; they must be "
+                              "two integers, begin and end, with 0 ≤ begin ≤ end")
+    if not isinstance(code, str) or code not in DTYPE_CODES:
+        raise CheckpointError(f"{file}: tensor {key} has dtype {_shown(code)}, which exitbench cannot load; "
+                              f"known: {', '.join(DTYPE_CODES)}")
+    begin, end = offsets
+    entry = TensorEntry(file.name, DTYPE_CODES[code], tuple(shape), base + begin, base + end)
+    if entry.nbytes != entry.numel * entry.dtype.itemsize:
+        raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} spans {entry.nbytes} bytes, its "
+                              f"shape {shape} in {code} needs {entry.numel * entry.dtype.itemsize}")
+    if entry.end > size:
+        raise CheckpointError(f"{file} is truncated or corrupt: tensor {key} ends at byte {entry.end:,}, the "
+                              f"file has {size:,}")
+    return entry
+
+
+def _check_tiling(file: Path, entries: dict[str, TensorEntry], base: int, data_bytes: int) -> None:
+    """The tensors, by start offset, must cover the data section end to end with no byte shared or left over.
+
+    Two tensors sharing bytes would each load the other's values (the format has no aliasing), and bytes no
+    tensor claims mean the header and the data disagree about where tensors lie; `safetensors` refuses both.
+    Zero-size tensors take no bytes, so they may sit at any boundary."""
+    at, previous = base, None
+    for key, e in sorted(entries.items(), key=lambda kv: (kv[1].start, kv[1].end, kv[0])):
+        if e.start < at:
+            raise CheckpointError(f"{file} is corrupt: tensor {key} (data bytes {e.start - base:,}–{e.end - base:,}) "
+                                  f"overlaps tensor {previous} (data bytes up to {at - base:,}); each tensor needs "
+                                  "bytes of its own")
+        if e.start > at:
+            where = f"after tensor {previous}" if previous else "at the start of the data"
+            raise CheckpointError(f"{file} is corrupt: {e.start - at:,} bytes {where}, before tensor {key}, "
+                                  "belong to no tensor; the header's data_offsets must tile the data exactly")
+        at, previous = e.end, key
+    if at - base < data_bytes:  # never more: each tensor's end was checked against the file's length
+        where = f"after the last tensor ({previous})" if previous else "of data (the header names no tensor)"
+        raise CheckpointError(f"{file} is corrupt: {data_bytes - (at - base):,} bytes {where} belong to no "
+                              "tensor; the header's data_offsets must tile the data exactly")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "…"
 
 
 def scan(path: Path, shards: dict[str, list[str]], index_name: str) -> dict[str, TensorEntry]:
