@@ -23,8 +23,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
     replay     recording_depth, record_s, cost_model_s, costs, generation {documents, diverged},
                exact_by_construction
 
-A file that carries the schema tag must have every field above that readers use (`REQUIRED`); one that does
-not is reported by name, never half-read.
+A file that carries the schema tag must have every field above that readers use, of the type they expect
+(`cell_schema.Cell`); one that does not is reported by name, never half-read.
 """
 from __future__ import annotations
 
@@ -37,23 +37,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import ExitbenchError
+from .validation import describe
 
 SCHEMA = "exitbench.cell"
 SCHEMA_VERSION = 2
-
-# The fields pareto, check, calibrate and the run summary read, by section ("" is the top level).
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "": ("cell_id", "key", "model", "task", "quality", "policy", "iterations", "wall_clock", "flops", "run"),
-    "model": ("fingerprint", "architecture", "dtype"),
-    "task": ("name", "limit", "n_shot", "metrics", "primary_metric"),
-    "quality": ("metric", "value", "higher_is_better"),
-    "policy": ("policy", "threshold", "max_steps", "relative"),
-    "iterations": ("mean", "tokens"),
-    "wall_clock": ("per_token_s", "probe_share"),
-    "flops": ("per_token",),
-    "run": ("started",),
-}
-
 
 def cell_id(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -79,18 +66,22 @@ def is_cell(obj: Any) -> bool:
 
 
 def validate(cell: dict[str, Any], path: Path | str) -> dict[str, Any]:
-    """The cell itself, or ExitbenchError naming the file and the first thing wrong with it."""
+    """The cell itself, or ExitbenchError naming the file and the first thing wrong with it: a field a reader
+    uses that is missing or of the wrong type (`cell_schema.Cell`)."""
+    from pydantic import ValidationError
+
+    from .cell_schema import Cell
+
     if cell.get("schema_version") != SCHEMA_VERSION:
-        raise ExitbenchError(f"{path} has cell schema version {cell.get('schema_version')}; this exitbench reads "
+        raise ExitbenchError(f"{path} has cell schema version {cell.get('schema_version')!r}; this exitbench reads "
                              f"version {SCHEMA_VERSION} (rerun the sweep into a new --out)")
-    for section, fields in REQUIRED.items():
-        part = cell if not section else cell.get(section)
-        if not isinstance(part, dict):
-            raise ExitbenchError(f"{path} is a broken cell: {section} is not an object; delete it or rerun the cell")
-        for name in fields:
-            if name not in part:
-                where = f"{section}.{name}" if section else name
-                raise ExitbenchError(f"{path} is a broken cell: it lacks {where}; delete it or rerun the cell")
+    try:
+        Cell.model_validate(cell)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(map(str, first["loc"]))
+        problem = f"it lacks {where}" if first["type"] == "missing" else f"{describe(exc)}"
+        raise ExitbenchError(f"{path} is a broken cell: {problem}; delete it or rerun the cell") from None
     return cell
 
 

@@ -77,10 +77,10 @@ def expand_checkpoints(spec: str) -> list[str]:
 
 
 def _steps_done(path: Path) -> int | None:
-    import json
+    """The training step a checkpoint was saved at, from its config (read through the config schema, so a
+    mistyped provenance block is the schema's one-line error, not a crash here)."""
+    from .models.checkpoint import read_config
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("exitbench", {}).get("training", {}).get("steps_done")
+    training = (read_config(path).get("exitbench") or {}).get("training") or {}
+    steps = training.get("steps_done") if isinstance(training, dict) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None

@@ -6,14 +6,18 @@ command line builds its options from them (exitbench.cli `exit_knobs`), and a sw
 """
 from __future__ import annotations
 
+import functools
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, create_model
 
 from .errors import ExitbenchError
+from .validation import parse
 from .policies import POLICY_KNOBS, REGISTRY, ExitPolicy, check_policy_name
 
 
@@ -60,11 +64,19 @@ class ExitConfig:
                 raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
                                      f"loop layer keeps (0: all of them), got {self.kv_window!r}")
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
-        self.build_policy()  # validate the knobs now, not at the first token
+        parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
+        # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:
+        # every policy this config builds, and its cells' keys, use those same bytes.
+        self._exit_model = None
+        policy = self.build_policy()
+        self._exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
 
     def build_policy(self) -> ExitPolicy:
         check_policy_name(self.policy)
-        return REGISTRY[self.policy](**{name: getattr(self, name) for name in POLICY_KNOBS})
+        knobs = {name: getattr(self, name) for name in POLICY_KNOBS}
+        if self._exit_model is not None:
+            knobs["exit_model"] = self._exit_model
+        return REGISTRY[self.policy](**knobs)
 
     def to_dict(self) -> dict[str, Any]:
         """Every knob; those added after results were first written (the exit model, the KV window) only when
@@ -78,10 +90,8 @@ class ExitConfig:
     def key_dict(self) -> dict[str, Any]:
         """to_dict() as a cell's key holds it: an exit model by its content, not by where the file lies."""
         out = self.to_dict()
-        if self.exit_model:
-            from .policies.learned import load_exit_model
-
-            out["exit_model"] = "sha256:" + load_exit_model(self.exit_model).digest
+        if self._exit_model is not None:
+            out["exit_model"] = "sha256:" + self._exit_model.digest
         return out
 
     @classmethod
@@ -95,7 +105,7 @@ class ExitConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ExitConfig":
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.load(Path(path).read_text(), Loader=_KnobLoader) or {}
         except OSError as exc:
             raise ExitbenchError(f"cannot read exit config {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
@@ -116,3 +126,24 @@ class ExitConfig:
                 and (command_line is None or f.metadata["command_line"] == command_line)]
 
 
+
+
+@functools.cache
+def _typed_knobs() -> type[BaseModel]:
+    """ExitConfig's fields as a strict pydantic model: the dataclass's annotations are the one statement of
+    each knob's type, so `relative: "no"`, `warm_start: 3` or `seed: abc` are refused rather than read as
+    true, true and a crash later (a float knob still takes an int: 1 is a threshold)."""
+    hints = typing.get_type_hints(ExitConfig)
+    return create_model("ExitKnobs", __config__=ConfigDict(strict=True),
+                        **{f.name: (hints[f.name], ...) for f in fields(ExitConfig)})
+
+
+class _KnobLoader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where `5e-4` (no dot) is a string; YAML 1.2, and every user writing a threshold,
+    means a float. This loader adds 1.2's float forms and is otherwise SafeLoader."""
+
+
+_KnobLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))

@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
+from pydantic import BaseModel, ConfigDict
+
 from ..errors import ExitbenchError
+from ..validation import parse
 from .base import ExitPolicy, Memory, register
 
 SCHEMA, SCHEMA_VERSION = "exitbench.exit_model", 1
@@ -184,7 +187,28 @@ def _parse(path: str, data: bytes) -> ExitModel:
     bias = raw.get("bias")
     if not isinstance(bias, (int, float)) or not math.isfinite(bias):
         raise ExitbenchError(f"--exit-model {path}: 'bias' must be a finite number, got {bias!r}")
+    parse(ExitModelFile, raw, f"--exit-model {path}")  # the fields the checks above leave: their types
     return ExitModel(raw, path, digest)
+
+
+class _FittedOn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    fingerprint: str | None = None
+    path: str | None = None
+
+
+class ExitModelFile(BaseModel):
+    """The types of an exit model's fields; their shapes depend on each other and are checked in `_parse`."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    features: list[str]
+    kind: str
+    mean: list[float]
+    scale: list[float]
+    weights: list[float]
+    bias: float
+    hidden_bias: list[float] | None = None
+    hidden_weights: list[list[float]] | None = None
+    checkpoint: _FittedOn = _FittedOn()
 
 
 def _numbers(value: Any, shape: list[int]) -> bool:
@@ -209,7 +233,12 @@ class Learned(ExitPolicy):
 
     def __init__(self, **knobs: Any):
         super().__init__(**knobs)
-        self.model = load_exit_model(self.exit_model)
+        # An ExitConfig hands over the model it read once, so that a cell is keyed and computed from the same
+        # bytes even if the file is replaced in between; a path is read here.
+        if isinstance(self.exit_model, ExitModel):
+            self.model, self.exit_model = self.exit_model, self.exit_model.path
+        else:
+            self.model = load_exit_model(self.exit_model)
 
     @property
     def variant(self) -> str:
