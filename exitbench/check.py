@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from . import pareto
+from . import cells, pareto
+from .errors import ExitbenchError
 
 
 @dataclass
@@ -30,7 +31,10 @@ class Tolerances:
 
 def identity(cell: dict[str, Any]) -> tuple:
     p = cell["policy"]
-    knobs = tuple(sorted((k, v) for k, v in p.items() if k not in ("seed", "record_signals")))
+    # The learned rule's exit model by its content, as the cell's key holds it: the same file at another path
+    # is the same rule.
+    ignored = {"seed", "record_signals"} | ({"exit_model"} if p.get("exit_model_sha256") else set())
+    knobs = tuple(sorted((k, v) for k, v in p.items() if k not in ignored))
     return (cell["task"]["name"], cell["quality"]["metric"], cell["task"].get("limit"),
             cell["task"].get("n_shot"), knobs)
 
@@ -64,6 +68,7 @@ class Verdict:
     ignored_missing: int
     frontier_points: int
     replay_cells: tuple[int, int] = (0, 0)  # (the run's, the baseline's) cells computed by replay
+    nonfinite: tuple[int, int] = (0, 0)  # (the run's, the baseline's) cells with NaN or infinite tokens
 
 
     @property
@@ -85,6 +90,10 @@ class Verdict:
             text += f"; {run_r} of the run's cells and {base_r} of the baseline's are replay cells"
             if bool(run_r) != bool(base_r):
                 text += " (replay and exact cells differ where replay approximates: see the README)"
+        run_n, base_n = self.nonfinite
+        if run_n or base_n:
+            text += (f"; warning: {run_n} of the run's cells and {base_n} of the baseline's had NaN or infinite "
+                     "tokens (numerics.nonfinite_tokens)")
         return text
 
 
@@ -93,7 +102,7 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
     """Compare a run with a baseline. With `present_only`, baseline cells the run does not have are left
     out, the frontier included (a partial sweep is checked on what it ran)."""
     run = {identity(c): c for c in run_cells}
-    all_base = len(base_cells)
+    all_base, given_base = len(base_cells), base_cells
     if present_only:
         base_cells = [c for c in base_cells if identity(c) in run]
     regressions = []
@@ -126,9 +135,44 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
                 b_t, r_t = _relative_time(base, full_base[group]), _relative_time(cell, full_run[group])
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
                     add("time / full-depth time", name, b_t, r_t)
+    if not compared:
+        raise ExitbenchError(nothing_compared(run_cells, given_base))
     frontier, points = compare_frontiers(run_cells, base_cells, tol)
     replayed = (sum(pareto.mode(c) == "replay" for c in run_cells), sum(pareto.mode(c) == "replay" for c in base_cells))
-    return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points, replayed)
+    broken = (len(pareto.nonfinite(run_cells)), len(pareto.nonfinite(base_cells)))
+    return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points, replayed,
+                   broken)
+
+
+# What a cell measures, dimension by dimension, as `identity` matches it: named so that a check that matched
+# nothing can say along which dimensions the two sweeps differ.
+DIMENSIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "task": lambda c: c["task"]["name"], "metric": lambda c: c["quality"]["metric"],
+    "limit": lambda c: c["task"].get("limit"), "few-shot": lambda c: c["task"].get("n_shot"),
+    "policy": lambda c: cells.series(c["policy"]), "max steps": lambda c: c["policy"].get("max_steps"),
+    "prefill": lambda c: c["policy"].get("prefill"), "warm start": lambda c: c["policy"].get("warm_start"),
+    "min steps": lambda c: c["policy"].get("min_steps"), "patience": lambda c: c["policy"].get("patience"),
+}
+
+
+def nothing_compared(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]]) -> str:
+    """Why no cell of the run matched one of the baseline: the dimensions whose values the two do not share."""
+    def values(cell_list, dim):
+        return {DIMENSIONS[dim](c) for c in cell_list}
+
+    def shown(vals):
+        return ", ".join(sorted(map(str, vals))[:6]) + (", …" if len(vals) > 6 else "")
+
+    differ = [f"{dim} (run: {shown(values(run_cells, dim))}; baseline: {shown(values(base_cells, dim))})"
+              for dim in DIMENSIONS if not values(run_cells, dim) & values(base_cells, dim)]
+    if not differ:  # every dimension shares a value, but no cell shares all of them at once
+        differ = [f"{dim} (run: {shown(values(run_cells, dim))}; baseline: {shown(values(base_cells, dim))})"
+                  for dim in DIMENSIONS if values(run_cells, dim) != values(base_cells, dim)]
+    why = "; ".join(differ) or "the exit knobs"
+    models = {pareto.model_label(c) for c in run_cells} | {pareto.model_label(c) for c in base_cells}
+    return (f"nothing to check: none of the run's {len(run_cells)} cells measures what one of the baseline's "
+            f"{len(base_cells)} does; they differ in {why} (models: {', '.join(sorted(models))}); rerun the sweep "
+            "with the baseline's options")
 
 
 def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict[str, Any]], int]:
@@ -158,5 +202,9 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict
     return out, points
 
 
-def check_dirs(run: Path, baseline: Path, tol: Tolerances, present_only: bool = False) -> Verdict:
-    return compare(pareto.load([run]), pareto.load([baseline]), tol, present_only)
+def check_dirs(run: Path, baseline: Path, tol: Tolerances, present_only: bool = False, model: str | None = None,
+               baseline_model: str | None = None) -> Verdict:
+    """`compare` of two directories' cells, each of one model (`pareto.select_model`); the baseline's model
+    is picked by `baseline_model`, else by `model`."""
+    return compare(pareto.load([run], model=model), pareto.load([baseline], model=baseline_model or model), tol,
+                   present_only)

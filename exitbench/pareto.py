@@ -64,15 +64,16 @@ def prefer_exact(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [c for c in cell_list if mode(c) == "exact" or twin(c) not in exact]
 
 
-def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None) -> list[dict[str, Any]]:
-    """Every cell under the directories (recursively), an exact cell in place of its replay twin. JSON files that
-    are not cells (calibration and geometry reports) are skipped and passed to `on_skip`; a file that claims to
-    be a cell but is broken stops the load."""
-    return [cell for _, cell in load_paths(directories, on_skip)]
+def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None, model: str | None = None
+         ) -> list[dict[str, Any]]:
+    """Every cell under the directories (recursively), an exact cell in place of its replay twin, all of one
+    model (`select_model`). JSON files that are not cells (calibration and geometry reports) are skipped and
+    passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
+    return [cell for _, cell in load_paths(directories, on_skip, model)]
 
 
-def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None
-               ) -> list[tuple[Path, dict[str, Any]]]:
+def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None,
+               model: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """`load`, with each cell's file (what finds the samples file beside it)."""
     found, skipped = [], []
     for d in directories:
@@ -82,13 +83,51 @@ def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | 
         cells_here, skipped_here = cells.scan(d.rglob("*.json"))
         found += cells_here
         skipped += skipped_here
+    where = ", ".join(map(str, directories))
     if not found:
         extra = f" ({len(skipped)} JSON file(s) there are not cells, e.g. {skipped[0]})" if skipped else ""
-        raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}{extra}")
+        raise ExitbenchError(f"no result cells under {where}{extra}")
     if skipped and on_skip is not None:
         on_skip(skipped)
+    found = select_model(found, model, where)
     kept = {id(c) for c in prefer_exact([c for _, c in found])}
     return [(path, c) for path, c in found if id(c) in kept]
+
+
+def model_label(cell: dict[str, Any]) -> str:
+    """How tables and errors name a cell's model: where it came from, and its content fingerprint (what tells
+    two models apart: a path may hold another model tomorrow)."""
+    m = cell["model"]
+    return f"{m.get('source') or m.get('path') or m['architecture']} ({m['fingerprint']})"
+
+
+def select_model(found: list[tuple[Path, dict[str, Any]]], model: str | None, where: str
+                 ) -> list[tuple[Path, dict[str, Any]]]:
+    """The cells of one model. Cells of different models never share a frontier, a matched-quality row or a
+    check (the same labels would stand for different numbers), so a directory that mixes models needs `model`:
+    a fingerprint prefix, a path or source label, or an embedded checkpoint's name."""
+    by_model: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for path, c in found:
+        by_model.setdefault(c["model"]["fingerprint"], []).append((path, c))
+    if model is None:
+        if len(by_model) == 1:
+            return found
+        names = "; ".join(f"{model_label(v[0][1])}: {len(v)} cells" for v in by_model.values())
+        raise ExitbenchError(f"{where} holds cells of {len(by_model)} models ({names}); pass --model NAME "
+                             "(a fingerprint, path or name of one of them) to use one, or keep them in separate "
+                             "directories")
+    picked = [fp for fp, v in by_model.items() if _names_model(model, fp, v[0][1]["model"])]
+    if len(picked) != 1:
+        what = "no" if not picked else f"{len(picked)}"
+        known = "; ".join(model_label(v[0][1]) for v in by_model.values())
+        raise ExitbenchError(f"--model {model!r} names {what} model of the cells under {where}; they hold: {known}")
+    return by_model[picked[0]]
+
+
+def _names_model(name: str, fingerprint: str, model: dict[str, Any]) -> bool:
+    source, path = model.get("source") or "", model.get("path") or ""
+    return (len(name) >= 4 and fingerprint.startswith(name)) or name in (source, path, Path(path).name) \
+        or source == f"embedded:{name}"
 
 
 def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
@@ -178,6 +217,12 @@ def replay_points(rep: dict[str, Any]) -> dict[str, int]:
         if n:
             out[group] = n
     return out
+
+
+def nonfinite(cell_list: list[dict[str, Any]]) -> list[str]:
+    """The cells (by file name) some of whose tokens went NaN or infinite: their numbers rest on broken
+    arithmetic, however they were made or reused."""
+    return [cells.filename(c) for c in cell_list if (c.get("numerics") or {}).get("nonfinite_tokens")]
 
 
 def mixed_runs(rep: dict[str, Any]) -> list[str]:

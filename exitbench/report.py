@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import exitmap, pareto
+from .errors import ExitbenchError
 from .files import atomic_write
 from .results import samples_path
 
@@ -62,13 +63,29 @@ def score_metric(samples: list[dict[str, Any]]) -> str | None:
 
 
 def read_samples(path: Path) -> dict[Any, dict[str, Any]]:
-    """doc_id → sample of one samples file (the first sample of a doc: lm-eval writes one per doc)."""
+    """doc_id → sample of one samples file (the first sample of a doc: lm-eval writes one per doc), or
+    ExitbenchError naming the file and line when a line is not a sample (truncated, binary, another shape)."""
+    from .cell_schema import Sample
+    from .validation import parse
+
     out: dict[Any, dict[str, Any]] = {}
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                sample = json.loads(line)
-                out.setdefault(sample.get("doc_id"), sample)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                what = f"samples file {path}, line {number}"
+                try:
+                    sample = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ExitbenchError(f"{what} is not JSON ({exc.msg}); rerun the cell with --log-samples") \
+                        from None
+                parse(Sample, sample, what)
+                out.setdefault(sample["doc_id"], sample)
+    except UnicodeDecodeError:
+        raise ExitbenchError(f"samples file {path} is not UTF-8 text; rerun the cell with --log-samples") from None
+    except OSError as exc:
+        raise ExitbenchError(f"cannot read samples file {path}: {exc.strerror or exc}") from None
     return out
 
 
@@ -275,10 +292,11 @@ document.querySelectorAll('table.sortable th').forEach(function (th, i) {
 """
 
 
-def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None) -> str:
-    """The report page of the result cells under `directory`, as HTML text."""
+def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
+          model: str | None = None) -> str:
+    """The report page of the result cells under `directory` (of one model: `pareto.select_model`), as HTML."""
     directory = Path(directory)
-    found = pareto.load_paths([directory], on_skip)
+    found = pareto.load_paths([directory], on_skip, model)
     cell_list = [c for _, c in found]
     paths = {c["cell_id"]: p for p, c in found}
     rep = pareto.report(cell_list)
@@ -288,7 +306,8 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
     notes = [n for n in (mode_note(cell_list),) if n]
     tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
     policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
-    overview = [f"<p>{len(cell_list)} cells · tasks {html.escape(tasks)} · policies {html.escape(policies)}</p>"]
+    overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "
+                f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
     overview += [f'<p class="note">{html.escape(n)}</p>' for n in notes]
     sections.append(("overview", "Overview", overview))
 
@@ -358,6 +377,7 @@ def geometry_parts(directory: Path) -> list[str]:
                      "one, and this page shows its figures</p>"]
 
 
-def write(directory: Path, out: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None) -> Path:
-    page = build(directory, docs, on_skip)
+def write(directory: Path, out: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
+          model: str | None = None) -> Path:
+    page = build(directory, docs, on_skip, model)
     return atomic_write(Path(out), lambda fh: fh.write(page))

@@ -45,8 +45,14 @@ def reuse_note(reused: list[dict[str, Any]], out) -> str | None:
     started = sorted(c["run"]["started"] for c in reused)
     runs = len({c["run"].get("run_id") for c in reused})
     when = started[0] if started[0] == started[-1] else f"{started[0]} to {started[-1]}"
-    return (f"reusing {len(reused)} cell(s) already in {out}, measured {when} by {runs} earlier run(s); "
+    note = (f"reusing {len(reused)} cell(s) already in {out}, measured {when} by {runs} earlier run(s); "
             "their timings are as measured then (use a fresh --out to measure everything now)")
+    broken = [c for c in reused if (c.get("numerics") or {}).get("nonfinite_tokens")]
+    if broken:
+        note += (f"\nwarning: {len(broken)} reused cell(s) had tokens whose states or logits went NaN or infinite "
+                 f"(numerics.nonfinite_tokens), e.g. {broken[0]['task']['name']} {broken[0]['policy']['policy']}: "
+                 "their numbers are not to be trusted")
+    return note
 
 
 def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
