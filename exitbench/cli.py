@@ -4,10 +4,12 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.console import Console
 from rich.table import Table
 
@@ -28,6 +30,8 @@ DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torc
                         "float16.")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile each loop group's step (dynamic shapes): "
                           "faster iterations after a one-off compilation of tens of seconds.")
+ModelOpt = typer.Option(None, "--model", help="The model whose cells to use, where a directory mixes models: a "
+                        "fingerprint (prefix), the checkpoint's path or an embedded checkpoint's name.")
 NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
                             "broken checkpoints); refused by default.")
 
@@ -70,7 +74,8 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ExitbenchError as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            # escaped: a message quoting a value such as [1, 2] must not be read as rich markup and lose it
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
     return wrapper
 
@@ -297,13 +302,15 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         ck.model.compile_loops()
     grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
     sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
+    if replay:
+        from .replay import ReplaySweep, check_named, parse_named, verify_frontier
+        named = parse_named(verify_cells)
+        check_named(named, [c for _, c, _ in sweep.cells])
     note = reuse_note(sweep.reused(), out)
     if rank0 and note:
         err_console.print(note, highlight=False)
     with SweepProgress(console, err_console, len(sweep.cells), enabled=rank0, quiet=quiet) as progress:
         if replay:
-            from .replay import ReplaySweep, parse_named, verify_frontier
-            named = parse_named(verify_cells)
             replayer = ReplaySweep(ck, task_set, cfg, sweep, progress)
             finished = replayer.run(out)
             report = verify_frontier(replayer, finished, out, named) if verify or named else None
@@ -323,7 +330,8 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
            table: Optional[str] = typer.Option(None, "--table", help="frontier or matched: one table only "
                                                "(csv always prints one; default frontier)."),
            plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.png|svg."),
-           cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")):
+           cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops."),
+           model: Optional[str] = ModelOpt):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
     from . import pareto as par
     from .files import writable_file
@@ -333,7 +341,8 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if plot is not None:
         par.check_plot_target(plot, cost)
         writable_file(plot, "--plot")
-    cell_list = par.load(directories, on_skip=_skip_note)
+    cell_list = par.load(directories, on_skip=_skip_note, model=model)
+    err_console.print(f"model: {par.model_label(cell_list[0])}", highlight=False)
     rep = par.report(cell_list)
     if fmt == "rich":
         for t in pareto_tables(rep, table):
@@ -344,6 +353,11 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if replayed:
         err_console.print(f"note: frontiers of {', '.join(replayed)} rest on replay cells (marked ᴿ; wall-clock "
                           "there is estimated); `exitbench run --replay --verify` reruns them exactly",
+                          highlight=False)
+    broken = par.nonfinite(cell_list)
+    if broken:
+        err_console.print(f"warning: {len(broken)} cells had tokens whose states or logits went NaN or infinite "
+                          f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted",
                           highlight=False)
     mixed = par.mixed_runs(rep)
     if mixed:
@@ -361,7 +375,8 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
                                             "recursively)."),
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="The HTML file [RESULTS_DIR/report.html]."),
            docs: int = typer.Option(3, "--docs", help="Exit maps per task: the documents where policies disagree "
-                                    "most.")):
+                                    "most."),
+           model: Optional[str] = ModelOpt):
     """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
     from .files import writable_file
     from .report import write
@@ -371,7 +386,7 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
     out = writable_file(out or Path(directory) / "report.html", "--out")
     if out.suffix not in (".html", ".htm"):
         raise ExitbenchError(f"--out must name an .html file, got {out}")
-    path = write(directory, out, docs, on_skip=_skip_note)
+    path = write(directory, out, docs, on_skip=_skip_note, model=model)
     err_console.print(f"wrote {path}", highlight=False)
 
 
@@ -429,7 +444,10 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                           help="Also compare time per token, as a ratio to full depth."),
           wall_tol: float = typer.Option(0.25, help="Allowed relative rise of that ratio."),
           present_only: bool = typer.Option(False, "--present-only", help="Compare only the baseline cells the run "
-                                            "has (a partial sweep); missing cells are not regressions.")):
+                                            "has (a partial sweep); missing cells are not regressions."),
+          model: Optional[str] = ModelOpt,
+          baseline_model: Optional[str] = typer.Option(None, "--baseline-model", help="The baseline's model, where "
+                                                       "its directory mixes models (default: --model).")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked)."""
     from .check import Tolerances, check_dirs
     from .tables import regression_table
@@ -438,7 +456,7 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
         if not value >= 0:
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
     verdict = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
-                         present_only)
+                         present_only, model, baseline_model)
     if verdict.regressions:
         console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "
                                                                   f"{run_dir} against {baseline}"))
@@ -483,7 +501,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     from .embedded import open_checkpoint
     from .fit_exit import check_fitted_for
     from .exit_config import ExitConfig
-    from .files import writable_file
+    from .files import writable_report
     from .policies import REGISTRY
     from .progress import batch_progress
     from .tables import calibration_table
@@ -495,7 +513,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     check_fitted_for(ck, config.exit_model)
-    path = writable_file(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
+    path = writable_report(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
         docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
                                     programs=programs, seed=seed, purpose="calibrate on")
@@ -531,7 +549,7 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
     """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early."""
     from .documents import synthetic_training, token_lists
     from .embedded import open_checkpoint
-    from .files import writable_file
+    from .files import writable_report
     from .fit_exit import drop_evaluation_overlap, evaluation_tokens, fit, provenance, write_exit_model
     from .policies import REGISTRY
     from .progress import batch_progress
@@ -539,8 +557,13 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
 
     if limit < 2:
         raise ExitbenchError(f"--limit must be ≥ 2 (one document to fit on, one to check), got {limit}")
+    if batch_size < 1:
+        raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
+    if seed < 0:
+        # numpy's generators take no negative seed; refused here rather than after the recording pass
+        raise ExitbenchError(f"--seed must be a whole number ≥ 0, got {seed}")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    path = writable_file(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
+    path = writable_report(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
     if disjoint_from is None:
         checked = [task] if task else (["chains"] if not text and synthetic_training(ck) else [])
     else:
@@ -583,8 +606,12 @@ def _skip_note(skipped: list[Path]) -> None:
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    if not text:
+    """None when the option was not given (the default depths); an empty value is an error, as for --thresholds."""
+    if text is None:
         return None
+    if not text.strip():
+        raise ExitbenchError(f"{flag} is empty; give comma-separated whole numbers, e.g. 1,4,16, or leave the "
+                             "option out for the default depths (1,2,4,…,max)")
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
@@ -597,8 +624,10 @@ def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
 def _limit(limit: Optional[float]) -> Optional[float]:
     if limit is None:
         return None
-    if limit <= 0:
-        raise ExitbenchError(f"--limit must be > 0, got {limit:g}")
+    # `not limit > 0` also catches nan, which every comparison fails and lm-eval would only trip over later.
+    if not limit > 0 or not math.isfinite(limit):
+        raise ExitbenchError(f"--limit must be a finite number > 0 (documents per task, or a fraction < 1 of "
+                             f"them), got {limit:g}; leave it out for every document")
     return int(limit) if limit >= 1 else limit
 
 

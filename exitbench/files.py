@@ -1,6 +1,7 @@
 """Writing files so that nothing is ever half there: atomic replaces, and output folders checked up front."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -55,4 +56,20 @@ def writable_file(path: Path, flag: str) -> Path:
     if path.is_dir():
         raise ExitbenchError(f"{flag} {path} is a directory; name a file")
     writable_dir(path.parent if str(path.parent) else Path("."), flag + " folder")
+    return path
+
+
+def writable_report(path: Path, flag: str) -> Path:
+    """`writable_file` for a JSON report, which must not land on a result cell: replacing a cell would silently
+    drop a measured point from its sweep. An earlier report of the same command may be replaced."""
+    from .cells import is_cell
+
+    path = writable_file(path, flag)
+    try:
+        holds_cell = is_cell(json.loads(path.read_bytes()))
+    except (OSError, ValueError):
+        holds_cell = False  # absent, unreadable or not JSON: nothing of a sweep's to lose
+    if holds_cell:
+        raise ExitbenchError(f"{flag} {path} is a result cell of a sweep; writing there would replace it; name "
+                             "another file")
     return path

@@ -206,7 +206,14 @@ def geometry_report(cks: Sequence[Checkpoint], *, task: str | None = None, text:
     if max_tokens < 1:
         raise ExitbenchError(f"--tokens must be ≥ 1, got {max_tokens}")
     check_compatible(cks)
-    steps = steps or max(g.max_steps for g in cks[0].model.loop_groups())
+    # The checkpoint's configured maximum, where `run` caps --max-steps: every iterate of every token is kept,
+    # so an unbounded --steps runs out of memory minutes in instead of failing here.
+    deepest = min((max(g.max_steps for g in ck.model.loop_groups()), str(ck.path)) for ck in cks)
+    if steps is not None and steps > deepest[0]:
+        raise ExitbenchError(f"--steps {steps} exceeds the maximum of {deepest[0]} iterations per loop group of "
+                             f"{deepest[1]} (its configured maximum, as for run --max-steps); give --steps ≤ "
+                             f"{deepest[0]} or leave it out")
+    steps = steps or deepest[0]
     docs, source = documents.document_source(task, text, data_dir, programs, seed)
     # every checkpoint's batches first, so bad input fails before any measuring
     plans = [(ck, documents.token_batches(ck, docs, max_tokens, programs, seed, "measure on")) for ck in cks]

@@ -18,10 +18,11 @@ Each request's exit steps, iterations, FLOPs and wall-clock are kept in a side t
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -34,6 +35,21 @@ from .engine import ExitEngine, SequenceResult
 from .exit_config import ExitConfig
 from .errors import ExitbenchError
 from .models import Checkpoint
+from .validation import parse
+
+
+class ModelArgs(BaseModel):
+    """The types of the model's own arguments (as lm-eval's parser leaves them: true/false already booleans,
+    numbers numbers), so that `allow_nonfinite=no` is refused rather than read as true."""
+    model_config = ConfigDict(strict=True)
+    checkpoint: Optional[str] = None
+    dtype: str = "auto"
+    batch_size: Union[int, str] = 1
+    max_batch_size: Optional[int] = None
+    device: Optional[str] = None
+    max_length: Optional[int] = None
+    max_gen_toks: int = 256
+    allow_nonfinite: bool = False  # (add_bos_token has a check of its own, with the tokenizer at hand)
 
 
 @register_model("exitbench")
@@ -44,6 +60,9 @@ class ExitbenchLM(LM):
                  **exit_knobs: Any):
         """The model's own arguments, and any of ExitConfig's fields (policy, threshold, min_steps, …)."""
         super().__init__()
+        parse(ModelArgs, {"checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size,
+                          "max_batch_size": max_batch_size, "device": device, "max_length": max_length,
+                          "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite}, "exitbench model arguments")
         exit_config = ExitConfig.from_dict(exit_knobs, what="exitbench model argument")
         self._init_distributed()
         self._device = torch.device(resolve_device(device))
@@ -341,3 +360,9 @@ class ExitbenchLM(LM):
     @property
     def tokenizer_name(self) -> str:
         return str(self.ck.path)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        # lm-eval's default raises NotImplementedError mid-run; this says what is missing, on one line
+        from .lm_eval_cli import NO_CHAT_TEMPLATE
+
+        raise ExitbenchError(NO_CHAT_TEMPLATE)

@@ -8,7 +8,7 @@ lm-eval parses the arguments and runs them; three things happen in between, on t
 - with `--model exitbench`, the model arguments are checked before lm-eval starts: a bad policy, threshold,
   key, device or checkpoint file then ends with one line, instead of a traceback after lm-eval has logged its
   setup and spent seconds indexing its tasks. The weights are not read here; the constructor loads them
-  once, later.
+  once, later. So is `--apply_chat_template`, which the model cannot serve yet (no chat template).
 - lm-eval's git lookup stops printing "fatal: not a git repository" outside a checkout.
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ MODEL = "exitbench"
 # lm-eval hands these to every model beside --model_args, so the same key inside --model_args makes the
 # constructor fail with "got multiple values for keyword argument".
 CLI_MODEL_KEYS = ("batch_size", "max_batch_size", "device")
+NO_CHAT_TEMPLATE = ("--apply_chat_template: the exitbench model has no chat template yet; run without it (prompts "
+                    "are then scored as plain text)")
 
 
 def run_lm_eval(argv: list[str]) -> None:
@@ -101,6 +103,8 @@ def _check_exitbench_run(args: argparse.Namespace, config: dict[str, Any]) -> No
                 raise ExitbenchError(f"--model_args {key}={value} and --{key} {given} disagree; give {key} once")
             setattr(args, key, value)
     args.model_args = model_args or None
+    if _given(args, config, "apply_chat_template"):
+        raise ExitbenchError(NO_CHAT_TEMPLATE)
     check_model_args(model_args)
     check_device(_given(args, config, "device"))
     if _given(args, config, "device") is None:
@@ -133,6 +137,10 @@ def check_model_args(model_args: dict[str, Any]) -> None:
         raise ExitbenchError(f"unknown exitbench model argument {unknown[0]!r} in --model_args; "
                              f"known: {', '.join(own + exit_knobs)}")
     bound = {name: model_args.get(name, params[name].default) for name in own}
+    from .lm import ModelArgs
+    from .validation import parse
+
+    parse(ModelArgs, {k: v for k, v in bound.items() if k in ModelArgs.model_fields}, "exitbench model arguments")
     ExitConfig(**{k: v for k, v in model_args.items() if k in exit_knobs})
     check_dtype_name(bound["dtype"])
     check_checkpoint(bound["checkpoint"])

@@ -5,13 +5,16 @@ Always (quiet or not), via `silence_git_lookup()`:
   directory (`lm_eval.loggers.utils.get_git_commit_hash`), with git's stderr inherited, so each call made
   outside a checkout prints git's complaint. The lookup's answer is kept; only git's stderr is dropped.
 
+Under `lm_eval_output(quiet=True)`, or with `progress_bars=False` (a sweep showing its own progress):
+- "bootstrapping for stddev: NAME", a print() to stdout, and its tqdm bar on stderr, once per bootstrapped
+  metric (perplexity, f1, bleu, …) per task per call.
+- lm-eval's per-task "building requests" bar and its request-cache bar (tqdm): a bar per task per cell.
+
 Only under `lm_eval_output(quiet=True)`:
 - lm-eval's log records below ERROR, e.g. the WARNING "Custom kwargs can be passed to `--metadata`" that every
   task with a `custom_dataset` (all of exitbench's shipped tasks) logs when it loads its data.
-- "bootstrapping for stddev: NAME", a print() to stdout, and its tqdm bar on stderr, once per bootstrapped
-  metric (perplexity, f1, bleu, …) per task per call.
-- lm-eval's per-task "building requests" bar and its request-cache bar (tqdm).
-- datasets' "Generating train split" bar.
+- datasets' "Generating train split" bar (drawn once per dataset, when it is first prepared; outside quiet it
+  is the only sign of a download's progress).
 
 Errors stay visible: ERROR records still print, and exceptions leave the context untouched.
 """
@@ -71,6 +74,11 @@ def _logger_level(name: str, level: int) -> Iterator[None]:
         logger.setLevel(saved)
 
 
+def lm_eval_warnings_off() -> contextlib.AbstractContextManager[None]:
+    """lm-eval's log records below ERROR dropped for the block (errors still print)."""
+    return _logger_level("lm_eval", logging.ERROR)
+
+
 @contextlib.contextmanager
 def _datasets_progress_bars_off() -> Iterator[None]:
     import datasets
@@ -94,14 +102,15 @@ def _without_console_output(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def lm_eval_output(quiet: bool = True) -> Iterator[None]:
+def lm_eval_output(quiet: bool = True, progress_bars: bool = True) -> Iterator[None]:
     """Wrap each `lm_eval.simple_evaluate` call: `with lm_eval_output(quiet): results = simple_evaluate(...)`.
 
-    With quiet=False only git's noise goes (it never carries information); with quiet=True also lm-eval's
-    warnings, bootstrap banners and progress bars, for the duration of the block.
+    With quiet=False only git's noise goes (it never carries information), and lm-eval's progress bars and
+    bootstrap banners too when `progress_bars` is false; with quiet=True also lm-eval's warnings and
+    datasets' bars, for the duration of the block.
     """
     silence_git_lookup()
-    if not quiet:
+    if not quiet and progress_bars:
         yield
         return
     import lm_eval.api.metrics
@@ -114,7 +123,9 @@ def lm_eval_output(quiet: bool = True) -> Iterator[None]:
         return tqdm(*args, **kwargs)
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_logger_level("lm_eval", logging.ERROR))
+        if quiet:
+            stack.enter_context(_logger_level("lm_eval", logging.ERROR))
+            stack.enter_context(_datasets_progress_bars_off())
         # The banner and the bar live inside this one function; it computes a number and prints nothing else.
         # Swapping the module's name works because stderr_for_metric looks it up at call time.
         stack.enter_context(_attribute(lm_eval.api.metrics, "bootstrap_stderr",
@@ -122,5 +133,4 @@ def lm_eval_output(quiet: bool = True) -> Iterator[None]:
         # Both modules bind `from tqdm import tqdm` at import, and every bar they draw goes through that name.
         stack.enter_context(_attribute(lm_eval.api.task, "tqdm", silent_tqdm))
         stack.enter_context(_attribute(lm_eval.api.model, "tqdm", silent_tqdm))
-        stack.enter_context(_datasets_progress_bars_off())
         yield

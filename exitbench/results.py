@@ -43,6 +43,19 @@ def existing(directory: Path) -> dict[str, Stored]:
     return {cell["cell_id"]: Stored(path, cell) for path, cell in found}
 
 
+def written(directory: Path, cids: list[str]) -> dict[str, Stored]:
+    """`existing` for the given cell ids alone, found by the name a sweep writes them under (`cells.filename`
+    ends in `__ID.json`): a sweep checks its claimed cells after each claim, and reading the whole directory
+    there would cost a scan of every cell per group."""
+    if not directory.exists() or not cids:
+        return {}
+    wanted = set(cids)
+    paths = [directory / name for name in os.listdir(directory)
+             if name.endswith(".json") and name[:-5].rpartition("__")[2] in wanted]
+    found, _ = cells.scan(paths)
+    return {cell["cell_id"]: Stored(path, cell) for path, cell in found if cell["cell_id"] in wanted}
+
+
 def write(directory: Path, cell: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> Path:
     """Write a cell (and first its samples, when given) atomically; the cell file is the last thing written."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -144,17 +144,69 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
             "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {})}
 
 
+def check_depths(configs: list[ExitConfig], groups: list[Any]) -> None:
+    """Every config's depths within each loop group's maximum, and its step knobs consistent, checked when the
+    sweep is planned: the engine would refuse the same config only when its cell came up, after the cells
+    before it had been computed."""
+    for config in configs:
+        for g in groups:
+            policy = config.build_policy().bind(g.default_steps)  # min_steps > max_steps fails here too
+            if policy.max_steps <= g.max_steps:
+                continue
+            what = (f"--baselines {policy.max_steps}: a fixed depth of {policy.max_steps}" if config.policy == "fixed"
+                    else f"--max-steps {policy.max_steps}")
+            raise ExitbenchError(f"{what} exceeds the {g.name} group's maximum of {g.max_steps} iterations (the "
+                                 f"checkpoint's configured maximum); give at most {g.max_steps}")
+
+
+def key_limit(limit: int | float | None, n_docs: int | None) -> int | float | None:
+    """The limit as a cell's key holds it: none where it takes every one of the task's `n_docs` documents (by
+    lm-eval's count: a whole number as is, a fraction of the documents rounded up), since that is the same
+    computation as no limit and must be the same cell. A limit that leaves documents out stays as given."""
+    if limit is None or n_docs is None:
+        return limit
+    taken = math.ceil(n_docs * limit) if limit < 1 else int(limit)
+    return None if taken >= n_docs else limit
+
+
+def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
+    """Each task's evaluation documents (lm-eval's `eval_docs`; a group's largest subtask), which only a limit
+    needs: without one, no task is built here."""
+    if cfg.limit is None:
+        return {}
+    from .quiet import lm_eval_output, lm_eval_warnings_off
+
+    counts = {}
+    # Whatever lm-eval warns of while loading a task it warns of again when the cells load it.
+    with lm_eval_output(quiet=cfg.quiet, progress_bars=False), lm_eval_warnings_off():
+        for name, spec in zip(tasks.names, tasks.specs):
+            try:
+                loaded = tasks.manager.load([spec])
+            except (ConnectionError, OSError, ValueError) as exc:
+                raise evaluation_error([name], exc) from None
+            sizes = [len(task.eval_docs) for task in loaded["tasks"].values()]
+            if sizes:
+                counts[name] = max(sizes)
+    return counts
+
+
+def evaluation_error(names: list[str], exc: BaseException) -> ExitbenchError:
+    hint = " (offline? pass --data-dir)" if any("gsm8k" in n for n in names) else ""
+    return ExitbenchError(f"tasks {', '.join(names)} could not be evaluated: {str(exc).splitlines()[0]}{hint}")
+
+
 def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: ExitConfig, cfg: SweepConfig,
-             device: str, world_size: int = 1) -> dict[str, Any]:
+             device: str, world_size: int = 1, n_docs: int | None = None) -> dict[str, Any]:
     """Everything that can change a number in the cell (README, "What a cell's key holds"). Batch size, device
     and world size change only timings, but a cell's timings are results too. A replay cell's key says so, so
-    it never stands in for an exact one."""
+    it never stands in for an exact one. With the task's document count `n_docs`, a limit that takes them all
+    is keyed as no limit (`key_limit`)."""
     mode = {"mode": "replay"} if cfg.replay else {}
     # A compiled step changes timings (and float rounding); named only when on, so other cells keep their ids.
     compiled = {"compiled": True} if model.get("compiled") else {}
     return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, "task": task,
             "task_fingerprint": task_fingerprint,
-            "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),
+            "limit": key_limit(cfg.limit, n_docs), "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
             "batch_size": cfg.batch_size, "seed": cfg.seed, "device": device, "world_size": world_size,
             "versions": {"exitbench": __version__, "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
@@ -178,7 +230,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                            dtype=ck.dtype, world_size=lm.world_size)
     t0 = time.perf_counter()
     try:
-        with lm_eval_output(quiet=cfg.quiet):
+        # lm-eval's own bars would print one per task per cell beside exitbench's request bar
+        with lm_eval_output(quiet=cfg.quiet, progress_bars=on_requests is None):
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=[tasks.specs[i] for i in indices], task_manager=tasks.manager, limit=cfg.limit,
                 num_fewshot=cfg.num_fewshot, log_samples=cfg.log_samples, bootstrap_iters=cfg.bootstrap_iters,
@@ -187,9 +240,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     except ExitbenchError:
         raise
     except (ConnectionError, OSError, ValueError) as exc:
-        hint = " (offline? pass --data-dir)" if any("gsm8k" in n for n in names) else ""
-        raise ExitbenchError(f"tasks {', '.join(names)} could not be evaluated: {str(exc).splitlines()[0]}{hint}") \
-            from None
+        raise evaluation_error(names, exc) from None
     gathered = lm.gather_object(lm.request_stats)
     if results is None or lm.rank != 0:
         return []
@@ -244,6 +295,7 @@ class SweepPlan:
     done: dict[str, results.Stored]                       # cell_id → a finished cell on disk
     model: dict[str, Any]                                 # model_record of the checkpoint
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    n_docs: dict[str, int] = field(default_factory=dict)  # task → evaluation documents, where a limit needs them
 
     def reused(self) -> list[dict[str, Any]]:
         """The cells of this shard already on disk: a rerun reuses them instead of computing them again."""
@@ -251,17 +303,19 @@ class SweepPlan:
 
 
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str) -> SweepPlan:
-    model = model_record(ck)
     configs = grid(cfg, ck.model.loop_groups()[0].default_steps)
+    check_depths(configs, ck.model.loop_groups())
+    model = model_record(ck)
     world = init_distributed()[1]
-    everything = [(t, c, cell_key(model, tasks.names[t], tasks.fingerprints[tasks.names[t]], c, cfg, device, world))
-                  for t in range(len(tasks.names)) for c in configs]
+    n_docs = document_counts(tasks, cfg)
+    everything = [(t, c, cell_key(model, name, tasks.fingerprints[name], c, cfg, device, world, n_docs.get(name)))
+                  for t, name in enumerate(tasks.names) for c in configs]
     i, n = cfg.shard
     mine = [cell for j, cell in enumerate(everything) if j % n == i]
     # A cell asked for with samples is finished only with its samples file beside it.
     done = {cid: stored for cid, stored in results.existing(out).items()
             if stored.has_samples or not cfg.log_samples}
-    return SweepPlan(mine, done, model)
+    return SweepPlan(mine, done, model, n_docs=n_docs)
 
 
 def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
@@ -295,7 +349,7 @@ def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
             # takes the next group instead of idling. Rank 0 claims; every rank then runs the same cells,
             # since lm-eval's calls are collective.
             claims = [results.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
-            granted = _agree(_claim(claims, out, cfg.log_samples) if rank0 else None)
+            granted = _agree(claim_cells(claims, out, cfg.log_samples) if rank0 else None)
             mine = [(*item, claims[j] if rank0 else None) for j, item in enumerate(group) if granted[j]]
             try:
                 if mine:
@@ -329,12 +383,12 @@ def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
     return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
 
 
-def _claim(claims: list[results.Claim], out: Path, log_samples: bool) -> list[bool]:
+def claim_cells(claims: list[results.Claim], out: Path, log_samples: bool) -> list[bool]:
     """Which cells this process now owns. A cell written by another run between our look at the directory and
     our claim is let go: it is done, and left for the collection step."""
     granted = [c.acquire() for c in claims]
     if any(granted):
-        stored = results.existing(out)
+        stored = results.written(out, [c.cid for c, ok in zip(claims, granted) if ok])
         for j, claim in enumerate(claims):
             there = stored.get(claim.cid)
             if granted[j] and there is not None and (there.has_samples or not log_samples):

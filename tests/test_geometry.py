@@ -462,16 +462,17 @@ def check_png(path: Path) -> None:
 
 def test_cli_geometry_one_checkpoint(cli_setup, tmp_path):
     out = tmp_path / "out"
-    res = geometry("--checkpoint", cli_setup["a"], "--text", cli_setup["text"], "--steps", 4, "--out", out)
+    # --steps 1, below the default (the checkpoint's maximum, 2): the depth measured is the one asked for
+    res = geometry("--checkpoint", cli_setup["a"], "--text", cli_setup["text"], "--steps", 1, "--out", out)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "loop 2,3" in res.stdout and "drift-to-loop" in res.stdout
     assert res.stderr.startswith("wrote ") and "geometry.json" in res.stderr
     rep = strict_json(out / "geometry.json")
-    assert rep["schema"] == "exitbench.geometry" and rep["steps"] == 4
+    assert rep["schema"] == "exitbench.geometry" and rep["steps"] == 1
     [entry] = rep["checkpoints"]
     assert entry["architecture"] == "looped_gpt2" and entry["path"] == str(cli_setup["a"])
     assert [g["name"] for g in entry["groups"]] == ["loop 1", "loop 2,3", "loop 4"]
-    assert all(len(g["per_k"]) == 4 for g in entry["groups"])
+    assert all(len(g["per_k"]) == 1 for g in entry["groups"])
     assert len(entry["handoffs"]) == 2
     assert all(h["entry"]["mean"] == 0.0 and h["first_step"]["mean"] > 0 for h in entry["handoffs"])
     assert entry["tokens"] > 30

@@ -7,6 +7,6 @@ costs.py      the per-iteration costs a replay cell's estimated wall-clock is ma
 sweep.py      the replay sweep; verify.py: frontier cells rerun exactly, replay vs exact
 """
 from .sweep import ReplaySweep, run_replay
-from .verify import parse_named, verify_frontier
+from .verify import check_named, parse_named, verify_frontier
 
-__all__ = ["ReplaySweep", "parse_named", "run_replay", "verify_frontier"]
+__all__ = ["ReplaySweep", "check_named", "parse_named", "run_replay", "verify_frontier"]

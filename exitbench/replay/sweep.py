@@ -29,7 +29,7 @@ from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..provenance import run_metadata
 from ..quiet import lm_eval_output
-from ..sweep import SweepConfig, SweepPlan, resolved_policy, task_cells
+from ..sweep import SweepConfig, SweepPlan, claim_cells, resolved_policy, task_cells
 from ..tasks import TaskSet
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
@@ -94,11 +94,13 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _evaluate(lm, loaded: dict, cfg: SweepConfig, bootstrap_iters: int, log_samples: bool) -> dict:
+def _evaluate(lm, loaded: dict, cfg: SweepConfig, bootstrap_iters: int, log_samples: bool,
+              progress_bars: bool = True) -> dict:
     from lm_eval.evaluator import evaluate
 
     _seed(cfg.seed)
-    with lm_eval_output(quiet=cfg.quiet), _in_process_bootstrap(), _compiled_templates():
+    with lm_eval_output(quiet=cfg.quiet, progress_bars=progress_bars), _in_process_bootstrap(), \
+            _compiled_templates():
         return evaluate(lm=lm, task_dict=loaded, limit=cfg.limit, bootstrap_iters=bootstrap_iters,
                         log_samples=log_samples, verbosity="ERROR")
 
@@ -132,6 +134,8 @@ class ReplaySweep:
         self.depth = max(p.max_steps for ps in self.policies.values() for p in ps)
         self.indices = sorted({t for t, _, _ in sweep.cells})
         self.recording: RecordingLM | None = None
+        # exitbench's own progress display replaces lm-eval's bars (they would print a bar per cell)
+        self.lm_eval_bars = progress is None
 
     def record(self) -> None:
         model, cfg = self.ck.model, self.cfg
@@ -141,7 +145,7 @@ class ReplaySweep:
                             [c.threshold for c in self.configs.values() if c.policy == "fixed"], cfg.seed,
                             readout_steps=[min(g.default_steps, self.depth) for g in groups],
                             oracle=any(p.retrospective for p in first))
-        with lm_eval_output(quiet=cfg.quiet):
+        with lm_eval_output(quiet=cfg.quiet, progress_bars=self.lm_eval_bars):
             self.loaded = _load_tasks(self.tasks, self.indices, cfg)
         if self.progress:
             self.progress.cell_started(f"recording {', '.join(self.tasks.names[i] for i in self.indices)} at depth "
@@ -149,7 +153,8 @@ class ReplaySweep:
         t0 = time.perf_counter()
         self.recording = RecordingLM.over(self.ck, recorder, cfg.batch_size, cfg.add_bos_token, cfg.seed,
                                           on_progress=self.progress.requests if self.progress else None)
-        _evaluate(self.recording, self.loaded, cfg, bootstrap_iters=0, log_samples=False)
+        _evaluate(self.recording, self.loaded, cfg, bootstrap_iters=0, log_samples=False,
+                  progress_bars=self.lm_eval_bars)
         _keep_requests(self.loaded)
         self.record_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -166,7 +171,7 @@ class ReplaySweep:
         t0 = time.perf_counter()
         _reset_answers(self.loaded)
         lm = ReplayLM(self.recording, config, self.costs, tokens=cfg.log_samples)
-        res = _evaluate(lm, self.loaded, cfg, cfg.bootstrap_iters, cfg.log_samples)
+        res = _evaluate(lm, self.loaded, cfg, cfg.bootstrap_iters, cfg.log_samples, self.lm_eval_bars)
         elapsed = time.perf_counter() - t0
         chosen = [self.tasks.names[t] for t, _ in task_keys]
         produced = task_cells(res, chosen, [k for _, k in task_keys], self.sweep.model,
@@ -185,39 +190,95 @@ class ReplaySweep:
                 "exact_by_construction": config.policy == "fixed" and name not in lm.generation}
         return [(cells.strict(cell), samples) for cell, samples in produced], lm
 
-    def run(self, out: Path) -> list[dict[str, Any]]:
-        """Every cell of the plan not on disk yet; returns all of the plan's cells."""
-        sweep, progress = self.sweep, self.progress
+    def run(self, out: Path, poll_s: float = 1.0) -> list[dict[str, Any]]:
+        """Every cell of the plan not on disk yet; returns all of the plan's cells.
+
+        Cells are claimed as the exact sweep claims them (`exitbench.sweep.run_sweep`), one exit config's cells
+        right before they are replayed: a second sweep into the same directory replays the configs this one
+        has not claimed (recording on its own if it has to), and collects the cells this one writes.
+        """
+        sweep, progress, cfg = self.sweep, self.progress, self.cfg
         finished = {cells.cell_id(key): sweep.done[cells.cell_id(key)].cell for _, _, key in sweep.cells
                     if cells.cell_id(key) in sweep.done}
-        by_config: dict[str, list[tuple[int, dict]]] = {}
+        waiting: list[tuple[int, ExitConfig, dict]] = []
         for t, c, key in sweep.cells:
             if cells.cell_id(key) in finished:
                 if progress:
                     progress.cell_skipped(cells.cell_id(key))
             else:
-                by_config.setdefault(cells.cell_id(c.to_dict()), []).append((t, key))
-        if by_config:
+                waiting.append((t, c, key))
+        if waiting:
             out.mkdir(parents=True, exist_ok=True)
-        # Each write waits on the disk (fsync) longer than a replay cell computes: overlap them.
+        settled: set[str] = set()
+        # Each write waits on the disk (fsync) longer than a replay cell computes: overlap them. A cell's claim
+        # is let go once its file is written, so a sweep that finds the claim gone finds the cell.
         with ThreadPoolExecutor(max_workers=4) as writer:
             writes: list[Future] = []
-            for cid, task_keys in by_config.items():
-                config = self.configs[cid]
-                label = (f"{config.policy} τ={config.threshold:g} on "
-                         f"{', '.join(self.tasks.names[t] for t, _ in task_keys)} (replay)")
-                if progress:
-                    progress.cell_started(label)
-                produced, _ = self.replay(cid, task_keys)
-                for cell, samples in produced:
-                    writes.append(writer.submit(results.write, out, cell, samples))
-                    finished[cell["cell_id"]] = cell
-                if progress:
-                    for _ in task_keys:
-                        progress.cell_finished(label)
+            while waiting:
+                computed_any = False
+                for cid, task_keys in _by_config(waiting).items():
+                    claims = [results.Claim(out, cells.cell_id(key)) for _, key in task_keys]
+                    granted = claim_cells(claims, out, cfg.log_samples)
+                    mine = [(tk, claim) for tk, claim, ok in zip(task_keys, claims, granted) if ok]
+                    if not mine:
+                        continue
+                    config = self.configs[cid]
+                    label = (f"{config.policy} τ={config.threshold:g} on "
+                             f"{', '.join(self.tasks.names[t] for (t, _), _ in mine)} (replay)")
+                    if progress:
+                        progress.cell_started(label)
+                    try:
+                        produced, _ = self.replay(cid, [tk for tk, _ in mine])
+                    except BaseException:
+                        for _, claim in mine:
+                            claim.release()
+                        raise
+                    for (cell, samples), (_, claim) in zip(produced, mine):
+                        writes.append(writer.submit(_write_then_release, out, cell, samples, claim))
+                        finished[cell["cell_id"]] = cell
+                    settled.update(cells.cell_id(key) for (_, key), _ in mine)
+                    computed_any = True
+                    if progress:
+                        for _ in mine:
+                            progress.cell_finished(label)
+                waiting = self._collect(out, waiting, settled, finished)
+                if waiting and not computed_any:
+                    time.sleep(poll_s)  # every remaining cell is another sweep's: wait until it writes them
         for write in writes:
             write.result()  # a failed write fails the sweep, as it does when written in line
         return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
+
+    def _collect(self, out: Path, waiting: list[tuple[int, ExitConfig, dict]], settled: set[str],
+                 finished: dict[str, dict]) -> list[tuple[int, ExitConfig, dict]]:
+        """The cells still to do after one pass: those another sweep claimed and has not written yet (its owner
+        may also have died and freed the claim); the ones it wrote are taken into `finished`."""
+        left = [item for item in waiting if cells.cell_id(item[2]) not in settled]
+        stored = results.written(out, [cells.cell_id(key) for _, _, key in left])
+        still = []
+        for t, c, key in left:
+            there = stored.get(cells.cell_id(key))
+            if there is not None and (there.has_samples or not self.cfg.log_samples):
+                finished[there.cell["cell_id"]] = there.cell
+                if self.progress:
+                    self.progress.cell_finished(f"{c.policy} τ={c.threshold:g} on {self.tasks.names[t]} "
+                                                "(computed by another run)")
+            else:
+                still.append((t, c, key))
+        return still
+
+
+def _by_config(items: list[tuple[int, ExitConfig, dict]]) -> dict[str, list[tuple[int, dict]]]:
+    groups: dict[str, list[tuple[int, dict]]] = {}
+    for t, c, key in items:
+        groups.setdefault(cells.cell_id(c.to_dict()), []).append((t, key))
+    return groups
+
+
+def _write_then_release(out: Path, cell: dict, samples: list | None, claim: results.Claim) -> Path:
+    try:
+        return results.write(out, cell, samples)
+    finally:
+        claim.release()
 
 
 def run_replay(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, sweep: SweepPlan,

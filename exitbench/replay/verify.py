@@ -40,6 +40,22 @@ def parse_named(text: str | None) -> list[tuple[str, float]]:
     return out
 
 
+def check_named(named: list[tuple[str, float]], configs: list[ExitConfig]) -> None:
+    """Each named cell is one the sweep has: a name or threshold it lacks would otherwise verify nothing, without
+    a word. Checked when the sweep is planned, before any cell is computed."""
+    have: dict[str, set[float]] = {}
+    for c in configs:
+        if c.threshold is not None:
+            have.setdefault(c.policy, set()).add(float(c.threshold))
+    for name, tau in named:
+        if tau in have.get(name, ()):
+            continue
+        swept = "; ".join(f"{p} at {', '.join(f'{t:g}' for t in sorted(ts))}" for p, ts in have.items())
+        what = (f"policy {name!r} is not in this sweep" if name not in have
+                else f"{name} has no threshold {tau:g} in this sweep")
+        raise ExitbenchError(f"--verify-cells {name}:{tau:g}: {what}; the sweep has {swept}")
+
+
 def chosen(cell_list: list[dict[str, Any]], named: list[tuple[str, float]]) -> list[dict[str, Any]]:
     """Each policy's frontier cells per task (quality vs mean iterations), and the named ones; not the cells
     exact by construction (fixed depth on one loop group, scored)."""
@@ -74,12 +90,13 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
         config = ExitConfig.from_dict(replayed[0]["key"]["exit"])
         task_idx = [index[c["task"]["name"]] for c in replayed]
         keys = [cell_key(sweep.model, tasks.names[t], tasks.fingerprints[tasks.names[t]], config, exact_cfg,
-                         ck.model.device.type) for t in task_idx]
-        if replayer.progress:
-            replayer.progress.cell_started(f"verifying {config.policy} τ={config.threshold:g} exactly")
+                         ck.model.device.type, n_docs=sweep.n_docs.get(tasks.names[t])) for t in task_idx]
+        progress = replayer.progress
+        if progress:
+            progress.cell_started(f"verifying {config.policy} τ={config.threshold:g} exactly")
         exact_stats: list[dict] = []
         exact = run_config(ck, tasks, task_idx, config, exact_cfg, sweep.model, keys, sweep.run_id,
-                           stats_out=exact_stats)
+                           on_requests=progress.requests if progress else None, stats_out=exact_stats)
         _, lm = replayer.replay(cid, [(t, k) for t, k in zip(task_idx, keys)])
         for (cell, _), rc in zip(exact, replayed):
             results.write(where, cells.strict(cell), None)
