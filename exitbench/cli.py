@@ -5,12 +5,13 @@ import functools
 import inspect
 import json
 import math
+import traceback
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import ExitbenchError
@@ -434,8 +435,26 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
     err_console.print("wrote " + ", ".join(str(p) for p in written if p is not None))
 
 
+def crash_is_not_a_verdict(fn):
+    """A gate's exit codes are its verdicts (0 passed, 1 regressed, 2 unusable input); Python exits 1 on an
+    uncaught exception, which CI would read as "regressed". A crash exits 3, with its traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ExitbenchError, typer.Exit, KeyboardInterrupt):
+            raise
+        except Exception:  # noqa: BLE001  (any bug: reported as one, with its traceback)
+            traceback.print_exc()
+            err_console.print("[red]error:[/red] exitbench check crashed (a bug, not a verdict; exit 3): please "
+                              "report the traceback above", highlight=False)
+            raise typer.Exit(3) from None
+    return wrapper
+
+
 @app.command()
 @one_line_errors
+@crash_is_not_a_verdict
 def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to judge."),
           baseline: Path = typer.Option(..., "--baseline", help="The reference sweep."),
           quality_tol: float = typer.Option(0.01, help="Allowed relative quality loss per cell."),
@@ -448,7 +467,8 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
           model: Optional[str] = ModelOpt,
           baseline_model: Optional[str] = typer.Option(None, "--baseline-model", help="The baseline's model, where "
                                                        "its directory mixes models (default: --model).")):
-    """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked)."""
+    """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked); 0 when
+    not, 2 on unusable input, 3 on a crash."""
     from .check import Tolerances, check_dirs
     from .tables import regression_table
 

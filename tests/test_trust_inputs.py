@@ -289,3 +289,69 @@ def test_a_reused_cell_with_nonfinite_tokens_is_warned_about(tmp_path):
     reused = [json.loads(p.read_text()) for p in d.glob("*.json")]
     note = reuse_note(reused, d)
     assert "warning: 1 reused cell(s)" in note and "NaN or infinite" in note
+
+
+# ---- exit configs and exit models under mutation --------------------------------------------------------------
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=True)
+                        | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(knob=st.sampled_from(sorted(f for f in ExitConfig().to_dict()) + ["exit_model", "kv_window"]),
+       value=ANY_JSON)
+def test_any_exit_config_value_is_accepted_or_one_line(tmp_path_factory, knob, value):
+    import yaml
+    path = tmp_path_factory.mktemp("cfg") / "exit.yaml"
+    path.write_text(yaml.safe_dump({"policy": "second_order", knob: value}))
+    try:
+        cfg = ExitConfig.from_yaml(path)
+    except ExitbenchError as exc:
+        assert "\n" not in str(exc) and str(exc)
+    else:  # what was accepted is of the knob's own type, uncoerced
+        got = getattr(cfg, knob)
+        kind = KNOB_TYPES[knob]
+        if got is not None:
+            assert (type(got) is kind) or (kind is float and type(got) is int), (knob, value, got)
+
+
+KNOB_TYPES = {name: next(t for t in (bool, int, float, str) if t.__name__ in str(hint))
+              for name, hint, *_ in ExitConfig.knobs()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(["features", "kind", "mean", "scale", "weights", "bias", "hidden_bias",
+                              "hidden_weights", "checkpoint", "schema_version"]), value=ANY_JSON)
+def test_any_exit_model_field_is_accepted_or_one_line(tmp_path_factory, field, value):
+    raw = json.loads(EXIT_MODEL.read_text())
+    raw[field] = value
+    path = tmp_path_factory.mktemp("em") / "exit.json"
+    path.write_text(json.dumps(raw))
+    try:
+        ExitConfig("learned", exit_model=str(path))
+    except ExitbenchError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+
+
+def test_a_crash_in_check_is_not_read_as_a_regression(tmp_path, monkeypatch):
+    """Python exits 1 on an uncaught exception, which is check's "regressed": a crash must be told apart."""
+    import exitbench.check as check
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(check, "compare", bug)
+    res = runner.invoke(app, ["check", str(BASELINE), "--baseline", str(BASELINE)])
+    assert res.exit_code == 3 and "crashed" in res.stderr, explain(res)
+
+
+@pytest.mark.slow
+def test_verify_reruns_the_learned_rule_with_the_model_it_replayed(tmp_path):
+    """A replay cell's key names the exit model by its sha256; --verify must rerun the sweep's own config,
+    not one rebuilt from the key (which would look for a file called sha256:…). Slow (5 s): the fast
+    `test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes` covers the config that holds the model."""
+    res = runner.invoke(app, ["run", "--tasks", "chains_lambada", "--policy", "learned", "--exit-model",
+                              str(EXIT_MODEL), "--thresholds", "0.2", "--baselines", "16", "--limit", "2",
+                              "--replay", "--verify", "--quiet", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, explain(res)
+    verified = json.loads((tmp_path / "o" / "verify" / "replay-vs-exact.json").read_text())["rows"]
+    assert [r["policy"] for r in verified] == ["learned"]

@@ -166,6 +166,7 @@ def _parse(path: str, data: bytes) -> ExitModel:
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ExitbenchError(f"--exit-model {path} has schema version {raw.get('schema_version')!r}; this "
                              f"exitbench reads version {SCHEMA_VERSION}: refit it with `exitbench fit-exit`")
+    parse(ExitModelFile, raw, f"--exit-model {path}")  # types first: the checks below rely on them
     names = raw.get("features")
     unknown = [f for f in names or [] if f not in FEATURES]
     if not names or unknown:
@@ -187,7 +188,6 @@ def _parse(path: str, data: bytes) -> ExitModel:
     bias = raw.get("bias")
     if not isinstance(bias, (int, float)) or not math.isfinite(bias):
         raise ExitbenchError(f"--exit-model {path}: 'bias' must be a finite number, got {bias!r}")
-    parse(ExitModelFile, raw, f"--exit-model {path}")  # the fields the checks above leave: their types
     return ExitModel(raw, path, digest)
 
 
@@ -198,14 +198,15 @@ class _FittedOn(BaseModel):
 
 
 class ExitModelFile(BaseModel):
-    """The types of an exit model's fields; their shapes depend on each other and are checked in `_parse`."""
+    """The types of an exit model's fields; their shapes depend on each other and are checked in `_parse`,
+    which also says what a missing field or a non-finite number should be."""
     model_config = ConfigDict(strict=True, extra="allow")
-    features: list[str]
-    kind: str
-    mean: list[float]
-    scale: list[float]
-    weights: list[float]
-    bias: float
+    features: list[str] | None = None
+    kind: str | None = None
+    mean: list[float] | None = None
+    scale: list[float] | None = None
+    weights: list[float] | None = None
+    bias: Any = None
     hidden_bias: list[float] | None = None
     hidden_weights: list[list[float]] | None = None
     checkpoint: _FittedOn = _FittedOn()

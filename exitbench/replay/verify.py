@@ -86,8 +86,11 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
     where = out / "verify"
     where.mkdir(parents=True, exist_ok=True)
     rows = []
+    # The sweep's own configs, not ones rebuilt from the keys: a key names the learned rule's exit model by its
+    # sha256, and the config holds the model it was keyed from.
+    configs = {cells.cell_id(config.key_dict()): config for _, config, _ in sweep.cells}
     for cid, replayed in todo.items():
-        config = ExitConfig.from_dict(replayed[0]["key"]["exit"])
+        config = configs[cid]
         task_idx = [index[c["task"]["name"]] for c in replayed]
         keys = [cell_key(sweep.model, tasks.names[t], tasks.fingerprints[tasks.names[t]], config, exact_cfg,
                          ck.model.device.type, n_docs=sweep.n_docs.get(tasks.names[t])) for t in task_idx]
@@ -97,7 +100,7 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
         exact_stats: list[dict] = []
         exact = run_config(ck, tasks, task_idx, config, exact_cfg, sweep.model, keys, sweep.run_id,
                            on_requests=progress.requests if progress else None, stats_out=exact_stats)
-        _, lm = replayer.replay(cid, [(t, k) for t, k in zip(task_idx, keys)])
+        _, lm = replayer.replay(cells.cell_id(config.to_dict()), [(t, k) for t, k in zip(task_idx, keys)])
         for (cell, _), rc in zip(exact, replayed):
             results.write(where, cells.strict(cell), None)
             rows.append(compare(rc, cell, lm.request_stats, exact_stats))
