@@ -43,8 +43,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exitbench import synthetic  # noqa: E402
-from exitbench.embedded import open_checkpoint  # noqa: E402
+from exitbench.training import synthetic  # noqa: E402
+from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
 from exitbench.models import AttnContext  # noqa: E402
 
@@ -164,7 +164,7 @@ def wide_thresholds(model, progs, K: int) -> dict[str, float]:
     """first_order and second_order thresholds under which tokens of this random model exit about halfway: the
     median ‖Δ_k‖ and ‖Δ_k − Δ_{k−1}‖ at k = K/2 (its steps shrink by ~15% an iteration, so exits spread
     around K/2)."""
-    from exitbench.geometry import step_quantities
+    from exitbench.studies.geometry import step_quantities
 
     with torch.no_grad():
         states = model.iterates(torch.tensor([progs[0][:12]]), K)[0]
@@ -286,7 +286,7 @@ def exit_model_file() -> str:
     import json
     import tempfile
 
-    from exitbench.fit_exit import MLP_HIDDEN
+    from exitbench.studies.fit_exit import MLP_HIDDEN
     from exitbench.policies.learned import FEATURES, SCHEMA, SCHEMA_VERSION
 
     g = torch.Generator().manual_seed(0)
@@ -337,7 +337,7 @@ def probe_cost(ck, K, progs, repeats, width, quick, figures):
 WORKER = """
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
-from exitbench.embedded import open_checkpoint
+from exitbench.models.checkpoint import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 policy, tau, batch, wide = sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
 work = [(p, 1) for p in json.loads(sys.stdin.read())]

@@ -29,8 +29,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exitbench.devices import resolve_device  # noqa: E402
-from exitbench.embedded import open_checkpoint  # noqa: E402
+from exitbench.runtime.devices import resolve_device  # noqa: E402
+from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
 from exitbench.errors import ExitbenchError  # noqa: E402
 from exitbench.models import Raven, RavenConfig  # noqa: E402

@@ -7,9 +7,9 @@ Writes `--size-gib` GiB of random-ish bytes (split into `--shards` files) under 
    and after evicting it with posix_fadvise(DONTNEED), the cold read a first sweep on a fresh machine pays.
    Eviction is per file and needs no privilege; /proc/sys/vm/drop_caches would drop every user's cache
    and needs root, so it is not used. On a virtual machine the host may still cache the file;
-2. read strategies, interleaved over repeats: exitbench.identity's chunked readinto (1 MiB) against
+2. read strategies, interleaved over repeats: exitbench.store.identity's chunked readinto (1 MiB) against
    hashlib.file_digest (3.11+) and other buffer sizes;
-3. first use through exitbench.identity (hash + cache write), then the cached rerun (stat + cache read);
+3. first use through exitbench.store.identity (hash + cache write), then the cached rerun (stat + cache read);
 4. with several shards, the identity's thread pool against one file at a time.
 Finally it estimates the first-use time for Huginn-0125's released checkpoint (15.6 GB of fp32 shards).
 The files are deleted at the end unless --keep.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exitbench import identity  # noqa: E402
+from exitbench.store import identity  # noqa: E402
 
 GIB = 1 << 30
 HUGINN_GB = 15.6  # 4 safetensors shards as released (fp32), plus a few kB of config and tokenizer

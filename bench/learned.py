@@ -42,7 +42,7 @@ def exitbench(*args: str) -> None:
 
 def matched(directory: Path) -> dict[str, list[dict]]:
     """Per task · metric, the matched-quality rows at TOLERANCE (exact cells preferred over replay twins)."""
-    from exitbench import pareto
+    from exitbench.analysis import pareto
 
     rep = pareto.report(pareto.load([directory]))
     return {group: [r for r in entry["matched_quality"] if r["tolerance"] == TOLERANCE]
@@ -53,7 +53,7 @@ def wall_clock(ck_args: list[str], task: str, task_args: list[str], rows: list[d
                exit_model: Path, out: Path) -> dict[str, float]:
     """ms per token at batch size 1 of full depth, second_order and learned at their matched thresholds: exact
     cells of one run (the two rules share the run's threshold list, so each also gets the other's τ)."""
-    from exitbench import pareto
+    from exitbench.analysis import pareto
 
     chosen = {r["policy"]: r["threshold"] for r in rows if r["policy"] in ("second_order", "learned")}
     limit = [] if "--limit" in task_args else ["--limit", "100"]  # 100 documents: enough for a time per token
@@ -75,9 +75,9 @@ def by_hop(model_file: Path, tau: float, programs: int = 128) -> list[dict]:
     prediction that differs from full depth. Hop h needs about h − 1 iterations (tasks/README.md)."""
     import numpy as np
 
-    from exitbench.documents import heldout_batch
-    from exitbench.embedded import open_checkpoint
-    from exitbench.fit_exit import Rows, exits_by_threshold, record_rows, risk_of
+    from exitbench.harness.documents import heldout_batch
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.studies.fit_exit import Rows, exits_by_threshold, record_rows, risk_of
     from exitbench.policies import REGISTRY
 
     ck = open_checkpoint(None)
@@ -108,7 +108,7 @@ def by_hop(model_file: Path, tau: float, programs: int = 128) -> list[dict]:
 
 
 def main() -> None:
-    from exitbench import pareto
+    from exitbench.analysis import pareto
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")

@@ -36,7 +36,7 @@ BASELINE = ["--policy", "all", "--tasks", "chains,chains_mc,chains_lambada", "--
 
 
 def _cells(out: Path) -> list[dict]:
-    from exitbench import cells
+    from exitbench.store import cells
 
     return [c for _, c in cells.scan(out.glob("*.json"))[0]]
 
@@ -76,7 +76,7 @@ def baseline(repeats: int, figures: dict) -> None:
 
 
 def wide_checkpoint(tmp: Path, width: int) -> Path:
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.models import save_checkpoint
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -93,12 +93,12 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
                         also_exact: str | None = None) -> None:
     """The whole replay sweep (every policy's grid and the baselines, or `policies`') against one exact run at
     full depth; with `also_exact`, one exact cell of that policy (its default threshold) for scale."""
-    from exitbench import cells
-    from exitbench.embedded import open_checkpoint
+    from exitbench.store import cells
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.engine import ExitConfig
     from exitbench.replay import ReplaySweep
     from exitbench.sweep import SweepConfig, cell_key, plan, run_config
-    from exitbench.tasks import resolve_tasks
+    from exitbench.harness.task_set import resolve_tasks
 
     ck = open_checkpoint(checkpoint)
     tasks = resolve_tasks(task_names, data_dir)

@@ -45,7 +45,7 @@ def _root() -> None:
 def exit_knobs(*names: str, **defaults):
     """Give a command the exit knobs `names` as options, made from ExitConfig's fields (their one definition);
     the command receives them as one dict, `knobs`. `defaults` overrides a knob's default for this command."""
-    from .exit_config import ExitConfig
+    from .engine.config import ExitConfig
 
     specs = {name: (kind, default, meta) for name, kind, default, meta in ExitConfig.knobs()}
 
@@ -99,10 +99,10 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
                                                  "[each group's default depth]."), knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
-    from .embedded import open_checkpoint, resolve
-    from .exit_config import ExitConfig
-    from .info import describe
-    from .models.checkpoint import check_dtype_name, inspect_checkpoint, parse_dtype
+    from .engine.config import ExitConfig
+    from .models.checkpoint import check_dtype_name, inspect_checkpoint, open_checkpoint, parse_dtype
+    from .models.embedded import resolve
+    from .models.info import describe
 
     if programs < 1:
         raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
@@ -110,12 +110,12 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     layout = inspect_checkpoint(resolve(checkpoint))  # headers only
     report = describe(layout, check_dtype_name(dtype))
     if memory_plan:
-        from .memory import plan
+        from .engine.memory import plan
 
         report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
                               layout.model.config.block_size if context is None else context, max_steps, kv_window)
     if depth:
-        from .depth import depth_report
+        from .studies.depth import depth_report
 
         report["depth"] = depth_report(open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite),
                                        n_programs=programs, seed=seed)
@@ -131,11 +131,11 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
     if memory_plan:
-        from .tables import plan_table
+        from .analysis.tables import plan_table
 
         console.print(plan_table(report["plan"]))
     if depth:
-        from .tables import depth_tables
+        from .analysis.tables import depth_tables
 
         for t in depth_tables(report["depth"]):
             console.print(t)
@@ -174,9 +174,9 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
           threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
           resume: bool = typer.Option(False, help="Continue the run saved in --out.")):
     """Train a looped model from scratch: Raven on synthetic chains, or looped GPT-2 on GSM8K text (CPU-sized)."""
-    from .progress import training_progress
-    from .train import TrainConfig, status
-    from .train import train as run_training
+    from .runtime.progress import training_progress
+    from .training.train import TrainConfig, status
+    from .training.train import train as run_training
 
     cfg = TrainConfig.for_arch(
         str(out), arch, task=task, n_chains=n_chains, max_hop=max_hop, n_embd=n_embd, n_heads=n_heads,
@@ -205,13 +205,13 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
           png: Optional[Path] = typer.Option(None, "--png", help="Also draw the exit map to this PNG file."),
           knobs: dict = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
-    from . import exitmap
-    from .embedded import open_checkpoint
-    from .fit_exit import check_fitted_for
-    from .exit_config import ExitConfig
-    from .files import writable_file
-    from .tables import trace_table
-    from .trace import parse_vs, trace_prompt
+    from .analysis import exitmap
+    from .analysis.tables import trace_table
+    from .engine.config import ExitConfig
+    from .models.checkpoint import open_checkpoint
+    from .runtime.files import writable_file
+    from .studies.fit_exit import check_fitted_for
+    from .studies.trace import parse_vs, trace_prompt
 
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     configs = [cfg, *parse_vs(vs, cfg)]
@@ -270,15 +270,16 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
-    from .devices import resolve_device
-    from .distributed import init_distributed
-    from .embedded import open_checkpoint, resolve
-    from .files import writable_dir
-    from .fit_exit import check_fitted_for
-    from .progress import SweepProgress
-    from .tables import reuse_note, summary_table
+    from .analysis.tables import reuse_note, summary_table
+    from .harness.task_set import resolve_tasks
+    from .models.checkpoint import open_checkpoint
+    from .models.embedded import resolve
+    from .runtime.devices import resolve_device
+    from .runtime.distributed import init_distributed
+    from .runtime.files import writable_dir
+    from .runtime.progress import SweepProgress
+    from .studies.fit_exit import check_fitted_for
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
-    from .tasks import resolve_tasks
 
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
@@ -320,7 +321,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if rank0:
         console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
     if replay and report is not None:
-        from .tables import replay_table
+        from .analysis.tables import replay_table
         console.print(replay_table(report["rows"], title=f"replay vs exact ({out / 'verify'})"))
 
 
@@ -334,9 +335,9 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
            cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops."),
            model: Optional[str] = ModelOpt):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
-    from . import pareto as par
-    from .files import writable_file
-    from .tables import pareto_tables
+    from .analysis import pareto as par
+    from .analysis.tables import pareto_tables
+    from .runtime.files import writable_file
 
     par.check_table(table)
     if plot is not None:
@@ -379,8 +380,8 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
                                     "most."),
            model: Optional[str] = ModelOpt):
     """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
-    from .files import writable_file
-    from .report import write
+    from .analysis.report import write
+    from .runtime.files import writable_file
 
     if docs < 0:
         raise ExitbenchError(f"--docs must be ≥ 0, got {docs}")
@@ -411,12 +412,13 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
                                       "and the figures."),
              dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt):
     """Two-scale geometry of the loop iterates: step norms, cosines, accelerations, hand-off drift, PCA paths."""
-    from .embedded import expand_checkpoints, open_checkpoint
-    from .files import writable_dir
-    from .geometry import geometry_report, write_report
-    from .geometry_plot import plot_handoffs, plot_pca, plot_steps
-    from .progress import batch_progress
-    from .tables import geometry_tables
+    from .analysis.tables import geometry_tables
+    from .models.checkpoint import open_checkpoint
+    from .models.embedded import expand_checkpoints
+    from .runtime.files import writable_dir
+    from .runtime.progress import batch_progress
+    from .studies.geometry import geometry_report, write_report
+    from .studies.geometry_plot import plot_handoffs, plot_pca, plot_steps
 
     if checkpoint and checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
@@ -469,8 +471,8 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                                        "its directory mixes models (default: --model).")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked); 0 when
     not, 2 on unusable input, 3 on a crash."""
-    from .check import Tolerances, check_dirs
-    from .tables import regression_table
+    from .analysis.check import Tolerances, check_dirs
+    from .analysis.tables import regression_table
 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
@@ -515,16 +517,16 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/"
                                                  "<checkpoint>-<policy>.json]."), knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
-    from .calibrate import calibrate as run_calibration
-    from .calibrate import check_calibratable, write_report
-    from .documents import token_lists
-    from .embedded import open_checkpoint
-    from .fit_exit import check_fitted_for
-    from .exit_config import ExitConfig
-    from .files import writable_report
+    from .analysis.tables import calibration_table
+    from .engine.config import ExitConfig
+    from .harness.documents import token_lists
+    from .models.checkpoint import open_checkpoint
     from .policies import REGISTRY
-    from .progress import batch_progress
-    from .tables import calibration_table
+    from .runtime.progress import batch_progress
+    from .store.disk import writable_report
+    from .studies.calibrate import calibrate as run_calibration
+    from .studies.calibrate import check_calibratable, write_report
+    from .studies.fit_exit import check_fitted_for
     from .sweep import parse_thresholds
 
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
@@ -567,13 +569,13 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
              out: Optional[Path] = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exit-models/"
                                                 "<checkpoint>.json]."), ):
     """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early."""
-    from .documents import synthetic_training, token_lists
-    from .embedded import open_checkpoint
-    from .files import writable_report
-    from .fit_exit import drop_evaluation_overlap, evaluation_tokens, fit, provenance, write_exit_model
+    from .analysis.tables import exit_model_tables
+    from .harness.documents import synthetic_training, token_lists
+    from .models.checkpoint import open_checkpoint
     from .policies import REGISTRY
-    from .progress import batch_progress
-    from .tables import exit_model_tables
+    from .runtime.progress import batch_progress
+    from .store.disk import writable_report
+    from .studies.fit_exit import drop_evaluation_overlap, evaluation_tokens, fit, provenance, write_exit_model
 
     if limit < 2:
         raise ExitbenchError(f"--limit must be ≥ 2 (one document to fit on, one to check), got {limit}")
@@ -657,7 +659,7 @@ def _limit(limit: Optional[float]) -> Optional[float]:
 @one_line_errors
 def lm_eval_passthrough(ctx: typer.Context):
     """lm-eval's own CLI with the `exitbench` model registered: `exitbench lm-eval run --model exitbench …`."""
-    from .lm_eval_cli import run_lm_eval
+    from .harness.cli import run_lm_eval
 
     run_lm_eval(ctx.args)
 

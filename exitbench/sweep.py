@@ -15,15 +15,16 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, cells, results
-from .distributed import init_distributed
+from . import __version__
 from .engine import ExitConfig
 from .errors import ExitbenchError
-from .identity import checkpoint_identity
+from .harness.task_set import TaskSet
 from .models import Checkpoint
 from .policies import REGISTRY, ExitPolicy, check_policy_name
-from .provenance import package_version, run_metadata
-from .tasks import TaskSet
+from .runtime.distributed import init_distributed
+from .runtime.provenance import package_version, run_metadata
+from .store import cells, disk
+from .store.identity import checkpoint_identity
 
 
 @dataclass
@@ -136,7 +137,7 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
 
 
 def model_record(ck: Checkpoint) -> dict[str, Any]:
-    from .embedded import source_label
+    from .models.embedded import source_label
 
     ident = checkpoint_identity(ck.path)
     return {"path": str(ck.path), "source": source_label(ck.path), "architecture": ck.model.architecture,
@@ -174,7 +175,7 @@ def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
     needs: without one, no task is built here."""
     if cfg.limit is None:
         return {}
-    from .quiet import lm_eval_output, lm_eval_warnings_off
+    from .harness.quiet import lm_eval_output, lm_eval_warnings_off
 
     counts = {}
     # Whatever lm-eval warns of while loading a task it warns of again when the cells load it.
@@ -220,8 +221,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     (and, into `stats_out`, each request's exits and costs)."""
     import lm_eval
 
-    from .lm import ExitbenchLM
-    from .quiet import lm_eval_output
+    from .harness.model import ExitbenchLM
+    from .harness.quiet import lm_eval_output
 
     names = [tasks.names[i] for i in indices]
     lm = ExitbenchLM.from_checkpoint(ck, exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
@@ -292,7 +293,7 @@ def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, r
 @dataclass
 class SweepPlan:
     cells: list[tuple[int, ExitConfig, dict[str, Any]]]   # (task index, exit config, key) of this shard
-    done: dict[str, results.Stored]                       # cell_id → a finished cell on disk
+    done: dict[str, disk.Stored]                       # cell_id → a finished cell on disk
     model: dict[str, Any]                                 # model_record of the checkpoint
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     n_docs: dict[str, int] = field(default_factory=dict)  # task → evaluation documents, where a limit needs them
@@ -313,7 +314,7 @@ def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: st
     i, n = cfg.shard
     mine = [cell for j, cell in enumerate(everything) if j % n == i]
     # A cell asked for with samples is finished only with its samples file beside it.
-    done = {cid: stored for cid, stored in results.existing(out).items()
+    done = {cid: stored for cid, stored in disk.existing(out).items()
             if stored.has_samples or not cfg.log_samples}
     return SweepPlan(mine, done, model, n_docs=n_docs)
 
@@ -348,7 +349,7 @@ def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
             # Claim a group's cells right before computing them, so a second sweep into the same directory
             # takes the next group instead of idling. Rank 0 claims; every rank then runs the same cells,
             # since lm-eval's calls are collective.
-            claims = [results.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
+            claims = [disk.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
             granted = _agree(claim_cells(claims, out, cfg.log_samples) if rank0 else None)
             mine = [(*item, claims[j] if rank0 else None) for j, item in enumerate(group) if granted[j]]
             try:
@@ -362,7 +363,7 @@ def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
                         claim.release()
         # What is left was claimed by another process: collect what it wrote, retry the rest (its owner may
         # have died and freed the claim).
-        stored = results.existing(out) if rank0 else {}
+        stored = disk.existing(out) if rank0 else {}
         left = []
         for t, exit_cfg, key in waiting:
             cid = cells.cell_id(key)
@@ -383,12 +384,12 @@ def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
     return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
 
 
-def claim_cells(claims: list[results.Claim], out: Path, log_samples: bool) -> list[bool]:
+def claim_cells(claims: list[disk.Claim], out: Path, log_samples: bool) -> list[bool]:
     """Which cells this process now owns. A cell written by another run between our look at the directory and
     our claim is let go: it is done, and left for the collection step."""
     granted = [c.acquire() for c in claims]
     if any(granted):
-        stored = results.written(out, [c.cid for c, ok in zip(claims, granted) if ok])
+        stored = disk.written(out, [c.cid for c, ok in zip(claims, granted) if ok])
         for j, claim in enumerate(claims):
             there = stored.get(claim.cid)
             if granted[j] and there is not None and (there.has_samples or not log_samples):
@@ -424,7 +425,7 @@ def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
                           sweep.run_id, on_requests=progress.requests if progress else None)
     for cell, samples in produced:
         cell = cells.strict(cell)
-        results.write(out, cell, samples)
+        disk.write(out, cell, samples)
         finished[cell["cell_id"]] = cell
         if progress and cell.get("numerics", {}).get("nonfinite_tokens"):
             progress.warn(f"{cells.filename(cell)}: {cell['numerics']['nonfinite_tokens']} of "

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from exitbench.models import Raven, save_checkpoint
-from exitbench.tokenizer import Tokenizer
+from exitbench.models.tokenizer import Tokenizer
 
 from helpers.models import SHARD_BYTES, make_tiny_raven, make_tiny_tokenizer
 

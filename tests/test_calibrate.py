@@ -10,8 +10,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from exitbench.calibrate import (binom_cdf, calibrate, conservative_order, disagreement, documents_needed,
-                                 fixed_sequence, hb_pvalue, split)
+from exitbench.studies.calibrate import (
+    binom_cdf,
+    calibrate,
+    conservative_order,
+    disagreement,
+    documents_needed,
+    fixed_sequence,
+    hb_pvalue,
+    split,
+)
 from exitbench.cli import app
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError

@@ -7,11 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import results
+from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.policies.distribution import KL
 from exitbench.sweep import SweepConfig, run_sweep
-from exitbench.tasks import resolve_tasks
+from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import ACC, PPL
 
@@ -87,7 +87,7 @@ def test_unusable_input_exits_2(tmp_path, base):
 def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
     """A real sweep, then the same sweep with KL's signal scaled down (it exits too early): exit 1."""
     tasks = resolve_tasks(["chains_lambada"])
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint(None)
     cfg = SweepConfig(tasks=["chains_lambada"], policies=["kl"], thresholds=[1e-4], baselines=[16], limit=16)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from exitbench import embedded
+from exitbench.models import checkpoint, embedded
 from exitbench.errors import ExitbenchError
-from exitbench.flops import FlopModel
+from exitbench.engine.flops import FlopModel
 from exitbench.models import KVCache
 
 from helpers.engine import (LOGP_TOL, engine, exit_steps, first_order_rule, kl_rule, logprobs_close, mixed_prompts,
@@ -144,7 +144,7 @@ def embedded_case():
     """The trained checkpoint shipped with the package, where exits vary by themselves, and its inputs."""
     if not embedded.embedded_names():
         pytest.skip("no embedded checkpoint in this install")
-    model = embedded.open_checkpoint(None).model.eval()
+    model = checkpoint.open_checkpoint(None).model.eval()
     vocab = model.config.vocab_size
     return (model, min(K, model.loop_groups()[0].max_steps), mixed_requests(16, seed=3, vocab=vocab),
             mixed_prompts(8, seed=3, vocab=vocab))

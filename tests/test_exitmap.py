@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from exitbench import exitmap
+from exitbench.analysis import exitmap
 
 from helpers.cli import assert_one_line_error, explain, runner
 from exitbench.cli import app

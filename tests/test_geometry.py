@@ -14,11 +14,19 @@ from typer.testing import CliRunner
 
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
-from exitbench.documents import encode_documents, text_documents
-from exitbench.geometry import (QUANTITIES, SCHEMA, drift_to_loop, geometry_report, measure, pca_path,
-                                step_quantities, trajectories)
+from exitbench.harness.documents import encode_documents, text_documents
+from exitbench.studies.geometry import (
+    QUANTITIES,
+    SCHEMA,
+    drift_to_loop,
+    geometry_report,
+    measure,
+    pca_path,
+    step_quantities,
+    trajectories,
+)
 from exitbench.models import AttnContext, LoopedGPT2, load_checkpoint, save_checkpoint
-from exitbench.textcorpus import fit_tokenizer
+from exitbench.training.textcorpus import fit_tokenizer
 
 from helpers.cli import assert_one_line_error
 from helpers.models import make_gpt2, make_tiny_raven, make_tiny_tokenizer, random_ids
@@ -511,7 +519,7 @@ def test_cli_geometry_training_expansion(cli_setup, tmp_path):
 
 def test_training_expansion_skips_a_final_model_that_is_the_last_step(tmp_path):
     """`exitbench train` saves its final model both in OUT and as the last step-N: list it once."""
-    from exitbench.embedded import expand_checkpoints
+    from exitbench.models.embedded import expand_checkpoints
 
     run = tmp_path / "run"
     for step, where in [(1, run / "training" / "step-000001"), (2, run / "training" / "step-000002"), (2, run)]:

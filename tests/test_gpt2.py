@@ -666,7 +666,7 @@ def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
     Its residual stream grows to norms of ~35 over the loops, so float32 rounding that depends on the batch
     shape reaches ~1e-5 in a log-probability; exits must be identical, log-probabilities within 5e-5.
     """
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint("tiny-looped-gpt2")
     text = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "

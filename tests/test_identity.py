@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from exitbench import identity
-from exitbench.embedded import EMBEDDED_DIR
+from exitbench.store import identity
+from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.errors import CheckpointError, ExitbenchError
-from exitbench.identity import (checkpoint_files, checkpoint_identity, content_fingerprint, file_digest,
-                                named_content_fingerprint)
+from exitbench.store.identity import (
+    checkpoint_files,
+    checkpoint_identity,
+    content_fingerprint,
+    file_digest,
+    named_content_fingerprint,
+)
 from exitbench.models import save_checkpoint
 
 SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]

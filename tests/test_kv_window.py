@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from exitbench.cli import app
 from exitbench.engine import ExitConfig
 from exitbench.errors import ExitbenchError
-from exitbench.memory import plan
+from exitbench.engine.memory import plan
 from exitbench.models import AttnContext, LoopGroup, Raven, RavenConfig
 from exitbench.sweep import SweepConfig, cell_key, grid
 
@@ -256,7 +256,7 @@ def test_cell_keys_without_a_window_are_unchanged():
 
 def test_a_window_is_its_own_series():
     """pareto, the report and cell file names keep a windowed rule apart from the same rule on the full cache."""
-    from exitbench.cells import series
+    from exitbench.store.cells import series
 
     assert series({"policy": "kl", "relative": False}) == "kl"
     assert series({"policy": "second_order", "relative": True, "kv_window": 2}) == "second_order-rel-kv2"

@@ -11,8 +11,15 @@ import torch
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
-from exitbench.fit_exit import (check_fitted_for, drop_evaluation_overlap, fit, overlapping, record_rows,
-                                risk_of, write_exit_model)
+from exitbench.studies.fit_exit import (
+    check_fitted_for,
+    drop_evaluation_overlap,
+    fit,
+    overlapping,
+    record_rows,
+    risk_of,
+    write_exit_model,
+)
 from exitbench.policies.learned import FEATURES
 from exitbench.sweep import SweepConfig, cell_key, grid
 
@@ -112,7 +119,7 @@ def test_documents_that_begin_with_an_evaluation_document_are_dropped():
 
 
 def test_fitting_documents_come_from_the_split_that_is_not_evaluated():
-    from exitbench.documents import task_documents
+    from exitbench.harness.documents import task_documents
 
     fitting = task_documents("gsm8k_text", str(GSM8K_DIR), split="fitting")
     evaluation = task_documents("gsm8k_text", str(GSM8K_DIR))
@@ -162,7 +169,7 @@ def test_fit_writes_a_model_the_rule_reads(tiny_model, tmp_path):
 
 
 def test_an_exit_model_from_another_checkpoint_is_refused(tmp_path):
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint(None)
     with pytest.raises(ExitbenchError, match="was fitted on checkpoint test .*fit-exit -c"):

@@ -16,10 +16,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from exitbench.embedded import open_checkpoint
+from exitbench.models.checkpoint import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
-from exitbench.lm import ExitbenchLM
+from exitbench.harness.model import ExitbenchLM
 from exitbench.models import save_checkpoint
 
 from helpers.models import make_tiny_raven, make_tiny_tokenizer

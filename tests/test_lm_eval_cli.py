@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from exitbench.cli import app
-from exitbench.lm_eval_cli import prepare, with_shipped_tasks
-from exitbench.tasks import SHIPPED_TASKS
+from exitbench.harness.cli import prepare, with_shipped_tasks
+from exitbench.harness.task_set import SHIPPED_TASKS
 
 from helpers.cli import assert_one_line_error, exitbench_cmd, explain, subprocess_env
 from helpers.files import truncate_shard

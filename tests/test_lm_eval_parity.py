@@ -20,9 +20,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from exitbench.errors import ExitbenchError
-from exitbench.lm import ExitbenchLM
+from exitbench.harness.model import ExitbenchLM
 from exitbench.models import LoopedGPT2, save_checkpoint
-from exitbench.tokenizer import Tokenizer
+from exitbench.models.tokenizer import Tokenizer
 
 from helpers.models import make_gpt2
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from exitbench.cli import app
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
-from exitbench.memory import plan
+from exitbench.engine.memory import plan
 from exitbench.models import Raven, RavenConfig
 
 from helpers.cli import assert_one_line_error

@@ -6,7 +6,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import pareto, results
+from exitbench.analysis import pareto
+from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 

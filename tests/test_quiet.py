@@ -1,4 +1,4 @@
-"""exitbench.quiet: lm-eval's console noise around simple_evaluate, silenced without hiding errors or
+"""exitbench.harness.quiet: lm-eval's console noise around simple_evaluate, silenced without hiding errors or
 changing a result.
 
 The evaluations run in this process, the way exitbench.sweep calls lm-eval, from a directory outside any git
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from exitbench.quiet import _git_describe_without_stderr, lm_eval_output
+from exitbench.harness.quiet import _git_describe_without_stderr, lm_eval_output
 
 NOISE = ("bootstrapping for stddev", "fatal:", "WARNING", "Custom kwargs", "it/s]", "Generating train split")
 
@@ -63,10 +63,10 @@ def evaluate(quiet: bool, cache_dir) -> dict:
     import datasets.config
     import lm_eval
 
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.engine import ExitConfig
-    from exitbench.lm import ExitbenchLM
-    from exitbench.tasks import resolve_tasks
+    from exitbench.harness.model import ExitbenchLM
+    from exitbench.harness.task_set import resolve_tasks
 
     saved_cache = datasets.config.HF_DATASETS_CACHE
     datasets.config.HF_DATASETS_CACHE = str(cache_dir)

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from exitbench import cells, pareto
-from exitbench.embedded import open_checkpoint
+from exitbench.store import cells
+from exitbench.analysis import pareto
+from exitbench.models.checkpoint import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.policies import REGISTRY
 from exitbench.replay.exits import first_exits
-from exitbench.replay.recording import Recorder, Sequence_, variant_key
+from exitbench.engine.recorder import Recorder, Sequence_, variant_key
 
 from helpers.cells import load_cells
 from helpers.cli import assert_one_line_error, run_cli, run_ok

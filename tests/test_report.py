@@ -6,7 +6,7 @@ import base64
 import json
 import re
 
-from exitbench import report
+from exitbench.analysis import report
 
 from helpers.cells import ACC, PPL, write_cells, write_samples
 from helpers.cli import assert_one_line_error, explain, runner

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from exitbench import report
-from exitbench.embedded import open_checkpoint
+from exitbench.analysis import report
+from exitbench.models.checkpoint import open_checkpoint
 
 from helpers.browser import console_errors, load
 from helpers.cli import explain, run_ok, runner

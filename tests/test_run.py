@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from exitbench import cells, sweep
+from exitbench.store import cells
+from exitbench import sweep
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
 from helpers.cli import assert_one_line_error, exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
@@ -122,9 +123,9 @@ def test_shards_together_make_the_unsharded_cells(swept, tmp_path):
 def test_shards_split_the_plan_without_overlap(tmp_path):
     """What `--shard i/n` runs, without running it: the shared sweep's plan dealt out over two shards is
     disjoint, together the unsharded plan, and the odd-sized grid puts a config's two tasks on both shards."""
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.sweep import SweepConfig, parse_shard, plan
-    from exitbench.tasks import resolve_tasks
+    from exitbench.harness.task_set import resolve_tasks
 
     ck = open_checkpoint(None)
     tasks = resolve_tasks(["chains", "chains_lambada"])
@@ -146,7 +147,7 @@ def test_cells_equal_lm_eval_simple_evaluate(swept):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import exitbench.lm  # noqa: F401  (registers the model)
+    import exitbench.harness.model  # noqa: F401  (registers the model)
 
     out, _ = swept
     grid = by_config(load_cells(out))
@@ -253,7 +254,7 @@ def test_gsm8k_redirect_reads_the_local_copy():
     import lm_eval
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from exitbench.tasks import GSM8K_HUB, _redirect_gsm8k, task_fingerprint
+    from exitbench.harness.task_set import GSM8K_HUB, _redirect_gsm8k, task_fingerprint
 
     yaml_path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
     original = load_yaml(yaml_path)
@@ -405,7 +406,7 @@ def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
 @pytest.mark.slow  # 3 s; test_replay's three-group test runs the same task exactly in the fast set
 def test_looped_gpt2_perplexity_sweep_reports_iterations_per_group(tmp_path):
     from exitbench.models import save_checkpoint
-    from exitbench.textcorpus import fit_tokenizer, gsm8k_texts
+    from exitbench.training.textcorpus import fit_tokenizer, gsm8k_texts
 
     tok = fit_tokenizer(gsm8k_texts("train", GSM8K_DIR)[:300], 400)
     model = make_gpt2(0, init="model", vocab_size=tok.vocab_size, n_embd=32, n_layer=4, n_head=2, n_positions=256,

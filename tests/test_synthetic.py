@@ -6,9 +6,10 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import embedded, synthetic
+from exitbench.models import checkpoint, embedded
+from exitbench.training import synthetic
 from exitbench.cli import app
-from exitbench.depth import depth_report
+from exitbench.studies.depth import depth_report
 
 from helpers.paths import TASKS_DIR
 
@@ -55,7 +56,7 @@ def test_shipped_task_data_is_what_the_generator_writes(tmp_path):
 def embedded_depth():
     if not embedded.embedded_names():
         pytest.skip("no embedded checkpoint")
-    return depth_report(embedded.open_checkpoint(None), r_values=(1, 2, 4, 7, 8, 16, 32), n_programs=64)
+    return depth_report(checkpoint.open_checkpoint(None), r_values=(1, 2, 4, 7, 8, 16, 32), n_programs=64)
 
 
 def test_embedded_model_needs_its_iterations(embedded_depth):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-import exitbench.tasks
+import exitbench.harness.task_set
 from exitbench.errors import ExitbenchError
-from exitbench.tasks import defines, resolve_tasks, unparsed_task_files
+from exitbench.harness.task_set import defines, resolve_tasks, unparsed_task_files
 
 from helpers.cli import assert_one_line_error, run_cli
 
@@ -82,14 +82,14 @@ def test_an_unknown_task_names_the_closest_ones(monkeypatch):
     """The hint an unknown name gets. A name the shipped tasks lack sends resolve_tasks to lm-eval's own index
     (8 s to build: test_run's unknown-task case runs it, marked slow); a shipped-only index in its place reaches
     the same code in a fraction of a second."""
-    build = exitbench.tasks._manager
+    build = exitbench.harness.task_set._manager
     built = []
 
     def shipped_only(include, defaults, data):
         built.append(defaults)
         return build(include, False, data)
 
-    monkeypatch.setattr(exitbench.tasks, "_manager", shipped_only)
+    monkeypatch.setattr(exitbench.harness.task_set, "_manager", shipped_only)
     with pytest.raises(ExitbenchError) as err:
         resolve_tasks(["chain"])
     assert str(err.value) == "unknown task 'chain'; closest: chains, chains_mc"

@@ -17,10 +17,10 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import exitbench.tasks
-from exitbench import identity
+import exitbench.harness.task_set
+from exitbench.store import identity
 from exitbench.errors import ExitbenchError
-from exitbench.tasks import resolve_tasks
+from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import load_cells
 from helpers.cli import explain, run_cli
@@ -258,7 +258,7 @@ def test_a_wrong_typed_data_files_is_one_line_naming_the_field(tmp_path):
 def test_a_task_file_the_index_cannot_sort_is_named(tmp_path, monkeypatch):
     """lm-eval's index keys tasks by whatever `task:` holds, then sorts the names: `task: null` in any file
     under the include paths fails the index itself, for every task."""
-    monkeypatch.setattr(exitbench.tasks, "_manager", shipped_only(exitbench.tasks._manager))
+    monkeypatch.setattr(exitbench.harness.task_set, "_manager", shipped_only(exitbench.harness.task_set._manager))
     folder = tmp_path / "tasks"
     write_task(folder / NAME)
     (folder / "other").mkdir()
@@ -293,7 +293,7 @@ _KEYS = ["include", "task", "dataset_path", "dataset_name", "dataset_kwargs", "d
 @example(key="dataset_kwargs.data_files", value={"test": 5}, function=False)
 def test_a_mutated_task_yaml_resolves_or_fails_in_one_line(key, value, function):
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
-        mp.setattr(exitbench.tasks, "_manager", shipped_only(exitbench.tasks._manager))
+        mp.setattr(exitbench.harness.task_set, "_manager", shipped_only(exitbench.harness.task_set._manager))
         mp.setenv(identity.CACHE_DIR_ENV, str(Path(tmp) / "cache"))
         mp.chdir(tmp)
         folder = Path(tmp) / "tasks" / NAME

@@ -23,11 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from exitbench import cells, results
+from exitbench.store import cells, disk as results
 from exitbench.cli import app
-from exitbench.embedded import EMBEDDED_DIR
+from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.sweep import SweepConfig, plan, run_sweep
-from exitbench.tasks import resolve_tasks
+from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import load_cells
 from helpers.cli import assert_one_line_error, explain, subprocess_env
@@ -130,12 +130,12 @@ def test_bad_command_is_one_line_and_exit_2(case, tmp_path, capfd):
 
 def test_unwritable_out_fails_before_any_compute(tmp_path, capfd, monkeypatch):
     """The writability check comes before the checkpoint is even read."""
-    import exitbench.embedded as embedded
+    import exitbench.models.checkpoint as checkpoint
 
     def no_loading(*a, **k):
         raise AssertionError("the checkpoint was loaded before --out was checked")
 
-    monkeypatch.setattr(embedded, "open_checkpoint", no_loading)
+    monkeypatch.setattr(checkpoint, "open_checkpoint", no_loading)
     code, lines, _ = invoke(["run", *SMALL, "--out", UNWRITABLE], capfd)
     assert code == 2 and "not writable" in lines[0]
 
@@ -203,7 +203,7 @@ def test_log_samples_recomputes_a_cell_that_has_none(tmp_path, capfd):
 def test_a_kill_between_samples_and_cell_leaves_no_cell(tmp_path, monkeypatch):
     """The samples go first and the cell last: dying in between leaves no cell to skip on resume."""
     ck_tasks = resolve_tasks(["chains_lambada"])
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint(None)
     cfg = SweepConfig(tasks=["chains_lambada"], policies=["second_order"], thresholds=[0.1], baselines=[16],
@@ -232,7 +232,7 @@ def test_a_kill_between_samples_and_cell_leaves_no_cell(tmp_path, monkeypatch):
 HOLD = """
 import sys, time
 from pathlib import Path
-from exitbench import results
+from exitbench.store import disk as results
 claim = results.Claim(Path(sys.argv[1]), sys.argv[2])
 assert claim.acquire()
 print("held", flush=True)
@@ -265,7 +265,7 @@ def test_a_claim_excludes_others_until_its_owner_dies(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_sweep():
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint(None)
     tasks = resolve_tasks(["chains_lambada"])

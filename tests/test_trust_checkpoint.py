@@ -30,7 +30,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from exitbench.cli import app
-from exitbench.embedded import EMBEDDED_DIR
+from exitbench.models.embedded import EMBEDDED_DIR
 
 from helpers.cli import assert_one_line_error, run_cli
 from helpers.models import HUGINN_PARAMETERS

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from exitbench import cells
+from exitbench.store import cells
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
-from exitbench.exit_config import ExitConfig
+from exitbench.engine.config import ExitConfig
 
 from helpers.cli import assert_one_line_error, explain
 from helpers.paths import REPO
@@ -69,9 +69,9 @@ def one_line(args: list[str], capfd, words=()) -> str:
 def test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes(tmp_path):
     """The exit model is replaced after the sweep was planned: the cells must be computed with the model their
     key names (the one read at planning), not with the new file's."""
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.sweep import SweepConfig, plan, run_sweep
-    from exitbench.tasks import resolve_tasks
+    from exitbench.harness.task_set import resolve_tasks
 
     model_file = tmp_path / "exit.json"
     shutil.copy(EXIT_MODEL, model_file)
@@ -165,7 +165,7 @@ def test_lm_eval_model_args_are_typed():
     """lm-eval's parser turns true/false into booleans and leaves other words as strings."""
     from lm_eval.utils import simple_parse_args_string
 
-    from exitbench.lm_eval_cli import check_model_args
+    from exitbench.harness.cli import check_model_args
 
     with pytest.raises(ExitbenchError, match="relative.*'no'"):
         check_model_args(simple_parse_args_string("policy=second_order,relative=no"))
@@ -202,7 +202,7 @@ def assert_clean_end(res, fd, written: Path | None = None, verdicts=(0,)):
             assert not written.exists()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(FIELDS), value=WRONG_VALUES, reader=st.sampled_from(sorted(READERS)))
 def test_a_mutated_cell_never_crashes_a_reader(tmp_path_factory, capfd, field, value, reader):
     tmp = tmp_path_factory.mktemp("mutated")
@@ -281,7 +281,7 @@ def test_pareto_and_check_say_when_a_cell_had_nonfinite_tokens(tmp_path):
 
 
 def test_a_reused_cell_with_nonfinite_tokens_is_warned_about(tmp_path):
-    from exitbench.tables import reuse_note
+    from exitbench.analysis.tables import reuse_note
 
     def broke(cell):
         cell["numerics"]["nonfinite_tokens"] = 2
@@ -335,7 +335,7 @@ def test_any_exit_model_field_is_accepted_or_one_line(tmp_path_factory, field, v
 
 def test_a_crash_in_check_is_not_read_as_a_regression(tmp_path, monkeypatch):
     """Python exits 1 on an uncaught exception, which is check's "regressed": a crash must be told apart."""
-    import exitbench.check as check
+    import exitbench.analysis.check as check
 
     def bug(*a, **k):
         raise ZeroDivisionError("a bug")

@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from exitbench import cells, results
+from exitbench.store import cells, disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 from exitbench.replay import ReplaySweep
 from exitbench.sweep import SweepConfig, plan
-from exitbench.tasks import resolve_tasks
+from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cli import assert_one_line_error, explain, subprocess_env
 from helpers.paths import REPO
@@ -44,7 +44,7 @@ def no_cells(directory: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def replay_sweep():
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     ck = open_checkpoint(None)
     tasks = resolve_tasks(["chains_lambada"])
@@ -123,7 +123,7 @@ def test_a_cell_a_live_sweep_holds_is_collected_not_replayed(tmp_path, replay_sw
 COUNTING_RUN = """
 import sys, time
 from pathlib import Path
-from exitbench import results
+from exitbench.store import disk as results
 from exitbench.cli import app
 log, go, argv = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 real = results.write
@@ -172,7 +172,7 @@ REPORTS = {  # each command, and the schema of the report it writes
 
 @pytest.mark.parametrize("command", list(REPORTS))
 def test_a_report_refuses_to_replace_a_cell(command, tmp_path, capfd, monkeypatch):
-    import exitbench.documents as documents
+    import exitbench.harness.documents as documents
 
     def no_compute(*a, **k):
         raise AssertionError(f"{command} read its documents before refusing --out")
@@ -189,7 +189,7 @@ def test_a_report_refuses_to_replace_a_cell(command, tmp_path, capfd, monkeypatc
 @pytest.mark.parametrize("command", list(REPORTS))
 def test_a_report_replaces_its_own_earlier_report(command, tmp_path):
     """What the refusal above must not catch: the command's own report (and files that are not JSON at all)."""
-    from exitbench.files import writable_report
+    from exitbench.store.disk import writable_report
 
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"schema": REPORTS[command][1], "schema_version": 1}))
@@ -315,7 +315,7 @@ def test_only_exitbench_progress_switches_lm_evals_bars_off():
     import lm_eval.api.task
     from tqdm import tqdm
 
-    from exitbench.quiet import lm_eval_output
+    from exitbench.harness.quiet import lm_eval_output
 
     bootstrap = lm_eval.api.metrics.bootstrap_stderr
     level = logging.getLogger("lm_eval").level
@@ -339,9 +339,9 @@ def test_apply_chat_template_is_one_line(capfd):
 def test_the_model_itself_says_it_has_no_chat_template():
     """Called from Python (simple_evaluate(apply_chat_template=True)) the model's answer is the same line, not
     lm-eval's NotImplementedError."""
-    from exitbench.embedded import open_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.engine import ExitConfig
-    from exitbench.lm import ExitbenchLM
+    from exitbench.harness.model import ExitbenchLM
 
     lm = ExitbenchLM.from_checkpoint(open_checkpoint(None), ExitConfig("fixed", threshold=4))
     with pytest.raises(ExitbenchError, match="no chat template"):

@@ -1,6 +1,6 @@
 """The adaptive recurrence: every scored or generated token runs its own loop and exits on its own.
 
-How a run moves (shared/DESIGN.md, "The engine, v2"):
+How a run moves:
 - A run has B rows, each serving one request at a time; when a request is done its row takes the next one
   (continuous batching), so the rows stay full until the queue runs dry.
 - A request's prefix whose outputs nobody scores is prefilled at full depth, all positions at once (or, with
@@ -26,9 +26,9 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import ExitbenchError
-from ..exit_config import ExitConfig
-from ..flops import FlopModel
 from ..models import AttnContext, LoopedLM
+from .config import ExitConfig
+from .flops import FlopModel
 from .loop import Leaving, Token, TokenLoop
 from .noise import PositionNoise
 from .records import SequenceResult, TokenRecord

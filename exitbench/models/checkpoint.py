@@ -22,11 +22,11 @@ from pydantic_core import PydanticCustomError
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
-from ..tokenizer import TOKENIZER_FILE, Tokenizer
-from ..validation import parse
+from ..runtime.validation import parse
 from .looped import LoopedLM
 from .registry import architecture_of
 from .shards import DTYPE_NAMES, TensorEntry, read_tensors, scan
+from .tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -432,3 +432,11 @@ def _write_weights(directory: Path, state: dict[str, torch.Tensor], max_shard_by
         weight_map.update({key: name for key in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def open_checkpoint(checkpoint: str | Path | None, dtype: str = "auto", device: str = "cpu",
+                    allow_nonfinite: bool = False) -> Checkpoint:
+    """The checkpoint a command names: a directory, the name of an embedded one, or None for the default."""
+    from .embedded import resolve
+
+    return load_checkpoint(resolve(checkpoint), dtype=dtype, device=device, allow_nonfinite=allow_nonfinite)

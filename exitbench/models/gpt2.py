@@ -1,4 +1,4 @@
-"""Looped GPT-2: the model of the two-scale paper (Pappone et al. 2025, shared/reference/two-scale-paper.md).
+"""Looped GPT-2: the model of the two-scale paper (Pappone et al. 2025, arXiv 2509.23314).
 
     x = wte(ids) + wpe(positions)
     layers outside loop groups run once; a loop group g = layers [a … b] runs K_g times on its own output,

@@ -1,4 +1,4 @@
-"""Building blocks of the Raven / Huginn-0125 architecture (shared/reference/huginn-0125.md §1.3).
+"""Building blocks of the Raven / Huginn-0125 architecture (Geiping et al. 2025, arXiv 2502.05171; reference code github.com/seal-rg/recurrent-pretraining).
 
 Every attention layer takes an `AttnContext` so the same code serves three callers: training on whole
 sequences (no cache), incremental decoding at fixed depth, and the exit engine, which runs only the

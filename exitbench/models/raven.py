@@ -1,4 +1,5 @@
-"""Raven, the architecture of Huginn-0125 (Geiping et al. 2025), written from shared/reference/huginn-0125.md.
+"""Raven, the architecture of Huginn-0125 (Geiping et al. 2025), written from the paper (arXiv 2502.05171)
+and its released checkpoint's layout (tomg-group-umd/huginn-0125).
 
     e  = prelude(sqrt(h) · wte(x))
     s0 ~ TruncNormal(0, (0.632 · init_scale)²)        (zeros when init_scale = 0)

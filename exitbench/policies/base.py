@@ -28,7 +28,7 @@ from ..errors import ExitbenchError
 Memory = dict[str, torch.Tensor]
 
 REGISTRY: dict[str, type["ExitPolicy"]] = {}
-# The knobs a policy takes (their defaults and help live in exitbench.exit_config.ExitConfig).
+# The knobs a policy takes (their defaults and help live in exitbench.engine.config.ExitConfig).
 POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model")
 
 

@@ -1,7 +1,7 @@
 """A learned decoding-free exit: a small model (logistic regression, or a one-layer MLP) on features of the
 latent trajectory.
 
-`exitbench fit-exit` (exitbench.fit_exit) fits the model on a recording of held-out documents; this module
+`exitbench fit-exit` (exitbench.studies.fit_exit) fits the model on a recording of held-out documents; this module
 is the rule that runs it. Its signal is the predicted risk that the token's prediction is not yet final
 (1 − P(settled)), and a token exits once the risk falls below τ. The features are the ones the hand-made
 rules each read alone, on log scales (step norms span decades over a trajectory), plus the iteration and the
@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import ExitbenchError
-from ..validation import parse
+from ..runtime.validation import parse
 from .base import ExitPolicy, Memory, register
 
 SCHEMA, SCHEMA_VERSION = "exitbench.exit_model", 1

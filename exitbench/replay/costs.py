@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..engine import ExitConfig, ExitEngine
+from ..engine.recorder import variant_key
 from ..models import LoopedLM
 from ..policies import ExitPolicy
-from .recording import variant_key
 
 
 @dataclass

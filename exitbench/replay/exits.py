@@ -14,7 +14,7 @@ import torch
 from ..policies import ExitPolicy
 
 if TYPE_CHECKING:
-    from .recording import Trajectories
+    from ..engine.recorder import Trajectories
 
 
 def first_exits(policy: ExitPolicy, values: np.ndarray) -> np.ndarray:
@@ -42,7 +42,7 @@ def trajectory_exits(policies: Sequence[ExitPolicy], traj: "Trajectories", membe
     """Exit step per scored token and loop group, (n, G), one policy per group. The oracle agrees with full depth
     by the target's log-probability where a target is given (scoring), by the argmax where the model chose the
     token (generation)."""
-    from .recording import variant_key
+    from ..engine.recorder import variant_key
 
     n = len(traj.positions)
     out = []

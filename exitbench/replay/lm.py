@@ -18,14 +18,14 @@ from typing import Any, Callable
 import numpy as np
 from lm_eval.api.model import LM
 
-from .. import cells
 from ..engine import ExitConfig, TokenRecord
-from ..flops import FlopModel
-from ..lm import ExitbenchLM
+from ..engine.flops import FlopModel
+from ..engine.recorder import Recorder, Sequence_, Trajectories
+from ..harness.model import ExitbenchLM
 from ..models import Checkpoint
+from ..store import cells
 from .costs import CostModel
 from .exits import trajectory_exits
-from .recording import Recorder, Sequence_, Trajectories
 
 
 @dataclass

@@ -22,18 +22,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import cells, results
-from ..distributed import init_distributed
 from ..engine import ExitConfig
+from ..engine.recorder import Recorder
 from ..errors import ExitbenchError
+from ..harness.quiet import lm_eval_output
+from ..harness.task_set import TaskSet
 from ..models import Checkpoint
-from ..provenance import run_metadata
-from ..quiet import lm_eval_output
+from ..runtime.distributed import init_distributed
+from ..runtime.provenance import run_metadata
+from ..store import cells, disk
 from ..sweep import SweepConfig, SweepPlan, claim_cells, resolved_policy, task_cells
-from ..tasks import TaskSet
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
-from .recording import Recorder
 
 
 @contextlib.contextmanager
@@ -217,7 +217,7 @@ class ReplaySweep:
             while waiting:
                 computed_any = False
                 for cid, task_keys in _by_config(waiting).items():
-                    claims = [results.Claim(out, cells.cell_id(key)) for _, key in task_keys]
+                    claims = [disk.Claim(out, cells.cell_id(key)) for _, key in task_keys]
                     granted = claim_cells(claims, out, cfg.log_samples)
                     mine = [(tk, claim) for tk, claim, ok in zip(task_keys, claims, granted) if ok]
                     if not mine:
@@ -253,7 +253,7 @@ class ReplaySweep:
         """The cells still to do after one pass: those another sweep claimed and has not written yet (its owner
         may also have died and freed the claim); the ones it wrote are taken into `finished`."""
         left = [item for item in waiting if cells.cell_id(item[2]) not in settled]
-        stored = results.written(out, [cells.cell_id(key) for _, _, key in left])
+        stored = disk.written(out, [cells.cell_id(key) for _, _, key in left])
         still = []
         for t, c, key in left:
             there = stored.get(cells.cell_id(key))
@@ -274,14 +274,9 @@ def _by_config(items: list[tuple[int, ExitConfig, dict]]) -> dict[str, list[tupl
     return groups
 
 
-def _write_then_release(out: Path, cell: dict, samples: list | None, claim: results.Claim) -> Path:
+def _write_then_release(out: Path, cell: dict, samples: list | None, claim: disk.Claim) -> Path:
     try:
-        return results.write(out, cell, samples)
+        return disk.write(out, cell, samples)
     finally:
         claim.release()
 
-
-def run_replay(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, sweep: SweepPlan,
-               progress: Any | None = None) -> list[dict[str, Any]]:
-    """Every cell of the plan not on disk yet, by replay; returns all of the plan's cells."""
-    return ReplaySweep(ck, tasks, cfg, sweep, progress).run(out)

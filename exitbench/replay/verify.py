@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import cells, pareto, results
+from ..analysis import pareto
 from ..engine import ExitConfig
 from ..errors import ExitbenchError
-from ..files import atomic_write
+from ..runtime.files import atomic_write
+from ..store import cells, disk
 from ..sweep import cell_key, run_config
 from .sweep import ReplaySweep
 
@@ -102,7 +103,7 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
                            on_requests=progress.requests if progress else None, stats_out=exact_stats)
         _, lm = replayer.replay(cells.cell_id(config.to_dict()), [(t, k) for t, k in zip(task_idx, keys)])
         for (cell, _), rc in zip(exact, replayed):
-            results.write(where, cells.strict(cell), None)
+            disk.write(where, cells.strict(cell), None)
             rows.append(compare(rc, cell, lm.request_stats, exact_stats))
     report = {"schema": SCHEMA, "directory": str(out), "rows": sorted(rows, key=lambda r: (r["task"], r["policy"],
                                                                                            r["threshold"]))}

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from exitbench import cells
+from exitbench.store import cells
 from exitbench.engine import ExitConfig
 
 from helpers.paths import REPO

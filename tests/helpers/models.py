@@ -15,7 +15,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from exitbench.models import LoopedGPT2, LoopedGPT2Config, Raven, RavenConfig
-from exitbench.tokenizer import Tokenizer
+from exitbench.models.tokenizer import Tokenizer
 
 # Huginn-0125's published shape (shared/reference/huginn-0125.md §1.1).
 HUGINN_CONFIG = dict(n_embd=5280, n_heads=55, vocab_size=65536, intermediate_size=17920,

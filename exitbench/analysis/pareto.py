@@ -1,0 +1,355 @@
+"""Pareto frontiers of quality against cost, and the matched-quality table, from result cells.
+
+Per (task, metric): every cell is a point (cost, quality). A point is on the frontier when no other point is at
+most as costly and at least as good with one of the two strictly better; "good" follows the metric's direction
+(accuracy up, perplexity down). Costs: mean iterations per token, wall-clock per token, FLOPs per token.
+Frontiers are reported overall and per policy (each policy's own non-dominated thresholds).
+
+The matched-quality table answers "what does each policy save at (almost) no loss?": for a tolerance ε
+(relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
+point within ε, its iterations, its wall-clock speed-up over full depth, and its iterations over the oracle's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ExitbenchError
+from ..store import cells
+
+COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
+         "flops": ("flops", "per_token")}
+TOLERANCES = (0.0, 0.005, 0.01, 0.02)
+
+
+@dataclass
+class Point:
+    cell: dict[str, Any]
+
+    @property
+    def policy(self) -> str:
+        return cells.series(self.cell["policy"])
+
+    @property
+    def threshold(self) -> float:
+        return self.cell["policy"]["threshold"]
+
+    @property
+    def quality(self) -> float:
+        return self.cell["quality"]["value"]
+
+    @property
+    def mode(self) -> str:
+        """How far to trust the number: a replay cell that is exact by construction (fixed depth on a scored task)
+        reads as exact."""
+        if self.cell.get("replay", {}).get("exact_by_construction"):
+            return "exact"
+        return mode(self.cell)
+
+    def cost(self, axis: str) -> float | None:
+        section, key = COSTS[axis]
+        return self.cell[section][key]
+
+
+def mode(cell: dict[str, Any]) -> str:
+    """"replay" for a cell computed from a recording (exitbench.replay), "exact" otherwise (older cells too)."""
+    return cell.get("mode", "exact")
+
+
+def prefer_exact(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop each replay cell whose exact twin (the same key but for the mode, e.g. from `--verify`) is there."""
+    twin = lambda c: cells.cell_id({k: v for k, v in c["key"].items() if k != "mode"})  # noqa: E731
+    exact = {twin(c) for c in cell_list if mode(c) == "exact"}
+    return [c for c in cell_list if mode(c) == "exact" or twin(c) not in exact]
+
+
+def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None, model: str | None = None
+         ) -> list[dict[str, Any]]:
+    """Every cell under the directories (recursively), an exact cell in place of its replay twin, all of one
+    model (`select_model`). JSON files that are not cells (calibration and geometry reports) are skipped and
+    passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
+    return [cell for _, cell in load_paths(directories, on_skip, model)]
+
+
+def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None,
+               model: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """`load`, with each cell's file (what finds the samples file beside it)."""
+    found, skipped = [], []
+    for d in directories:
+        d = Path(d)
+        if not d.is_dir():
+            raise ExitbenchError(f"{d} is not a directory of result cells")
+        cells_here, skipped_here = cells.scan(d.rglob("*.json"))
+        found += cells_here
+        skipped += skipped_here
+    where = ", ".join(map(str, directories))
+    if not found:
+        extra = f" ({len(skipped)} JSON file(s) there are not cells, e.g. {skipped[0]})" if skipped else ""
+        raise ExitbenchError(f"no result cells under {where}{extra}")
+    if skipped and on_skip is not None:
+        on_skip(skipped)
+    found = select_model(found, model, where)
+    kept = {id(c) for c in prefer_exact([c for _, c in found])}
+    return [(path, c) for path, c in found if id(c) in kept]
+
+
+def model_label(cell: dict[str, Any]) -> str:
+    """How tables and errors name a cell's model: where it came from, and its content fingerprint (what tells
+    two models apart: a path may hold another model tomorrow)."""
+    m = cell["model"]
+    return f"{m.get('source') or m.get('path') or m['architecture']} ({m['fingerprint']})"
+
+
+def select_model(found: list[tuple[Path, dict[str, Any]]], model: str | None, where: str
+                 ) -> list[tuple[Path, dict[str, Any]]]:
+    """The cells of one model. Cells of different models never share a frontier, a matched-quality row or a
+    check (the same labels would stand for different numbers), so a directory that mixes models needs `model`:
+    a fingerprint prefix, a path or source label, or an embedded checkpoint's name."""
+    by_model: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for path, c in found:
+        by_model.setdefault(c["model"]["fingerprint"], []).append((path, c))
+    if model is None:
+        if len(by_model) == 1:
+            return found
+        names = "; ".join(f"{model_label(v[0][1])}: {len(v)} cells" for v in by_model.values())
+        raise ExitbenchError(f"{where} holds cells of {len(by_model)} models ({names}); pass --model NAME "
+                             "(a fingerprint, path or name of one of them) to use one, or keep them in separate "
+                             "directories")
+    picked = [fp for fp, v in by_model.items() if _names_model(model, fp, v[0][1]["model"])]
+    if len(picked) != 1:
+        what = "no" if not picked else f"{len(picked)}"
+        known = "; ".join(model_label(v[0][1]) for v in by_model.values())
+        raise ExitbenchError(f"--model {model!r} names {what} model of the cells under {where}; they hold: {known}")
+    return by_model[picked[0]]
+
+
+def _names_model(name: str, fingerprint: str, model: dict[str, Any]) -> bool:
+    source, path = model.get("source") or "", model.get("path") or ""
+    return (len(name) >= 4 and fingerprint.startswith(name)) or name in (source, path, Path(path).name) \
+        or source == f"embedded:{name}"
+
+
+def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
+    """Points per (task, metric); a cell without a quality number (a non-finite metric) is no point."""
+    out: dict[tuple[str, str], list[Point]] = {}
+    for c in cell_list:
+        if c["quality"]["value"] is None:
+            continue
+        out.setdefault((c["task"]["name"], c["quality"]["metric"]), []).append(Point(c))
+    return out
+
+
+def better(a: float, b: float, higher: bool) -> bool:
+    return a > b if higher else a < b
+
+
+def frontier(points: list[Point], axis: str, higher: bool) -> list[Point]:
+    """Non-dominated points, cheapest first."""
+    usable = [p for p in points if p.cost(axis) is not None]
+    front = []
+    for p in usable:
+        dominated = any(
+            q.cost(axis) <= p.cost(axis) and (q.quality >= p.quality if higher else q.quality <= p.quality)
+            and (q.cost(axis) < p.cost(axis) or better(q.quality, p.quality, higher))
+            for q in usable)
+        if not dominated:
+            front.append(p)
+    return sorted(front, key=lambda p: (p.cost(axis), -p.quality if higher else p.quality))
+
+
+def full_depth(points: list[Point]) -> Point:
+    """The fixed-depth cell at the policies' max steps (the deepest fixed cell when policies disagree; the full
+    cache's where a KV window's sits beside it)."""
+    fixed = [p for p in points if p.cell["policy"]["policy"] == "fixed"]
+    if not fixed:
+        raise ExitbenchError(f"no fixed-depth cell for task {points[0].cell['task']['name']}: rerun with baselines")
+    adaptive_max = {p.cell["policy"]["max_steps"] for p in points if p.cell["policy"]["policy"] != "fixed"}
+    at_max = [p for p in fixed if p.threshold in adaptive_max]
+    return max(at_max or fixed, key=lambda p: (p.threshold, not p.cell["policy"].get("kv_window")))
+
+
+def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
+    """Quality no worse than the reference by more than eps (relative), in the metric's direction."""
+    slack = eps * abs(reference)
+    return quality >= reference - slack if higher else quality <= reference + slack
+
+
+def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float | None = None
+                    ) -> list[dict[str, Any]]:
+    """Each policy's cheapest point within ε of full-depth quality (or of `reference`, when given)."""
+    higher = points[0].cell["quality"]["higher_is_better"]
+    ref = full_depth(points)
+    target = ref.quality if reference is None else reference
+    oracle = [p for p in points if p.cell["policy"]["policy"] == "oracle"]
+    rows = []
+    for eps in tolerances:
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            if within(p.quality, target, eps, higher) and p.cost("iterations") is not None:
+                by_policy.setdefault(p.policy, []).append(p)
+        for name, candidates in sorted(by_policy.items()):
+            best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
+            ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
+            rows.append({
+                "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
+                "mode": best.mode,
+                "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
+                "speedup": ref_time / time if ref_time and time else None,
+                "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
+                                           if oracle and oracle[0].cost("iterations") else None),
+                # A speed-up is a ratio of two cells' timings: only comparable when one run measured both.
+                "same_run": run_id(best.cell) == run_id(ref.cell),
+            })
+    return rows
+
+
+def run_id(cell: dict[str, Any]) -> str | None:
+    return cell["run"].get("run_id")
+
+
+def replay_points(rep: dict[str, Any]) -> dict[str, int]:
+    """Per group, how many of its frontier points (any cost axis) and matched-quality rows are replay cells."""
+    out = {}
+    for group, entry in rep.items():
+        n = sum(p["mode"] == "replay" for pts in entry["frontiers"].values() for p in pts)
+        n += sum(r["mode"] == "replay" for r in entry["matched_quality"])
+        if n:
+            out[group] = n
+    return out
+
+
+def nonfinite(cell_list: list[dict[str, Any]]) -> list[str]:
+    """The cells (by file name) some of whose tokens went NaN or infinite: their numbers rest on broken
+    arithmetic, however they were made or reused."""
+    return [cells.filename(c) for c in cell_list if (c.get("numerics") or {}).get("nonfinite_tokens")]
+
+
+def mixed_runs(rep: dict[str, Any]) -> list[str]:
+    """The groups whose matched-quality speed-ups compare cells measured by different runs."""
+    return [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
+
+
+def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for (task, metric), points in sorted(groups(cell_list).items()):
+        higher = points[0].cell["quality"]["higher_is_better"]
+        entry = {"higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
+                 "matched_quality": matched_quality(points)}
+        as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
+                                      "cost": p.cost(axis), "mode": p.mode} for p in pts]
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            by_policy.setdefault(p.policy, []).append(p)
+        for axis in COSTS:
+            entry["frontiers"][axis] = as_rows(frontier(points, axis, higher), axis)
+            entry["policy_frontiers"][axis] = {name: as_rows(frontier(pts, axis, higher), axis)
+                                               for name, pts in sorted(by_policy.items())}
+        out[f"{task} · {metric}"] = entry
+    return out
+
+
+TABLES = ("frontier", "matched")
+
+
+def check_table(table: str | None) -> None:
+    if table is not None and table not in TABLES:
+        raise ExitbenchError(f"--table must be one of {', '.join(TABLES)}; got {table!r}")
+
+
+def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Flat rows for output: frontier points (per group and cost axis) and matched-quality rows."""
+    front, matched = [], []
+    for group, entry in rep.items():
+        for axis, pts in entry["frontiers"].items():
+            front += [{"group": group, "axis": axis, **p} for p in pts]
+        matched += [{"group": group, **row} for row in entry["matched_quality"]]
+    return front, matched
+
+
+def format_tables(rep: dict[str, Any], fmt: str, table: str | None = None) -> str:
+    """md / csv / json text of a report (the terminal's rich tables live in tables.py). CSV is one table per
+    stream (the frontier unless `table` says matched); md and json hold both unless `table` picks one."""
+    import json
+
+    from tabulate import tabulate
+
+    check_table(table)
+    if fmt == "json":
+        if table is None:
+            return json.dumps(rep, indent=2)
+        front, matched = table_rows(rep)
+        return json.dumps(front if table == "frontier" else matched, indent=2)
+    if fmt not in ("md", "csv"):
+        raise ExitbenchError(f"--format must be one of rich, md, csv, json; got {fmt!r}")
+    front, matched = table_rows(rep)
+    if fmt == "csv":
+        import csv
+        import io
+
+        rows = matched if table == "matched" else front
+        buf = io.StringIO()
+        if rows:
+            writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return buf.getvalue()
+    parts = []
+    if table in (None, "frontier"):
+        parts.append("## Pareto frontiers\n\n" + tabulate(front, headers="keys", tablefmt="github", floatfmt=".4g"))
+    if table in (None, "matched"):
+        parts.append("## Matched quality\n\n" + tabulate(matched, headers="keys", tablefmt="github", floatfmt=".4g"))
+    return "\n\n".join(parts) + "\n"
+
+
+def check_plot_target(path: Path, axis: str) -> None:
+    """Bad plot arguments fail before any cell is read."""
+    if axis not in COSTS:
+        raise ExitbenchError(f"plot cost must be one of {', '.join(COSTS)}; got {axis!r}")
+    if Path(path).suffix not in (".png", ".svg"):
+        raise ExitbenchError(f"--plot must name a .png or .svg file, got {path}")
+
+
+def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
+    """Quality against cost, drawn by `draw`, saved to `path` (.png or .svg). Returns the figure."""
+    check_plot_target(path, axis)
+    fig = draw(cell_list, axis)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return fig
+
+
+def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
+    """Quality against cost, one panel per (task, metric): a curve per policy over its thresholds, the
+    fixed-depth baselines as their own curve, the overall frontier highlighted. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grouped = sorted(groups(cell_list).items())
+    fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    for ax, ((task, metric), points) in zip(axes[0], grouped):
+        higher = points[0].cell["quality"]["higher_is_better"]
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            if p.cost(axis) is not None:
+                by_policy.setdefault(p.policy, []).append(p)
+        for name, pts in sorted(by_policy.items()):
+            pts.sort(key=lambda p: p.cost(axis))
+            style = dict(color="black", linestyle="--", marker="s") if name == "fixed" else dict(marker="o")
+            label = "fixed depth" if name == "fixed" else name
+            ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
+            for p in pts:
+                ax.annotate(f"{p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.7)
+        front = frontier(points, axis, higher)
+        ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
+                label="frontier")
+        ax.set_title(f"{task}")
+        ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
+                       "flops": "FLOPs per token"}[axis])
+        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,383 @@
+"""One self-contained HTML page per sweep: what `exitbench report RESULTS_DIR` writes.
+
+The page holds the frontier plots per cost axis, the matched-quality tables, each policy's histogram of
+iterations per token, exit maps of the documents where the policies disagree most (from `--log-samples`
+files), the geometry figures of any geometry report in the directory, and every cell's provenance. Images are
+PNGs inlined as data URIs and the styles and the one small script (click a column head to sort) are inline, so
+the file opens anywhere with no network, and can be mailed or attached to a CI run as it is. Matplotlib draws
+the figures and string formatting makes the page: no template engine or plotting library beyond what the
+other commands already use.
+
+A part whose input is missing (no samples files, no geometry report, no cost measured on an axis) becomes a
+line saying what is missing and how to get it, never an empty section or an error.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ExitbenchError
+from ..runtime.files import atomic_write
+from ..store.disk import samples_path
+from . import exitmap, pareto
+
+MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
+COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token",
+               "flops": "FLOPs per token"}
+
+
+# ---- choosing what to show ------------------------------------------------------------------------------------
+def operating_points(points: list[pareto.Point], matched: list[dict[str, Any]]) -> dict[str, pareto.Point]:
+    """One cell per policy: its matched-quality cell at 1%, or (a policy that never gets within 1%) its best
+    quality; fixed depth at full depth. These are the cells the histograms and exit maps compare."""
+    chosen = {r["policy"]: r["threshold"] for r in matched if r["tolerance"] == MATCHED_TOLERANCE}
+    by_policy: dict[str, list[pareto.Point]] = {}
+    for p in points:
+        by_policy.setdefault(p.policy, []).append(p)
+    higher = points[0].cell["quality"]["higher_is_better"]
+    out = {}
+    for name, pts in sorted(by_policy.items()):
+        if name == "fixed":
+            out[name] = pareto.full_depth(points)
+        elif name in chosen:
+            out[name] = next(p for p in pts if p.threshold == chosen[name])
+        else:
+            out[name] = max(pts, key=lambda p: (p.quality if higher else -p.quality, -(p.cost("iterations") or 0)))
+    return out
+
+
+def score_metric(samples: list[dict[str, Any]]) -> str | None:
+    """The per-document metric that says right or wrong: the first of the samples' metrics that is 0 or 1 on
+    every one (exact_match, acc). A per-document perplexity is a log-likelihood, which always differs, so it
+    says nothing about agreement; then there is none."""
+    names = samples[0].get("metrics") or [] if samples else []
+    for name in names:
+        if all(s.get(name) in (0, 1) for s in samples):  # True and False compare equal to 1 and 0
+            return name
+    return None
+
+
+def read_samples(path: Path) -> dict[Any, dict[str, Any]]:
+    """doc_id → sample of one samples file (the first sample of a doc: lm-eval writes one per doc), or
+    ExitbenchError naming the file and line when a line is not a sample (truncated, binary, another shape)."""
+    from ..runtime.validation import parse
+    from ..store.schema import Sample
+
+    out: dict[Any, dict[str, Any]] = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                what = f"samples file {path}, line {number}"
+                try:
+                    sample = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ExitbenchError(f"{what} is not JSON ({exc.msg}); rerun the cell with --log-samples") \
+                        from None
+                parse(Sample, sample, what)
+                out.setdefault(sample["doc_id"], sample)
+    except UnicodeDecodeError:
+        raise ExitbenchError(f"samples file {path} is not UTF-8 text; rerun the cell with --log-samples") from None
+    except OSError as exc:
+        raise ExitbenchError(f"cannot read samples file {path}: {exc.strerror or exc}") from None
+    return out
+
+
+def disagreement(samples: list[dict[str, Any]], metric: str | None) -> tuple[bool, float]:
+    """How much the policies disagree on one document: whether their scores differ, then the spread of their
+    mean iterations. Sorting on this puts first the documents where one rule is wrong and another right."""
+    scores = {s.get(metric) for s in samples} if metric else set()
+    means = [s.get("exitbench", {}).get("mean") or 0.0 for s in samples]
+    return len(scores) > 1, max(means) - min(means)
+
+
+def doc_maps(points: dict[str, pareto.Point], paths: dict[str, Path], docs: int) -> tuple[list[str], str | None]:
+    """HTML blocks of the `docs` documents where the policies' operating points disagree most, and a note on
+    what was left out (policies without samples at their operating point)."""
+    with_samples = {name: p for name, p in points.items() if samples_path(paths[p.cell["cell_id"]]).exists()}
+    missing = sorted(set(points) - set(with_samples) - {"fixed"})
+    # Full depth shades every token alike; it is worth a row only when nothing else has samples.
+    shown = {n: p for n, p in with_samples.items() if n != "fixed"} or with_samples
+    note = None
+    if missing:
+        note = (f"no samples at the operating point of {', '.join(missing)}: rerun the sweep with --log-samples "
+                "to add them")
+    if not shown:
+        return [], note or "no samples files here: rerun the sweep with --log-samples to see exit maps"
+    loaded = {name: read_samples(samples_path(paths[p.cell["cell_id"]])) for name, p in shown.items()}
+    common = set.intersection(*(set(s) for s in loaded.values()))
+    metric = score_metric([s for by_doc in loaded.values() for s in by_doc.values()])
+    ranked = sorted(common, key=lambda d: (disagreement([loaded[n][d] for n in loaded], metric), str(d)),
+                    reverse=True)
+    blocks = []
+    for doc in ranked[:docs]:
+        maps = [exitmap.from_sample(loaded[name][doc], p.cell["policy"], metric) for name, p in shown.items()]
+        differ, spread = disagreement([loaded[n][doc] for n in loaded], metric)
+        why = ("scores differ" if differ else "same score") + f", mean iterations spread {spread:.2f}"
+        blocks.append(f'<div class="doc" data-doc="{html.escape(str(doc))}"><h4>document {html.escape(str(doc))} '
+                      f'<small>({why})</small></h4>{exitmap.html_fragment(maps)}</div>')
+    return blocks, note
+
+
+# ---- figures --------------------------------------------------------------------------------------------------
+def png_uri(fig) -> str:
+    """A figure as an inline PNG data URI (closed after drawing: a report draws many)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def file_uri(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def histogram_figure(task: str, points: dict[str, pareto.Point]):
+    """Small multiples: per policy at its operating point, the share of tokens at each iteration count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(points)
+    cols = min(4, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 1.9 * rows + 0.4), squeeze=False, sharex=True)
+    deepest = max(int(k) for p in points.values() for k in p.cell["iterations"].get("histogram", {}) or {"1": 0})
+    for ax, name in zip(axes.flat, names):
+        it = points[name].cell["iterations"]
+        hist = {int(k): v for k, v in (it.get("histogram") or {}).items()}
+        total = sum(hist.values()) or 1
+        ax.bar(list(hist), [v / total for v in hist.values()], width=0.85, color="#2c7fb8")
+        mean = it.get("mean")
+        ax.set_title(f"{exitmap.policy_label(points[name].cell['policy'])}"
+                     + (f" · mean {mean:.2f}" if mean is not None else ""), fontsize=8)
+        ax.set_xlim(0.3, deepest + 0.7)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.supxlabel("iterations per token (summed over loop groups)", fontsize=8)
+    fig.supylabel("share of tokens", fontsize=8)
+    fig.suptitle(f"{task}: iterations per token at each policy's operating point", fontsize=9)
+    # Fixed margins (inches) rather than tight_layout, which measures every tick label and is most of the cost.
+    height = 1.9 * rows + 0.4
+    fig.subplots_adjust(left=0.7 / (3.1 * cols), right=0.98, bottom=0.55 / height, top=1 - 0.45 / height,
+                        hspace=0.55, wspace=0.25)
+    return fig
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------
+def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
+    """An HTML table; numeric columns right-aligned and sorted as numbers by the page's script (data-v)."""
+    head = "".join(f'<th class="{"num" if i in numeric else ""}">{html.escape(h)}</th>' for i, h in enumerate(headers))
+    body = []
+    for row in rows:
+        tds = []
+        for i, v in enumerate(row):
+            if i in numeric and isinstance(v, (int, float)) and not isinstance(v, bool):
+                tds.append(f'<td class="num" data-v="{v!r}">{_fmt(v)}</td>')
+            else:
+                tds.append(f"<td>{html.escape('' if v is None else str(v))}</td>")
+        body.append("<tr>" + "".join(tds) + "</tr>")
+    return f'<table class="sortable"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+
+
+def matched_table(entry: dict[str, Any]) -> str:
+    """One row per policy, sorted by its iterations at ε = 1%: its point there, and its iterations at the other
+    tolerances (a policy with no cell within some ε has no number there)."""
+    at: dict[str, dict[float, dict[str, Any]]] = {}
+    for r in entry["matched_quality"]:
+        at.setdefault(r["policy"], {})[r["tolerance"]] = r
+    others = [t for t in pareto.TOLERANCES if t != MATCHED_TOLERANCE]
+    rows = []
+    for policy, rs in at.items():
+        main = rs.get(MATCHED_TOLERANCE, {})
+        rows.append([policy, main.get("threshold"), main.get("quality"), main.get("mean_iterations"),
+                     main.get("speedup"), main.get("iterations_over_oracle"),
+                     *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
+    rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
+    pct = f"{100 * MATCHED_TOLERANCE:g}%"
+    return table(["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "iterations / oracle",
+                  *[f"iterations at {100 * t:g}%" for t in others]], rows, numeric=set(range(1, 6 + len(others))))
+
+
+def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
+    """What every cell was measured with: the distinct values first (most sweeps have one of each), then each
+    cell's row, sorted by task, policy and threshold."""
+    def fields(cell: dict[str, Any]) -> dict[str, str]:
+        run, model = cell["run"], cell["model"]
+        machine = run.get("machine") or {}
+        return {
+            "model": f"{model.get('source') or model.get('path')} ({model['architecture']}, {model['dtype']})",
+            "fingerprint": model["fingerprint"],
+            "versions": ", ".join(f"{k} {v}" for k, v in sorted((run.get("versions") or {}).items())),
+            "git revision": str(run.get("git_revision")),
+            "machine": " · ".join(str(machine[k]) for k in ("platform", "python", "cpu_threads") if k in machine)
+                       + f" · {run.get('device')} · host {run.get('host')}",
+            "run": f"{run.get('run_id')} (batch {run.get('batch_size')}, seed {run.get('seed')})",
+        }
+
+    per_cell = [(path, cell, fields(cell)) for path, cell in found]
+    summary = []
+    for name in ("model", "fingerprint", "versions", "git revision", "machine", "run"):
+        counts = Counter(f[name] for _, _, f in per_cell)
+        for value, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            summary.append([name, value, n])
+    modes = any("mode" in c for _, c, _ in per_cell)
+    headers = ["task", "policy", "τ", "quality", "mean iterations", "fingerprint", "git revision", "run",
+               "started", "file"] + (["mode"] if modes else [])
+    rows = []
+    for path, cell, f in sorted(per_cell, key=lambda t: (t[1]["task"]["name"], pareto.Point(t[1]).policy,
+                                                         t[1]["policy"]["threshold"])):
+        row = [cell["task"]["name"], pareto.Point(cell).policy, cell["policy"]["threshold"], cell["quality"]["value"],
+               cell["iterations"]["mean"], f["fingerprint"], f["git revision"][:12], cell["run"].get("run_id"),
+               cell["run"]["started"], str(path.relative_to(root))]
+        rows.append(row + ([cell.get("mode", "exact")] if modes else []))
+    return (table(["field", "value", "cells"], summary, numeric={2})
+            + f"<details><summary>every cell ({len(rows)})</summary>"
+            + table(headers, rows, numeric={2, 3, 4}) + "</details>")
+
+
+def mode_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """Cells measured by replay rather than exact runs say so; a cell without a mode is exact."""
+    counts = Counter(c.get("mode", "exact") for c in cell_list)
+    if set(counts) <= {"exact"}:
+        return None
+    return ("measurement mode: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+            + " cells (replay cells are estimated from recorded trajectories; the cell table's mode column says "
+              "which is which)")
+
+
+# ---- the page -------------------------------------------------------------------------------------------------
+STYLE = """
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 0 auto; padding: 1em 1.5em;
+       max-width: 1180px; color: #222; line-height: 1.4; }
+h1 { font-size: 1.4em; margin-bottom: .2em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ddd;
+     padding-bottom: .2em; margin-top: 1.6em; } h3 { font-size: 1em; } h4 { font-size: .9em; margin: 1em 0 .3em; }
+h4 small, .muted { color: #777; font-weight: normal; }
+nav a { margin-right: 1em; font-size: .9em; }
+img { max-width: 100%; height: auto; display: block; margin: .4em 0; }
+table { border-collapse: collapse; font-size: 12.5px; margin: .4em 0 1em; }
+th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
+th { background: #f6f6f6; cursor: pointer; user-select: none; } td.num, th.num { text-align: right; }
+.note { background: #fff8e1; border-left: 3px solid #f0b400; padding: .3em .7em; margin: .5em 0; }
+details summary { cursor: pointer; color: #1a5fb4; margin: .3em 0; }
+"""
+
+# Click a column head to sort by it (numbers by their exact values); click again to reverse.
+SCRIPT = """
+document.querySelectorAll('table.sortable th').forEach(function (th, i) {
+  th.addEventListener('click', function () {
+    var body = th.closest('table').tBodies[0], rows = Array.from(body.rows);
+    var dir = th.dataset.dir === 'asc' ? -1 : 1; th.dataset.dir = dir === 1 ? 'asc' : 'desc';
+    var key = function (r) { var c = r.cells[th.cellIndex]; return c.dataset.v !== undefined ? parseFloat(c.dataset.v)
+                                                                                        : c.textContent; };
+    rows.sort(function (a, b) { var x = key(a), y = key(b); return (x > y ? 1 : x < y ? -1 : 0) * dir; });
+    rows.forEach(function (r) { body.appendChild(r); });
+  });
+});
+"""
+
+
+def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
+          model: str | None = None) -> str:
+    """The report page of the result cells under `directory` (of one model: `pareto.select_model`), as HTML."""
+    directory = Path(directory)
+    found = pareto.load_paths([directory], on_skip, model)
+    cell_list = [c for _, c in found]
+    paths = {c["cell_id"]: p for p, c in found}
+    rep = pareto.report(cell_list)
+    grouped = sorted(pareto.groups(cell_list).items())
+    sections: list[tuple[str, str, list[str]]] = []
+
+    notes = [n for n in (mode_note(cell_list),) if n]
+    tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
+    policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
+    overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "
+                f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
+    overview += [f'<p class="note">{html.escape(n)}</p>' for n in notes]
+    sections.append(("overview", "Overview", overview))
+
+    frontier = []
+    for axis, title in COST_TITLES.items():
+        if not any(p.cost(axis) is not None for _, pts in grouped for p in pts):
+            frontier.append(f'<p class="note">no cell measured {title}</p>')
+            continue
+        frontier.append(f'<h3>quality against {title}</h3><img alt="frontier over {axis}" '
+                        f'src="{png_uri(pareto.draw(cell_list, axis))}">')
+    sections.append(("frontiers", "Frontiers", frontier))
+
+    matched = []
+    for group, entry in rep.items():
+        matched.append(f"<h3>{html.escape(group)} <small class=muted>(higher is better: "
+                       f"{entry['higher_is_better']})</small></h3>{matched_table(entry)}")
+    sections.append(("matched", "Matched quality", [
+        f"<p>Each policy's cheapest cell within ε of full-depth quality (relative): at ε = "
+        f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; click a "
+        "column head to sort by it. The speed-up divides full depth's wall-clock per token by the cell's.</p>",
+        *matched]))
+
+    hists, maps = [], []
+    for (task, metric), points in grouped:
+        ops = operating_points(points, rep[f"{task} · {metric}"]["matched_quality"])
+        hists.append(f'<img alt="iteration histograms, {html.escape(task)}" src="{png_uri(histogram_figure(task, ops))}">')
+        blocks, note = doc_maps(ops, paths, docs)
+        maps.append(f'<h3 class="task" data-task="{html.escape(task)}">{html.escape(task)}</h3>')
+        if note:
+            maps.append(f'<p class="note">{html.escape(note)}</p>')
+        maps += blocks
+    sections.append(("histograms", "Iterations per token", [
+        f"<p>Each policy at its operating point: its cheapest cell within {100 * MATCHED_TOLERANCE:g}% of full "
+        "depth, else its best quality; fixed depth at full depth.</p>", *hists]))
+    sections.append(("exitmaps", "Exit maps", [
+        "<p>The documents where the policies (at the operating points above) disagree most: different scores "
+        "first, then the widest spread of mean iterations. Each scored or generated token is shaded by the step "
+        "it exited at; the grey context before it ran at full depth. Hover a token for its numbers.</p>", *maps]))
+
+    sections.append(("geometry", "Geometry", geometry_parts(directory)))
+    sections.append(("provenance", "Provenance", [provenance(found, directory)]))
+
+    nav = "".join(f'<a href="#{sid}">{html.escape(title)}</a>' for sid, title, _ in sections)
+    body = "\n".join(f'<h2 id="{sid}">{html.escape(title)}</h2>\n' + "\n".join(parts) for sid, title, parts in sections)
+    title = f"exitbench report: {directory}"
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{html.escape(title)}</title><style>{STYLE}{exitmap.STYLE}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1><nav>{nav}</nav>\n{body}\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def geometry_parts(directory: Path) -> list[str]:
+    """The figures `exitbench geometry` wrote beside each geometry.json under the directory."""
+    parts = []
+    for path in sorted(directory.rglob("geometry.json")):
+        try:
+            rep = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(rep, dict) or rep.get("schema") != "exitbench.geometry":
+            continue
+        figures = [f for f in ("steps.png", "handoffs.png", "pca.png") if (path.parent / f).exists()]
+        parts.append(f"<h3>{html.escape(str(path.parent.relative_to(directory)))} "
+                     f"<small class=muted>({html.escape(str(rep.get('source', '')))})</small></h3>")
+        parts += [f'<img alt="geometry {f}" src="{file_uri(path.parent / f)}">' for f in figures]
+    return parts or ['<p class="note">no geometry report here: `exitbench geometry --out DIR/geometry` writes '
+                     "one, and this page shows its figures</p>"]
+
+
+def write(directory: Path, out: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
+          model: str | None = None) -> Path:
+    page = build(directory, docs, on_skip, model)
+    return atomic_write(Path(out), lambda fh: fh.write(page))

@@ -1,0 +1,149 @@
+"""The exit knobs, defined once.
+
+`ExitConfig`'s fields are the knobs: their defaults and help text live here and nowhere else. The policies take
+the policy knobs from it, the engine the rest; the lm-eval model accepts its fields as model arguments, the
+command line builds its options from them (exitbench.cli `exit_knobs`), and a sweep holds the shared ones.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, create_model
+
+from ..errors import ExitbenchError
+from ..policies import POLICY_KNOBS, REGISTRY, ExitPolicy, check_policy_name
+from ..runtime.validation import parse
+
+
+def knob(help: str, *, flags: tuple[str, ...] = (), swept: bool = False, command_line: bool = True
+         ) -> dict[str, Any]:
+    """Field metadata. `swept`: a sweep varies it itself (policy, threshold), so it is not one of the knobs
+    shared by a sweep's cells; `command_line`: the commands offer it as an option."""
+    return {"help": help, "flags": flags, "swept": swept, "command_line": command_line}
+
+
+@dataclass
+class ExitConfig:
+    """Everything that decides how tokens exit: the policy and its knobs, and how the engine runs them."""
+
+    policy: str = field(default="fixed", metadata=knob("Exit policy (`exitbench policies` lists them).",
+                                                        flags=("--policy", "-p"), swept=True))
+    threshold: float | None = field(default=None, metadata=knob("Threshold τ (default: the policy's own).",
+                                                                 swept=True))
+    min_steps: int = field(default=1, metadata=knob("No exit before this iteration."))
+    max_steps: int | None = field(default=None, metadata=knob("Cap on iterations (default: each loop group's "
+                                                              "default depth)."))
+    patience: int | None = field(default=None, metadata=knob("Consecutive hits needed to exit (default: the "
+                                                             "policy's own)."))
+    relative: bool = field(default=False, metadata=knob("Latent rules: divide step norms by ‖s_k‖."))
+    exit_model: str | None = field(default=None, metadata=knob("The learned policy's exit model (the JSON file "
+                                                               "`exitbench fit-exit` wrote)."))
+    prefill: str = field(default="full", metadata=knob("Prompt tokens run at full depth ('full') or with exits "
+                                                       "like the rest ('exit')."))
+    warm_start: bool = field(default=False, metadata=knob("Start each token from the previous token's final "
+                                                          "state."))
+    kv_window: int | None = field(default=None, metadata=knob("Keep each loop layer's KV entries of the last C "
+                                                              "iterations only, a rolling buffer (Huginn's "
+                                                              "compress-s, C × core layers; 1 is its vLLM "
+                                                              "plugin); 0 or unset: one slot per iteration."))
+    record_signals: bool = field(default=False, metadata=knob("Keep every token's signal at every iteration.",
+                                                              command_line=False))
+    seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", command_line=False))
+
+    def __post_init__(self):
+        if self.prefill not in ("full", "exit"):
+            raise ExitbenchError(f"prefill must be 'full' or 'exit', got {self.prefill!r}")
+        if self.kv_window is not None:
+            if isinstance(self.kv_window, bool) or not isinstance(self.kv_window, int) or self.kv_window < 0:
+                raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
+                                     f"loop layer keeps (0: all of them), got {self.kv_window!r}")
+            self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
+        parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
+        # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:
+        # every policy this config builds, and its cells' keys, use those same bytes.
+        self._exit_model = None
+        policy = self.build_policy()
+        self._exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
+
+    def build_policy(self) -> ExitPolicy:
+        check_policy_name(self.policy)
+        knobs = {name: getattr(self, name) for name in POLICY_KNOBS}
+        if self._exit_model is not None:
+            knobs["exit_model"] = self._exit_model
+        return REGISTRY[self.policy](**knobs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every knob; those added after results were first written (the exit model, the KV window) only when
+        set, so configs (and cell keys) without them read as they did before they existed."""
+        out = asdict(self)
+        for knob in ("exit_model", "kv_window"):
+            if out[knob] is None:
+                del out[knob]
+        return out
+
+    def key_dict(self) -> dict[str, Any]:
+        """to_dict() as a cell's key holds it: an exit model by its content, not by where the file lies."""
+        out = self.to_dict()
+        if self._exit_model is not None:
+            out["exit_model"] = "sha256:" + self._exit_model.digest
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], what: str = "exit config key") -> "ExitConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ExitbenchError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ExitConfig":
+        try:
+            raw = yaml.load(Path(path).read_text(), Loader=_KnobLoader) or {}
+        except OSError as exc:
+            raise ExitbenchError(f"cannot read exit config {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ExitbenchError(f"cannot read exit config {path}: not valid YAML{where}: {problem}") from None
+        if not isinstance(raw, dict):
+            raise ExitbenchError(f"exit config {path} must be a mapping of knobs")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def knobs(cls, *, swept: bool | None = None, command_line: bool | None = None) -> list[tuple[str, Any, Any, dict]]:
+        """(name, type, default, metadata) of each knob, filtered by its metadata."""
+        hints = typing.get_type_hints(cls)
+        return [(f.name, hints[f.name], f.default, dict(f.metadata)) for f in fields(cls)
+                if (swept is None or f.metadata["swept"] == swept)
+                and (command_line is None or f.metadata["command_line"] == command_line)]
+
+
+
+
+@functools.cache
+def _typed_knobs() -> type[BaseModel]:
+    """ExitConfig's fields as a strict pydantic model: the dataclass's annotations are the one statement of
+    each knob's type, so `relative: "no"`, `warm_start: 3` or `seed: abc` are refused rather than read as
+    true, true and a crash later (a float knob still takes an int: 1 is a threshold)."""
+    hints = typing.get_type_hints(ExitConfig)
+    return create_model("ExitKnobs", __config__=ConfigDict(strict=True),
+                        **{f.name: (hints[f.name], ...) for f in fields(ExitConfig)})
+
+
+class _KnobLoader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where `5e-4` (no dot) is a string; YAML 1.2, and every user writing a threshold,
+    means a float. This loader adds 1.2's float forms and is otherwise SafeLoader."""
+
+
+_KnobLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))

@@ -1,0 +1,85 @@
+"""The memory a run needs, before it runs: weights, the KV cache, and the largest activations.
+
+At Huginn-0125's size the KV cache, not the weights, decides what fits: every core layer keeps one slot per
+loop iteration (models/cache.py), so a run of B rows over T positions with up to R iterations holds
+2 · (R · core layers + plain layers) · B · T · heads · head_dim values; a KV window of c iterations puts
+min(R, c) in place of R. The engine allocates exactly that for its requests' longest sequence (engine.Run),
+and this plan computes it with the same slot table
+(`LoopedLM.cache_slots`) and the same byte count (`KVCache.bytes_for`), so plan and allocation cannot drift.
+
+Activations are an estimate of the largest transient (the terms are named in the plan); bench/RESULTS.md
+compares the whole plan with measured peaks on a full-size checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import ExitbenchError
+from ..models import KVCache, LoopedLM
+from .engine import DEFERRED_BATCH
+
+# Parameters that are not per-layer weights: their widths (vocabulary, positions) are not activation widths.
+_NOT_LAYER_WEIGHTS = ("wte", "wpe", "lm_head")
+
+
+def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
+         max_steps: int | Sequence[int] | None = None, kv_window: int | None = None) -> dict[str, Any]:
+    """Bytes a run of `batch` rows over sequences of up to `context` positions needs, with each loop group
+    capped at `max_steps` iterations (default: each group's default depth, what a run uses unless told) and
+    its layers keeping the KV entries of the last `kv_window` iterations (None: all of them).
+    `model` may live on the meta device (a CheckpointLayout's): only shapes are read."""
+    groups = model.loop_groups()
+    block = model.config.block_size
+    if batch < 1:
+        raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch}")
+    if not 1 <= context <= block:
+        raise ExitbenchError(f"--context must be between 1 and the model's context of {block} positions, got {context}")
+    steps = [g.default_steps for g in groups] if max_steps is None else model.resolve_steps(max_steps)
+    for g, r in zip(groups, steps):
+        if not 1 <= r <= g.max_steps:
+            raise ExitbenchError(f"--max-steps {r}: the {g.name} group runs 1 … {g.max_steps} iterations "
+                                 "(the checkpoint's configured maximum)")
+    size = dtype.itemsize
+    unique = {id(p): p for p in model.parameters()}.values()
+    weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in unique)
+    slots = model.cache_slots(steps, kv_window)
+    n_heads, head_dim = model.cache_geometry()
+    kv = KVCache.bytes_for(batch, context, n_heads, head_dim, slots, dtype)
+    acts = activations(model, dtype, batch, context)
+    looped = {layer for g in groups for layer in g.attn_layers}
+    return {
+        "dtype": str(dtype).removeprefix("torch."), "batch_size": batch, "context": context,
+        "max_steps": steps, "kv_window": kv_window,
+        "weights": weights,
+        "kv_cache": kv,
+        "kv_layout": {"loop_layers": len(looped),
+                      "slots_per_loop_layer": [min(r, kv_window) if kv_window else r for r in steps],
+                      "plain_layers": len(slots) - len(looped),
+                      "bytes_per_slot": KVCache.bytes_for(batch, context, n_heads, head_dim, {0: 1}, dtype)},
+        "activations": sum(acts.values()),
+        "activation_terms": acts,
+        "total": weights + kv + sum(acts.values()),
+    }
+
+
+def activations(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -> dict[str, int]:
+    """The largest transient tensors of a run, as named terms (bytes):
+
+    - `inputs`: a teacher-forced run keeps every position's input to the first loop group (B · T · d);
+    - `prefill`: the prefill runs B · T positions through one layer at a time; its widest moment is the MLP
+      (fc's output, its activation and the gated product: 2 · widest) beside a few residual-stream copies,
+      and RMSNorm / RoPE work in float32;
+    - `head`: float32 logits and log-probabilities of the tokens finished together (up to DEFERRED_BATCH
+      teacher-forced, or one per row), and the same again for a decoding probe (kl, confidence).
+    The prefill and the head do not overlap, so the larger of the two counts.
+    """
+    size = dtype.itemsize
+    d = model.config.n_embd
+    widest = max(max(p.shape) for name, p in model.named_parameters()
+                 if p.dim() == 2 and not any(part in name for part in _NOT_LAYER_WEIGHTS))
+    tokens = batch * context
+    prefill = tokens * ((2 * widest + 8 * d) * size + 3 * d * 4)
+    head = 2 * max(batch, min(DEFERRED_BATCH, tokens)) * model.output_size * 4 * 2
+    return {"inputs": tokens * d * size, "prefill_or_head": max(prefill, head)}

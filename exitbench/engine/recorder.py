@@ -1,0 +1,200 @@
+"""The recording pass: every scored position at every iteration, in one teacher-forced pass per sequence.
+
+A sequence's tokens run as a prefill does: all positions together, every loop group to depth K (the deepest
+any cell of the sweep needs), initial-state noise keyed by position as in the engine. Along the way each
+scored position keeps its state at every iteration; afterwards, for every iteration k, the readout "if the
+token exited here" (the group's finish, the rest of the model, the head) is computed for all scored
+positions of a sequence at once, and from it and the states:
+- every requested policy variant's signal at every iteration (what its exit rule reads),
+- each target token's log-probability and the argmax (quality, and the oracle),
+- for fixed-depth baselines, the model's output at depth r.
+
+What the recording sees, and so what replay is exact for:
+- A scored token reads the unscored prefix at full depth, as the engine's prefill leaves it. Other scored
+  tokens are read at the same iteration k (core) and at iteration k (readout), where the engine reads an
+  exited token's deepest entry: with one scored token per sequence (a one-token continuation, a multiple
+  choice option) replay equals the exact run; with several it is an approximation (`--verify` measures it).
+- Loop group g's trajectory is recorded with earlier groups at full depth; an exact run feeds group g the
+  output of the earlier groups' own exits.
+- Fixed depth r on a one-group model is recomputed exactly (every position at r); on several groups each
+  baseline depth gets its own pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..models import AttnContext, LoopedLM
+from ..policies import ExitPolicy
+from .noise import PositionNoise
+
+
+@dataclass
+class Sequence_:
+    """One pass: the tokens fed in, the first scored position, and the targets of each member request (the
+    options of a multiple-choice question share a pass and differ in their last target)."""
+
+    inputs: list[int]
+    first: int
+    members: list[list[int]]  # per member: the target of every scored position first … len(inputs) − 1
+
+
+@dataclass
+class Trajectories:
+    """What one sequence's scored positions did at iterations 1 … K, per loop group g."""
+
+    positions: list[int]
+    signals: list[dict[str, np.ndarray]]   # [g][variant] → (n, K) signal as the rule reads it
+    top: list[np.ndarray | None]           # [g] → (n, K) argmax of the readout (None: not read out)
+    picked: list[list[np.ndarray | None]]  # [member][g] → (n, K) the target's log-probability (float64)
+    quality: list[np.ndarray]              # [member] → (n, K) the same, last group, as the engine reports it
+    finite: np.ndarray                     # (n, K) states and readout finite, last group
+    fixed_picked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # r → [member] (n,)
+    fixed_top: dict[int, np.ndarray] = field(default_factory=dict)           # r → (n,)
+
+
+def variant_key(policy: ExitPolicy) -> str:
+    """Policies that share a signal (they differ in threshold, patience, min/max steps) share a recording."""
+    return policy.variant
+
+
+class Recorder:
+    def __init__(self, model: LoopedLM, depth: int, variants: Sequence[ExitPolicy], baselines: Sequence[int],
+                 seed: int, readout_steps: list[int], oracle: bool):
+        self.model, self.K = model, depth
+        self.groups = model.loop_groups()
+        stages = model.stages()
+        self.bounds = [next(i for i, st in enumerate(stages) if st is g) for g in self.groups]
+        self.variants = {variant_key(p): p for p in variants if not (p.signal_free or p.retrospective)}
+        self.baselines = sorted({r for r in baselines if r != depth})
+        self.readout_steps = readout_steps
+        dim = model.embed(torch.zeros(1, 1, dtype=torch.long, device=model.device)).shape[-1]
+        self.noise = PositionNoise(seed, dim)
+        decoding = any(p.needs_logits for p in self.variants.values()) or oracle
+        # The last group is always read out (quality); earlier ones only for rules that decode.
+        self.read_group = [decoding or g == len(self.groups) - 1 for g in range(len(self.groups))]
+        self.seconds = {"walk": 0.0, "readout": 0.0, "signals": 0.0}
+
+    @torch.no_grad()
+    def record(self, seqs: list[Sequence_]) -> list[Trajectories]:
+        """Record a batch of sequences (one row each)."""
+        import time
+
+        model, K, G = self.model, self.K, len(self.groups)
+        device = model.device
+        B = len(seqs)
+        L = max(len(s.inputs) for s in seqs)
+        lo = min(s.first for s in seqs)
+        ids = torch.tensor([s.inputs + [0] * (L - len(s.inputs)) for s in seqs], device=device)
+        # The scored positions of every row, flattened: row index and position within the chunk [lo, L).
+        rows = torch.tensor([b for b, s in enumerate(seqs) for _ in range(s.first, len(s.inputs))], device=device)
+        cols = torch.tensor([p - lo for s in seqs for p in range(s.first, len(s.inputs))], device=device)
+        scored = (torch.arange(lo, L, device=device).unsqueeze(0)
+                  >= torch.tensor([s.first for s in seqs], device=device).unsqueeze(1)).unsqueeze(-1)
+
+        t0 = time.perf_counter()
+        cache = model.new_cache(B, L, [K] * G)
+        kept: list[list[torch.Tensor]] = [[] for _ in range(G)]  # [g][k] → (B, L − lo, d)
+        whole: dict[int, torch.Tensor] = {}                      # baseline r → s_r at every position (one group)
+
+        def on_state(g: int, k: int, s: torch.Tensor) -> None:
+            kept[g].append(s[:, lo:])
+            if G == 1 and k in self.baselines:
+                whole[k] = s
+
+        noise = self._noise(B, L)
+        model.walk(model.embed(ids, 0), AttnContext(start=0, cache=cache), [K] * G, noise=noise, on_state=on_state)
+        self.seconds["walk"] += time.perf_counter() - t0
+
+        targets = [torch.tensor([t for s in seqs for t in (s.members[m] if m < len(s.members) else s.members[0])],
+                                device=device) for m in range(max(len(s.members) for s in seqs))]
+        signals: list[dict[str, list[np.ndarray]]] = [{key: [] for key in self.variants} for _ in range(G)]
+        top: list[list[torch.Tensor]] = [[] for _ in range(G)]
+        picked: list[list[list[torch.Tensor]]] = [[[] for _ in range(G)] for _ in targets]
+        quality: list[list[torch.Tensor]] = [[] for _ in targets]
+        finite: list[torch.Tensor] = []
+        for g in range(G):
+            states = kept[g]
+            t0 = time.perf_counter()
+            memory = {key: p.start(states[0][rows, cols], model.output_size) for key, p in self.variants.items()}
+            self.seconds["signals"] += time.perf_counter() - t0
+            for k in range(1, K + 1):
+                s_k = states[k][rows, cols]
+                logp64 = None
+                if self.read_group[g]:
+                    t0 = time.perf_counter()
+                    # Prefix positions of the chunk keep their full-depth state; scored ones exit at k.
+                    mixed = torch.where(scored, states[k], states[K])
+                    x = model.walk(self.groups[g].finish(mixed), AttnContext(start=lo, cache=cache),
+                                   self.readout_steps, start=self.bounds[g] + 1)
+                    logits = model.head(x[rows, cols])
+                    # As the engine: float32 log-probabilities for quality, float64 for the rules and the oracle.
+                    logp32 = torch.log_softmax(logits.float(), -1)
+                    logp64 = torch.log_softmax(logits.double(), -1)
+                    top[g].append(logp32.argmax(-1))
+                    for m, tgt in enumerate(targets):
+                        picked[m][g].append(logp64.gather(1, tgt.unsqueeze(1)).squeeze(1))
+                        if g == G - 1:
+                            quality[m].append(logp32.gather(1, tgt.unsqueeze(1)).squeeze(1))
+                    if g == G - 1:
+                        finite.append(torch.isfinite(s_k).all(-1) & torch.isfinite(logits).all(-1))
+                    self.seconds["readout"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for key, policy in self.variants.items():
+                    if policy.needs_logits and logp64 is None:
+                        continue
+                    value = policy.signal(s_k, memory[key], logp64).double()
+                    if k < policy.defined_from:
+                        value = torch.full_like(value, policy.never)
+                    signals[g][key].append(value)
+                self.seconds["signals"] += time.perf_counter() - t0
+
+        fixed_picked, fixed_top = self._baselines(seqs, ids, whole, rows, cols + lo, targets)
+        out = []
+        bounds = np.cumsum([0] + [len(s.inputs) - s.first for s in seqs])
+        host = lambda xs: torch.stack(xs, 1).cpu().numpy() if xs else None  # noqa: E731
+        sig = [{key: host(v) for key, v in signals[g].items() if v} for g in range(G)]
+        tops = [host(top[g]) for g in range(G)]
+        picks = [[host(picked[m][g]) for g in range(G)] for m in range(len(targets))]
+        qual = [host(q) for q in quality]
+        fin = host(finite)
+        fp = {r: [v.cpu().numpy() for v in vs] for r, vs in fixed_picked.items()}
+        ft = {r: v.cpu().numpy() for r, v in fixed_top.items()}
+        for b, s in enumerate(seqs):
+            a, z = bounds[b], bounds[b + 1]
+            members = range(len(s.members))
+            out.append(Trajectories(
+                positions=list(range(s.first, len(s.inputs))),
+                signals=[{key: v[a:z] for key, v in sig[g].items()} for g in range(G)],
+                top=[None if tops[g] is None else tops[g][a:z] for g in range(G)],
+                picked=[[None if picks[m][g] is None else picks[m][g][a:z] for g in range(G)] for m in members],
+                quality=[qual[m][a:z] for m in members],
+                finite=fin[a:z],
+                fixed_picked={r: [v[m][a:z] for m in members] for r, v in fp.items()},
+                fixed_top={r: v[a:z] for r, v in ft.items()}))
+        return out
+
+    def _noise(self, B: int, L: int):
+        """Initial-state noise for B rows of L positions, keyed by position as the engine keys it."""
+        def draw(group, x):
+            return self.noise.rows(0, L, x.dtype, x.device).expand(B, -1, -1) if group.random_init else None
+        return draw
+
+    def _baselines(self, seqs, ids, whole, rows, positions, targets):
+        """Each baseline depth's output at the scored positions: every position of the sequence at depth r."""
+        model, G = self.model, len(self.groups)
+        B, L = ids.shape
+        picked: dict[int, list[torch.Tensor]] = {}
+        top: dict[int, torch.Tensor] = {}
+        for r in self.baselines:
+            if G == 1:
+                x = model.walk(self.groups[0].finish(whole[r]), AttnContext(), start=self.bounds[0] + 1)
+            else:
+                x = model.walk(model.embed(ids, 0), AttnContext(), [r] * G, noise=self._noise(B, L))
+            logp = torch.log_softmax(model.head(x[rows, positions]).float(), -1)
+            top[r] = logp.argmax(-1)
+            picked[r] = [logp.gather(1, tgt.unsqueeze(1)).squeeze(1) for tgt in targets]
+        return picked, top

@@ -1,0 +1,1 @@
+"""What every command runs on: devices, ranks, safe files, provenance, progress, typed input."""

@@ -1,0 +1,35 @@
+"""Which torch device a run uses. A device that is asked for and missing is an error, never a silent CPU run."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import ExitbenchError
+
+KINDS = ("auto", "cpu", "cuda", "cuda:N", "mps")
+
+
+def resolve_device(name: str | None) -> str:
+    """`None`/"auto": CUDA when there is one, else CPU. Under torchrun / accelerate launch each process takes
+    the GPU of its local rank."""
+    name = (name or "auto").strip()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ExitbenchError(f"--device {name}: this machine has no CUDA device (torch {torch.__version__} "
+                                 f"sees none); use --device cpu")
+        index = name.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ExitbenchError(f"--device {name}: CUDA devices here are cuda:0 … cuda:{torch.cuda.device_count() - 1}")
+        if not index and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return name
+    if name == "mps":
+        if not torch.backends.mps.is_available():
+            raise ExitbenchError("--device mps: this machine has no MPS device; use --device cpu")
+        return name
+    raise ExitbenchError(f"unknown --device {name!r}; choose one of {', '.join(KINDS)}")

@@ -1,0 +1,54 @@
+"""What every result and checkpoint records about the run that made it: seed, versions, git revision, host."""
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@functools.lru_cache(maxsize=None)
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def git_revision() -> str | None:
+    """The source tree's commit, with "-dirty" when it has uncommitted changes; None outside a checkout. Read once
+    per process: the code a process runs is the code it imported, whatever the tree does afterwards."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
+
+
+def run_metadata(seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "seed": seed,
+        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "machine": {"platform": platform.platform(), "processor": platform.machine(),
+                    "cpu_threads": torch.get_num_threads(), "python": platform.python_version()},
+        "versions": {"exitbench": __version__, "torch": torch.__version__,
+                     "lm_eval": package_version("lm_eval") or package_version("lm-eval"),
+                     "tokenizers": package_version("tokenizers"), "safetensors": package_version("safetensors")},
+        "git_revision": git_revision(),
+        **extra,
+    }

@@ -1,0 +1,218 @@
+"""What a result cell is: one (model, task, exit config) point of a sweep, its schema, and how it is built.
+
+Schema `exitbench.cell` version 2 (documented in the README):
+
+    schema, schema_version, cell_id, key           what determines the cell (hashed into cell_id)
+    model      path, source, architecture, parameters, fingerprint (content hash), files {name: sha256}, dtype
+    task       name, version, n_shot, limit, n_samples, metrics {metric,filter: value}, stderr {...},
+               higher_is_better {...}, primary_metric
+    quality    metric, value, stderr, higher_is_better             the primary metric
+    policy     every exit knob, resolved max_steps, baseline (true for fixed-depth cells), needs_logits
+    iterations mean, median, p90, max, histogram {k: tokens}, tokens, requests (over each token's iterations
+               summed over loop groups), per_group_mean [one mean per loop group]
+    wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
+               (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
+               {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call)
+    flops      per_token, probe_per_token
+    numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity
+    samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
+    run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
+               versions, git_revision, started, host, machine
+    mode       "replay" for a cell computed from a recording (exitbench.replay; then also in its key, and
+               wall_clock.estimated is true); absent for an exact cell
+    replay     recording_depth, record_s, cost_model_s, costs, generation {documents, diverged},
+               exact_by_construction
+
+A file that carries the schema tag must have every field above that readers use, of the type they expect
+(`cell_schema.Cell`); one that does not is reported by name, never half-read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import ExitbenchError
+from ..runtime.validation import describe
+
+SCHEMA = "exitbench.cell"
+SCHEMA_VERSION = 2
+
+def cell_id(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def series(policy: dict[str, Any]) -> str:
+    """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
+    `-kvC` under a KV window (its own series, beside the same rule on the full cache)."""
+    rel = "-rel" if policy.get("relative") else ""
+    window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
+    return policy["policy"] + rel + window
+
+
+def filename(cell: dict[str, Any]) -> str:
+    p = cell["policy"]
+    threshold = "" if p["threshold"] is None else f"{p['threshold']:g}"
+    return f"{cell['task']['name']}__{series(p)}-{threshold}__{cell['cell_id']}.json"
+
+
+def is_cell(obj: Any) -> bool:
+    """Whether a parsed JSON document claims to be a cell (other exitbench reports carry other schema tags)."""
+    return isinstance(obj, dict) and obj.get("schema") == SCHEMA
+
+
+def validate(cell: dict[str, Any], path: Path | str) -> dict[str, Any]:
+    """The cell itself, or ExitbenchError naming the file and the first thing wrong with it: a field a reader
+    uses that is missing or of the wrong type (`cell_schema.Cell`)."""
+    from pydantic import ValidationError
+
+    from .schema import Cell
+
+    if cell.get("schema_version") != SCHEMA_VERSION:
+        raise ExitbenchError(f"{path} has cell schema version {cell.get('schema_version')!r}; this exitbench reads "
+                             f"version {SCHEMA_VERSION} (rerun the sweep into a new --out)")
+    try:
+        Cell.model_validate(cell)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(map(str, first["loc"]))
+        problem = f"it lacks {where}" if first["type"] == "missing" else f"{describe(exc)}"
+        raise ExitbenchError(f"{path} is a broken cell: {problem}; delete it or rerun the cell") from None
+    return cell
+
+
+def read(path: Path) -> dict[str, Any]:
+    """A cell, or ExitbenchError naming the file when it is not a whole cell of this schema version."""
+    try:
+        cell = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExitbenchError(f"{path} is not a readable JSON cell: {exc}") from None
+    if not is_cell(cell):
+        raise ExitbenchError(f"{path} is not an exitbench result cell (schema {SCHEMA!r} expected)")
+    return validate(cell, path)
+
+
+def scan(paths: Iterable[Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[Path]]:
+    """(path, cell) for every file that is a cell, and the files skipped because they are not cells (other
+    JSON reports, unreadable files). A file tagged as a cell but broken stops the scan (ExitbenchError)."""
+    found, skipped = [], []
+    for path in sorted(paths):
+        try:
+            obj = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            skipped.append(path)
+            continue
+        if not is_cell(obj):
+            skipped.append(path)
+            continue
+        found.append((path, validate(obj, path)))
+    return found, skipped
+
+
+# ---- what a cell's numbers are built from ---------------------------------------------------------------------
+def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
+    """What one lm-eval request cost, from its tokens' engine records: exit steps, iterations, FLOPs,
+    wall-clock and the probe's share. `seconds` is the request's share of its batches' wall-clock."""
+    iterations = [sum(r.exit_steps) for r in records]
+    phase: dict[str, float] = defaultdict(float)
+    for r in records:
+        for k, v in r.time_s.items():
+            phase[k] += v
+    core_probe = phase["core"] + phase["probe"]
+    return {
+        "tokens": len(records),
+        "exit_steps": [r.exit_steps for r in records],
+        "iterations": iterations,
+        "mean_iterations": sum(iterations) / len(iterations) if iterations else 0.0,
+        "flops": sum(r.flops["total"] for r in records),
+        "probe_flops": sum(r.flops["probe"] for r in records),
+        "seconds": seconds,
+        # only what the scored tokens' own loops cost: the part exits change (the prefill is in `seconds`)
+        "token_seconds": sum(phase.values()),
+        "phase_seconds": dict(phase),
+        "probe_share": phase["probe"] / core_probe if core_probe else 0.0,
+        "nonfinite": sum(1 for r in records if r.nonfinite),
+    }
+
+
+def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The iterations, wall_clock, flops and numerics sections of a cell from per-request stats."""
+    its = [k for s in stats for k in s["iterations"]]
+    tokens = len(its)
+    # Each token's exit step per loop group (looped GPT-2 has several groups; iterations above are their sum).
+    per_token = [steps for s in stats for steps in s["exit_steps"]]
+    per_group = [statistics.fmean(g) for g in zip(*per_token)] if per_token else []
+    seconds = sum(s["seconds"] for s in stats)
+    token_seconds = sum(s["token_seconds"] for s in stats)
+    phases: Counter = Counter()
+    for s in stats:
+        phases.update(s["phase_seconds"])
+    core_probe = phases["core"] + phases["probe"]
+    ordered = sorted(its)
+    return {
+        "iterations": {
+            "mean": statistics.fmean(its) if its else None, "median": statistics.median(its) if its else None,
+            "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
+            "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
+            "tokens": tokens, "requests": len(stats), "per_group_mean": per_group},
+        "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
+                       "request_s": seconds / len(stats) if stats else None,
+                       "probe_share": phases["probe"] / core_probe if core_probe else 0.0,
+                       "phases_s": dict(phases)},
+        "flops": {"per_token": sum(s["flops"] for s in stats) / tokens if tokens else None,
+                  "probe_per_token": sum(s["probe_flops"] for s in stats) / tokens if tokens else None},
+        "numerics": {"nonfinite_tokens": sum(s.get("nonfinite", 0) for s in stats)},
+    }
+
+
+def task_record(results: dict[str, Any], name: str, limit: int | float | None) -> dict[str, Any]:
+    """The task section of a cell, from lm-eval's results dict, its numbers unchanged."""
+    r = results["results"][name]
+    skip = {"alias", "name", "sample_len", " ", ""}
+    metrics = {k: v for k, v in r.items() if k not in skip and "_stderr," not in k and isinstance(v, (int, float))}
+    stderr = {k.replace("_stderr,", ","): v for k, v in r.items() if "_stderr," in k}
+    hib_raw = results.get("higher_is_better", {}).get(name, {})
+    higher = {k: bool(hib_raw.get(k.split(",")[0], True)) for k in metrics}
+    if not metrics:
+        raise ExitbenchError(f"lm-eval reported no metric for task {name}")
+    primary = next(iter(metrics))
+    return {"name": name, "version": results.get("versions", {}).get(name),
+            "n_shot": results.get("n-shot", {}).get(name), "limit": limit,
+            "n_samples": results.get("n-samples", {}).get(name), "metrics": metrics, "stderr": stderr,
+            "higher_is_better": higher, "primary_metric": primary}
+
+
+def build(key: dict[str, Any], model: dict[str, Any], task: dict[str, Any], policy: dict[str, Any],
+          stats: list[dict[str, Any]], run: dict[str, Any], samples: bool) -> dict[str, Any]:
+    primary = task["primary_metric"]
+    return {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "cell_id": cell_id(key), "key": key, "model": model,
+        "task": task,
+        "quality": {"metric": primary, "value": task["metrics"][primary], "stderr": task["stderr"].get(primary),
+                    "higher_is_better": task["higher_is_better"][primary]},
+        "policy": policy, **summarize(stats), "samples": samples, "run": run,
+    }
+
+
+def strict(value: Any) -> Any:
+    """`value` with every NaN or infinity replaced by None: cells are strict JSON, and a non-finite metric
+    (a broken model's perplexity, say) reads as "no number", with numerics.nonfinite_tokens saying why."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return strict(value.item())  # numpy / torch scalars from lm-eval metrics
+    return value
+
+
+def jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()  # numpy / torch scalars from lm-eval metrics
+    return str(value)

@@ -1,0 +1,118 @@
+"""The typed shape of a result cell and of a samples file's lines, as the readers rely on it.
+
+Only the fields that some reader (pareto, check, report, calibrate, the run summary) uses are typed; the rest
+of a cell passes through untouched (`extra="allow"`), so a cell written by a newer exitbench with more fields
+still reads. Types are strict: a quality of "0.9" or a relative flag of 1 is a broken cell, not a number or
+a boolean by coercion, since a cell is only ever written by exitbench and a coerced value would be a guess.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+Number = Union[int, float]  # strict float already accepts an int; named for what readers mean by it
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class ModelPart(_Part):
+    fingerprint: str
+    architecture: str
+    dtype: str
+    path: Optional[str] = None
+    source: Optional[str] = None
+
+
+class TaskPart(_Part):
+    name: str
+    limit: Optional[Number]
+    n_shot: Optional[int]
+    metrics: dict[str, Optional[float]]
+    primary_metric: str
+    # lm-eval writes "N/A" for a stderr it could not compute
+    stderr: dict[str, Union[float, str, None]] = {}
+    higher_is_better: dict[str, bool] = {}
+
+
+class QualityPart(_Part):
+    metric: str
+    value: Optional[float]
+    higher_is_better: bool
+    stderr: Union[float, str, None] = None
+
+
+class PolicyPart(_Part):
+    policy: str
+    threshold: float  # the resolved one: every rule has a number here (fixed depth: the depth)
+    max_steps: Optional[int]
+    relative: bool
+    min_steps: int = 1
+    patience: Optional[int] = None
+    kv_window: Optional[int] = None
+    exit_model: Optional[str] = None
+    exit_model_sha256: Optional[str] = None
+    baseline: bool = False
+
+
+class IterationsPart(_Part):
+    mean: Optional[float]
+    tokens: int
+    median: Optional[float] = None
+    p90: Optional[Number] = None
+    max: Optional[Number] = None
+    histogram: dict[str, int] = {}
+    per_group_mean: list[float] = []
+
+
+class WallClockPart(_Part):
+    per_token_s: Optional[float]
+    probe_share: Optional[float]
+    total_s: Optional[float] = None
+    estimated: bool = False
+
+
+class FlopsPart(_Part):
+    per_token: Optional[float]
+    probe_per_token: Optional[float] = None
+
+
+class NumericsPart(_Part):
+    nonfinite_tokens: int = 0
+
+
+class RunPart(_Part):
+    started: str
+
+
+class Cell(_Part):
+    cell_id: str
+    key: dict
+    model: ModelPart
+    task: TaskPart
+    quality: QualityPart
+    policy: PolicyPart
+    iterations: IterationsPart
+    wall_clock: WallClockPart
+    flops: FlopsPart
+    run: RunPart
+    numerics: NumericsPart = NumericsPart()
+    samples: bool = False
+    mode: Literal["exact", "replay"] = "exact"
+    replay: dict = {}
+
+
+class SampleExits(_Part):
+    """What `--log-samples` joins into each lm-eval sample: per token, its exit step in each loop group."""
+    exit_steps: list[list[int]] = []
+    token_text: Optional[list[str]] = None
+    logprobs: Optional[list[Optional[float]]] = None
+    greedy: Optional[list[Optional[bool]]] = None
+    mean: Optional[float] = None
+
+
+class Sample(_Part):
+    doc_id: Union[int, str]
+    exitbench: SampleExits = SampleExits()

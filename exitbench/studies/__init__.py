@@ -1,0 +1,1 @@
+"""Measurements beside the sweep: calibration, the learned exit's fit, geometry, depth, traces."""

@@ -1,0 +1,243 @@
+"""A threshold with a statistical guarantee: Learn then Test (Angelopoulos, Bates et al. 2021), as CALM
+(Schuster et al. 2022) uses it for early exits.
+
+The risk of a threshold τ is the expected share of a document's scored tokens whose prediction at the exit
+differs from the prediction at full depth (the policy's max steps): a label-free consistency loss in [0, 1],
+so any text calibrates. For each τ of a grid, ordered from the most conservative, the null hypothesis
+"risk(τ) > ε" gets a Hoeffding–Bentkus p-value from the calibration documents' losses; fixed-sequence testing
+rejects while p ≤ δ and stops at the first failure. The last rejected τ then has risk ≤ ε with probability at
+least 1 − δ over the draw of calibration documents, assuming they are i.i.d. from the distribution the
+threshold will serve. Documents, not tokens, are the units: tokens of one document are not independent.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..engine import ExitConfig, ExitEngine
+from ..errors import ExitbenchError
+from ..policies import REGISTRY
+from ..runtime.files import atomic_write
+from ..runtime.provenance import run_metadata
+
+SCHEMA, SCHEMA_VERSION = "exitbench.calibration", 1
+UNCALIBRATABLE = {"fixed": "it has no threshold to choose", "oracle": "it is a bound that needs the answer"}
+
+
+# ---- the statistics --------------------------------------------------------------------------------------
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(Bin(n, p) ≤ k), summed in log space so that n in the thousands stays exact to float precision."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq
+             for i in range(k + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def _kl_bernoulli(a: float, b: float) -> float:
+    """h(a, b) = a log(a/b) + (1 − a) log((1 − a)/(1 − b)), with 0 log 0 = 0."""
+    out = 0.0
+    if a > 0:
+        out += a * math.log(a / b)
+    if a < 1:
+        out += (1 - a) * math.log((1 - a) / (1 - b))
+    return out
+
+
+def hb_pvalue(mean_loss: float, n: int, epsilon: float) -> float:
+    """Hoeffding–Bentkus p-value of H0: risk > ε, from n i.i.d. losses in [0, 1] with mean `mean_loss`
+    (Bates, Angelopoulos et al. 2021, "Distribution-free, risk-controlling prediction sets", Prop. 3)."""
+    if n < 1:
+        return 1.0
+    hoeffding = math.exp(-n * _kl_bernoulli(min(mean_loss, epsilon), epsilon))
+    bentkus = math.e * binom_cdf(math.ceil(n * mean_loss - 1e-9), n, epsilon)
+    return min(1.0, hoeffding, bentkus)
+
+
+def documents_needed(epsilon: float, delta: float) -> int:
+    """The fewest documents with which even a threshold that never disagrees can be shown safe:
+    the p-value of zero loss is (1 − ε)^n, which must reach δ."""
+    return math.ceil(math.log(delta) / math.log1p(-epsilon))
+
+
+def fixed_sequence(pvalues: Sequence[float], delta: float) -> int:
+    """How many hypotheses, in the given order, fixed-sequence testing rejects at level δ."""
+    accepted = 0
+    for p in pvalues:
+        if p > delta:
+            break
+        accepted += 1
+    return accepted
+
+
+def conservative_order(policy: str, thresholds: Sequence[float]) -> list[float]:
+    """The grid from the threshold that exits latest to the one that exits earliest."""
+    below = REGISTRY[policy].exits_below
+    return sorted(set(thresholds), reverse=not below)
+
+
+# ---- the losses ------------------------------------------------------------------------------------------
+def predictions(engine: ExitEngine, docs: Sequence[list[int]], batch_size: int,
+                on_batch: Callable[[], None] | None = None) -> tuple[list[list[int]], list[float]]:
+    """Per document, the argmax prediction at every scored position; and the mean iterations per token."""
+    preds, iters = [], []
+    for i in range(0, len(docs), batch_size):
+        for res in engine.score([(d, 1) for d in docs[i:i + batch_size]], keep_distributions=True):
+            preds.append([int(lp.argmax()) for lp in res.distributions])
+            iters += [sum(r.exit_steps) for r in res.records]
+        if on_batch is not None:
+            on_batch()
+    return preds, iters
+
+
+def replayed_predictions(model, docs: Sequence[list[int]], configs: Sequence[ExitConfig], reference_steps: int,
+                         seed: int, batch_size: int, on_batch: Callable[[], None] | None = None
+                         ) -> tuple[list[list[int]], list[float], list[tuple[list[list[int]], list[float]]]]:
+    """`predictions` for the reference and every config from one recording pass (exitbench.replay): the
+    reference's, then each config's (predictions, iterations)."""
+    import numpy as np
+
+    from ..engine.recorder import Recorder, Sequence_
+    from ..replay.exits import trajectory_exits
+
+    groups = model.loop_groups()
+    policies = [[c.build_policy().bind(g.default_steps) for g in groups] for c in configs]
+    depth = max([reference_steps] + [p.max_steps for ps in policies for p in ps])
+    recorder = Recorder(model, depth, [ps[0] for ps in policies], [reference_steps], seed,
+                        [min(g.default_steps, depth) for g in groups], oracle=False)
+    trajs = []
+    for i in range(0, len(docs), batch_size):
+        trajs += recorder.record([Sequence_(list(d[:-1]), 0, [list(d[1:])]) for d in docs[i:i + batch_size]])
+        if on_batch is not None:
+            on_batch()
+    at_depth = lambda t, r: t.fixed_top[r] if r in t.fixed_top else t.top[-1][:, r - 1]  # noqa: E731
+    reference = [at_depth(t, reference_steps).tolist() for t in trajs]
+    per_config = []
+    for ps in policies:
+        preds, iters = [], []
+        for t in trajs:
+            steps = trajectory_exits(ps, t)
+            preds.append(t.top[-1][np.arange(len(steps)), steps[:, -1] - 1].tolist())
+            iters += steps.sum(1).tolist()
+        per_config.append((preds, iters))
+    return reference, [float(reference_steps * len(groups))] * sum(map(len, reference)), per_config
+
+
+def disagreement(preds: Sequence[list[int]], reference: Sequence[list[int]]) -> list[float]:
+    """Per document, the share of positions whose prediction differs from the reference's."""
+    return [sum(a != b for a, b in zip(p, r)) / len(r) for p, r in zip(preds, reference)]
+
+
+def split(docs: Sequence[list[int]], test_fraction: float, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    order = list(range(len(docs)))
+    random.Random(f"calibrate-{seed}").shuffle(order)
+    n_test = int(round(test_fraction * len(docs)))
+    test = sorted(order[:n_test])
+    cal = sorted(order[n_test:])
+    return [docs[i] for i in cal], [docs[i] for i in test]
+
+
+# ---- the procedure ---------------------------------------------------------------------------------------
+def check_calibratable(policy: str) -> None:
+    if policy in UNCALIBRATABLE:
+        raise ExitbenchError(f"calibrate: policy {policy!r} cannot be calibrated: {UNCALIBRATABLE[policy]}; "
+                             f"pick a threshold rule such as second_order or kl")
+
+
+def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: Sequence[float], *,
+              epsilon: float, delta: float, test_fraction: float = 0.5, seed: int = 0, batch_size: int = 16,
+              on_progress: Callable[[int, int], None] | None = None, replay: bool = False) -> dict[str, Any]:
+    """Choose the most aggressive threshold of `thresholds` whose consistency risk is ≤ ε with probability
+    ≥ 1 − δ; report every threshold's calibration risk, p-value and mean iterations, and the chosen one's
+    risk on held-out documents. With `replay`, every threshold's predictions come from one recording pass
+    per split (exitbench.replay: every position's context at full depth, where the exact run reads an exited
+    token's own depth), instead of one exact run per threshold. Under a KV window (`kv_window`) the reference is
+    full depth under the same window: the risk is what the exits cost in the cache regime that will serve."""
+    check_calibratable(config.policy)
+    for name, value in (("epsilon", epsilon), ("delta", delta)):
+        if not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise ExitbenchError(f"calibrate: --{name} must lie strictly between 0 and 1, got {value!r}")
+    if not 0 <= test_fraction < 1:
+        raise ExitbenchError(f"calibrate: --test-fraction must be in [0, 1), got {test_fraction!r}")
+    if batch_size < 1:
+        raise ExitbenchError(f"calibrate: --batch-size must be ≥ 1, got {batch_size}")
+    if not thresholds:
+        raise ExitbenchError(f"calibrate: policy {config.policy!r} has no threshold grid; pass --thresholds")
+    if replay and config.kv_window:
+        raise ExitbenchError("calibrate: --replay records one KV slot per iteration and cannot replay --kv-window; "
+                             "calibrate under a window without --replay")
+    engines = {tau: ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "threshold": tau}))
+               for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
+    cal, test = split([list(d) for d in docs], test_fraction, seed)
+    if not cal:
+        raise ExitbenchError("calibrate: no calibration documents left after the held-out split")
+    reference = ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "policy": "fixed",
+                                                        "threshold": config.max_steps, "patience": None,
+                                                        "relative": False, "min_steps": 1,
+                                                        "exit_model": None}))
+    batches = -(-len(cal) // batch_size)
+    total, done = batches * (len(engines) + 1), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    taus = list(engines)
+    if replay:
+        total = 2 * batches
+        configs = [ExitConfig.from_dict({**config.to_dict(), "threshold": tau}) for tau in taus]
+        ref_preds, ref_iters, runs = replayed_predictions(model, cal, configs, reference.policies[0].max_steps,
+                                                          config.seed, batch_size, tick)
+    else:
+        ref_preds, ref_iters = predictions(reference, cal, batch_size, tick)
+        runs = [predictions(engines[tau], cal, batch_size, tick) for tau in taus]
+    full_depth = sum(ref_iters) / len(ref_iters)
+    rows = []
+    for tau, (preds, iters) in zip(taus, runs):
+        losses = disagreement(preds, ref_preds)
+        risk = sum(losses) / len(losses)
+        rows.append({"threshold": tau, "risk": risk, "p_value": hb_pvalue(risk, len(losses), epsilon),
+                     "mean_iterations": sum(iters) / len(iters)})
+    accepted = fixed_sequence([r["p_value"] for r in rows], delta)
+    for i, r in enumerate(rows):
+        r["accepted"] = i < accepted
+    chosen = rows[accepted - 1] if accepted else None
+    held_out = None
+    if chosen is not None and test:
+        total += 2 * -(-len(test) // batch_size)
+        if replay:
+            chosen_config = ExitConfig.from_dict({**config.to_dict(), "threshold": chosen["threshold"]})
+            test_ref, _, ((test_preds, test_iters),) = replayed_predictions(
+                model, test, [chosen_config], reference.policies[0].max_steps, config.seed, batch_size, tick)
+        else:
+            test_ref, _ = predictions(reference, test, batch_size, tick)
+            test_preds, test_iters = predictions(engines[chosen["threshold"]], test, batch_size, tick)
+        losses = disagreement(test_preds, test_ref)
+        held_out = {"documents": len(test), "risk": sum(losses) / len(losses),
+                    "mean_iterations": sum(test_iters) / len(test_iters)}
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "config": config.to_dict(),
+            "reference": reference.config.to_dict(),
+            "mode": "replay" if replay else "exact",
+            "epsilon": epsilon, "delta": delta, "loss": "share of a document's scored tokens whose exit prediction "
+            "differs from full depth", "documents": {"calibration": len(cal), "held_out": len(test)},
+            "tokens": {"calibration": sum(len(d) - 1 for d in cal)}, "full_depth_iterations": full_depth,
+            "documents_needed": documents_needed(epsilon, delta),
+            "thresholds": rows, "chosen": chosen, "held_out": held_out, "run": run_metadata(seed=seed)}
+
+
+def write_report(report: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, lambda fh: json.dump(report, fh, indent=2))

@@ -1,0 +1,56 @@
+"""What the engine decides token by token on one prompt: the report behind `exitbench trace`."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..engine import ExitConfig, ExitEngine
+from ..errors import ExitbenchError
+from ..models import Checkpoint
+from ..policies import REGISTRY
+
+
+def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int = 0) -> dict[str, Any]:
+    tok = ck.tokenizer
+    if tok is None:
+        raise ExitbenchError(f"{ck.path} has no tokenizer.json, so it cannot read a text prompt")
+    ids = tok.encode(prompt, add_bos=True)
+    if len(ids) < 2 and not generate:
+        raise ExitbenchError("the prompt has no token to score; give more text or use --generate N")
+    # Signals are kept for the exit map's hover text; recording them changes no exit.
+    engine = ExitEngine(ck.model, replace(config, record_signals=True))
+    if generate:
+        stops = [t for t in (tok.eos_token_id,) if t is not None]
+        result = engine.generate([ids], generate, stop_ids=stops)[0]
+        inputs = ids[-1:] + result.tokens[:-1]
+    else:
+        result = engine.score([(ids, 1)])[0]
+        inputs = ids[:-1]
+    pieces = tok.pieces(result.tokens, previous=inputs[0])  # with their spaces, so the exit map reads as text
+    rows = [{"input": tok.decode([i], skip_special_tokens=False), "next": tok.decode([t], skip_special_tokens=False),
+             "text": piece, "logprob": lp, "greedy": g, "exit_steps": r.exit_steps, "signals": r.signals}
+            for i, t, piece, lp, g, r in zip(inputs, result.tokens, pieces, result.logprobs, result.greedy,
+                                              result.records)]
+    # What precedes the first exited token: the prompt when generating, the BOS token when scoring.
+    context = tok.decode(ids if generate else ids[:1], skip_special_tokens=False)
+    window = {"kv_window": config.kv_window} if config.kv_window else {}
+    return {"policy": {**engine.policies[0].knobs(), **window}, "mode": "generate" if generate else "score",
+            "tokens": rows, "context": context,
+            "mean_iterations": sum(result.iterations) / max(1, len(result.iterations))}
+
+
+def parse_vs(specs: list[str], base: ExitConfig) -> list[ExitConfig]:
+    """`--vs POLICY[:τ]` entries as configs: the base config's knobs with another policy (and its own default
+    threshold unless τ is given), so the maps drawn side by side differ only in the rule."""
+    out = []
+    for spec in specs:
+        name, _, tau = spec.partition(":")
+        try:
+            threshold = float(tau) if tau else None
+        except ValueError:
+            raise ExitbenchError(f"--vs takes POLICY or POLICY:THRESHOLD, got {spec!r}") from None
+        name = name.strip()
+        # The exit model belongs to the learned rule: a compared rule that takes none leaves it behind.
+        exit_model = base.exit_model if name in REGISTRY and REGISTRY[name].needs_exit_model else None
+        out.append(replace(base, policy=name, threshold=threshold, exit_model=exit_model))
+    return out

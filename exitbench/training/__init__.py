@@ -1,0 +1,1 @@
+"""Training the embedded models: the loop, the synthetic task, the natural-text corpus."""

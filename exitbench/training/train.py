@@ -1,0 +1,429 @@
+"""`exitbench train`: a looped model from scratch, the way recurrent-depth models are trained.
+
+Two recipes share one loop:
+- `huginn_raven` on the synthetic chains task (the embedded tiny-raven). What makes the iterations matter on a
+  model this small (measured in the README, "The embedded default"): no attention outside the core, one token per statement, a
+  target at every statement, and a hop curriculum that raises the chain length once the current level is learned.
+- `looped_gpt2` on natural text (the embedded tiny-looped-gpt2), as the two-scale paper trained on FineWeb: GSM8K's
+  training split, a byte-level BPE fitted to it, next-token loss on random windows.
+
+Recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ),
+with gradients only through the last `backprop_depth` iterations of each group.
+
+Everything random is drawn from generators keyed by (seed, step), so a run is deterministic for a seed and a
+resumed run continues with exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..errors import ExitbenchError
+from ..models import LoopedGPT2, LoopedGPT2Config, LoopedLM, Raven, RavenConfig, save_checkpoint
+from ..runtime.provenance import run_metadata
+from . import synthetic, textcorpus
+
+TRAINING_DIR = "training"
+STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+# Fields that may differ when a run is resumed: how long to go on, how often to save.
+RESUMABLE = {"steps", "time_budget", "save_every", "out", "resume", "threads"}
+
+
+ARCHS = ("huginn_raven", "looped_gpt2")
+# Where the two recipes differ in their defaults; everything else is shared.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "huginn_raven": {},
+    "looped_gpt2": {"mean_recurrence": 4, "max_recurrence": 12, "backprop_depth": 12, "batch_size": 32,
+                    "lr": 1e-3, "warmup": 100, "recurrence_sigma": 0.5},
+}
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    arch: str = "huginn_raven"
+    task: str = "chains"
+    n_chains: int = 4
+    max_hop: int = 12
+    start_hop: int = 2
+    level_up_accuracy: float = 0.9
+    n_embd: int = 128
+    n_heads: int = 4
+    intermediate_size: int = 256
+    prelude_layers: int = 0
+    core_layers: int = 1
+    coda_layers: int = 0
+    # looped_gpt2: layers, loop groups ("1;2,3;4" = [[1], [2, 3], [4]]), window length, BPE size, text source.
+    n_layer: int = 6
+    loop_groups: str = "1;2,3;4"
+    context: int = 128
+    vocab_size: int = 2048
+    gsm8k_dir: str | None = None
+    mean_recurrence: int = 16
+    max_recurrence: int = 32
+    backprop_depth: int = 8
+    recurrence_sigma: float = 0.5
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    warmup: int = 50
+    steps: int = 1500
+    time_budget: float | None = None
+    save_every: int | None = None
+    seed: int = 0
+    threads: int | None = None
+    resume: bool = False
+
+    @classmethod
+    def for_arch(cls, out: str, arch: str = "huginn_raven", **given: Any) -> "TrainConfig":
+        """A config with `arch`'s defaults, overridden by the options the user gave (None = not given)."""
+        if arch not in ARCHS:
+            raise ExitbenchError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
+        values = {**ARCH_DEFAULTS[arch], **{k: v for k, v in given.items() if v is not None}}
+        return cls(out=out, arch=arch, **values)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        try:
+            return [[int(i) for i in part.split(",")] for part in self.loop_groups.split(";")]
+        except ValueError:
+            raise ExitbenchError(f"--loop-groups {self.loop_groups!r} must be layer indices, groups separated by "
+                                 "';' and layers by ',', e.g. '1;2,3;4'") from None
+
+    def validate(self) -> None:
+        if self.arch not in ARCHS:
+            raise ExitbenchError(f"--arch {self.arch!r} is not one of {', '.join(ARCHS)}")
+        positive = ["n_chains", "max_hop", "start_hop", "n_embd", "n_heads", "intermediate_size", "core_layers",
+                    "mean_recurrence", "max_recurrence", "backprop_depth", "batch_size", "steps", "warmup"]
+        for name in positive:
+            value = getattr(self, name)
+            if name == "warmup" and value == 0:
+                continue
+            if value <= 0:
+                raise ExitbenchError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        for name in ["prelude_layers", "coda_layers"]:
+            if getattr(self, name) < 0:
+                raise ExitbenchError(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(self, name)}")
+        if self.n_embd % self.n_heads or (self.n_embd // self.n_heads) % 2:
+            raise ExitbenchError(f"--n-embd {self.n_embd} must split into --n-heads {self.n_heads} even-sized heads")
+        if self.max_recurrence < self.mean_recurrence:
+            raise ExitbenchError(f"--max-recurrence {self.max_recurrence} is below --mean-recurrence "
+                                 f"{self.mean_recurrence}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ExitbenchError(f"--lr must be a positive number, got {self.lr}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ExitbenchError(f"--time-budget must be a positive number of seconds, got {self.time_budget}")
+        if self.save_every is not None and self.save_every <= 0:
+            raise ExitbenchError(f"--save-every must be a positive number of steps, got {self.save_every}")
+        if not 0 < self.level_up_accuracy <= 1:
+            raise ExitbenchError(f"--level-up-accuracy must be in (0, 1], got {self.level_up_accuracy}")
+        if self.arch == "huginn_raven":
+            synthetic.make_task(self.task, n_chains=self.n_chains, length=self.max_hop)
+        else:
+            for name in ("n_layer", "context", "vocab_size"):
+                if getattr(self, name) <= 0:
+                    raise ExitbenchError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                                         f"{getattr(self, name)}")
+            try:
+                self.gpt2_config(None)
+            except ExitbenchError as exc:
+                raise ExitbenchError(f"--loop-groups {self.loop_groups!r}: {exc}") from None
+
+    def command(self) -> str:
+        """The `exitbench train` command line that reproduces this run (non-default options spelled out)."""
+        flags = {"n_chains": "--chains"}
+        defaults = TrainConfig.for_arch(self.out, self.arch)
+        parts = ["exitbench", "train", "--out", self.out, "--steps", str(self.steps), "--seed", str(self.seed)]
+        if self.arch != "huginn_raven":
+            parts += ["--arch", self.arch]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("out", "steps", "seed", "arch") or value == getattr(defaults, f.name):
+                continue
+            flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
+            parts += [flag] if value is True else [flag, str(value)]
+        return " ".join(parts)
+
+    def model_config(self, tokenizer: synthetic.Tokenizer) -> RavenConfig:
+        return RavenConfig(
+            n_embd=self.n_embd, n_heads=self.n_heads, vocab_size=tokenizer.vocab_size,
+            intermediate_size=self.intermediate_size, n_layers_in_prelude=self.prelude_layers,
+            n_layers_in_recurrent_block=self.core_layers, n_layers_in_coda=self.coda_layers,
+            block_size=256, mean_recurrence=self.mean_recurrence,
+            mean_backprop_depth=self.backprop_depth, max_recurrence=self.max_recurrence,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
+
+    def gpt2_config(self, tokenizer) -> LoopedGPT2Config:
+        groups = self.groups
+        # Default depth a little past the sampled mean (E[K] = mean + 1): where held-out quality stops improving.
+        default = min(self.mean_recurrence + 2, self.max_recurrence)
+        return LoopedGPT2Config(
+            vocab_size=tokenizer.vocab_size if tokenizer else self.vocab_size, n_embd=self.n_embd,
+            n_layer=self.n_layer, n_head=self.n_heads, n_positions=2 * self.context, loop_groups=groups,
+            loop_steps=[default] * len(groups), max_loop_steps=[self.max_recurrence] * len(groups),
+            bos_token_id=tokenizer.bos_token_id if tokenizer else None,
+            eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+            pad_token_id=tokenizer.pad_token_id if tokenizer else None)
+
+
+def sample_recurrence(rng: random.Random, mean: int, backprop_depth: int, sigma: float, cap: int
+                      ) -> tuple[int, int]:
+    """(no-grad steps, grad steps) from Huginn's log-normal Poisson sampler, capped at `cap` in total."""
+    tau = rng.gauss(math.log(mean) - sigma ** 2 / 2, sigma)
+    total = min(_poisson(rng, math.exp(tau)) + 1, cap)
+    grad = min(backprop_depth, total)
+    return total - grad, grad
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    # Knuth's method is exact and fast for the small means used here, and keeps all randomness in `rng`.
+    limit, k, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+def _step_rng(seed: int, step: int, stream: int) -> random.Random:
+    return random.Random((seed * 1_000_003 + step) * 7 + stream)
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _optimizer(model: LoopedLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "wte" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "wte" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    level: int = 2
+    level_accuracy: float = 0.0
+    elapsed: float = 0.0
+    tokens: int = 0
+    loss: float = float("nan")
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def check_output(cfg: TrainConfig) -> Path:
+    """Fail before training if the output cannot be written, or a resume does not match what is there."""
+    out = Path(cfg.out).expanduser()
+    state_file = out / TRAINING_DIR / STATE_FILE
+    if cfg.resume:
+        if not state_file.exists():
+            raise ExitbenchError(f"--resume: {out} holds no training state ({TRAINING_DIR}/{STATE_FILE})")
+        saved = json.loads(state_file.read_text())["config"]
+        for key, value in dataclasses.asdict(cfg).items():
+            if key not in RESUMABLE and saved.get(key) != value:
+                raise ExitbenchError(f"--resume: {out} was trained with {key}={saved.get(key)!r}, "
+                                     f"not {value!r}; resume with the same settings or use a new --out")
+        return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExitbenchError(f"output {out} already exists and is not empty; choose a new --out or pass --resume")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = Path(out.parent) / f".{out.name}.write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ExitbenchError(f"cannot write to {out.parent}: {exc.strerror}") from None
+    return out
+
+
+def _save_training_state(out: Path, cfg: TrainConfig, state: TrainState, opt: torch.optim.Optimizer) -> None:
+    directory = out / TRAINING_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for i, (pid, pstate) in enumerate(opt.state_dict()["state"].items()):
+        for name, value in pstate.items():
+            tensors[f"{pid}.{name}"] = value.reshape(-1) if value.dim() == 0 else value
+    tmp = directory / (OPTIMIZER_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(directory / OPTIMIZER_FILE)
+    payload = {"config": dataclasses.asdict(cfg), "state": dataclasses.asdict(state)}
+    tmp = directory / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(directory / STATE_FILE)
+
+
+def _load_training_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer) -> TrainState:
+    from ..models import load_checkpoint
+
+    directory = out / TRAINING_DIR
+    saved = load_checkpoint(directory / "latest").model
+    model.load_state_dict(saved.state_dict())
+    opt_state = opt.state_dict()
+    tensors = load_file(str(directory / OPTIMIZER_FILE))
+    for key, value in tensors.items():
+        pid, name = key.split(".", 1)
+        if name == "step":
+            value = value.reshape(())
+        opt_state["state"].setdefault(int(pid), {})[name] = value
+    opt.load_state_dict(opt_state)
+    return TrainState(**json.loads((directory / STATE_FILE).read_text())["state"])
+
+
+class ChainsRecipe:
+    """Raven on the synthetic chains task, with the hop curriculum."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.tokenizer = synthetic.build_tokenizer()
+
+    def build_model(self, generator: torch.Generator) -> Raven:
+        cfg = self.cfg
+        model = Raven(cfg.model_config(self.tokenizer))
+        model.init_weights(generator)
+        with torch.no_grad():
+            std = model.transformer.wte.weight.std().item()
+            table = synthetic.factored_embedding(self.tokenizer, cfg.n_embd, std, generator)
+            model.transformer.wte.weight[: table.shape[0]] = table
+        return model
+
+    def batch(self, state: TrainState):
+        task = synthetic.make_task(self.cfg.task, n_chains=self.cfg.n_chains, length=state.level)
+        return synthetic.batch(task, self.tokenizer, self.cfg.batch_size, _step_rng(self.cfg.seed, state.step, 0))
+
+    def after_step(self, state: TrainState, logits: torch.Tensor, targets: torch.Tensor, hops, steps: list[int]) -> None:
+        """Raise the hop level once the running accuracy at the current one passes the bar."""
+        cfg = self.cfg
+        if min(steps) < state.level:
+            return
+        at_level = hops == state.level
+        correct = (logits.argmax(-1)[at_level] == targets[at_level]).float().mean().item()
+        state.level_accuracy = 0.9 * state.level_accuracy + 0.1 * correct
+        if state.level_accuracy >= cfg.level_up_accuracy and state.level < cfg.max_hop:
+            state.history.append({"step": state.step, "level": state.level + 1, "elapsed": state.elapsed})
+            state.level += 1
+            state.level_accuracy = 0.0
+
+
+class TextRecipe:
+    """Looped GPT-2 on GSM8K's training text: next-token loss on random windows."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        texts = textcorpus.gsm8k_texts("train", cfg.gsm8k_dir)
+        self.tokenizer = textcorpus.fit_tokenizer(texts, cfg.vocab_size)
+        self.stream = textcorpus.TokenStream(texts, self.tokenizer)
+
+    def build_model(self, generator: torch.Generator) -> LoopedGPT2:
+        model = LoopedGPT2(self.cfg.gpt2_config(self.tokenizer))
+        model.init_weights(generator)
+        return model
+
+    def batch(self, state: TrainState):
+        inputs, targets = self.stream.batch(_step_rng(self.cfg.seed, state.step, 0), self.cfg.batch_size,
+                                            self.cfg.context)
+        return inputs, targets, None
+
+    def after_step(self, state, logits, targets, hops, steps) -> None:
+        pass
+
+
+def make_recipe(cfg: TrainConfig) -> ChainsRecipe | TextRecipe:
+    return ChainsRecipe(cfg) if cfg.arch == "huginn_raven" else TextRecipe(cfg)
+
+
+def status(state: TrainState, cfg: TrainConfig) -> str:
+    """What a progress line shows beside the loss."""
+    return f"hop {state.level}/{cfg.max_hop}" if cfg.arch == "huginn_raven" else f"ppl {math.exp(min(state.loss, 50)):.1f}"
+
+
+def train(cfg: TrainConfig, command: str | None = None,
+          on_step: Callable[[TrainState], None] | None = None) -> Path:
+    """Train, save intermediate checkpoints under OUT/training/, and the final model in OUT itself."""
+    cfg.validate()
+    out = check_output(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    recipe = make_recipe(cfg)
+    tokenizer = recipe.tokenizer
+    model = recipe.build_model(torch.Generator().manual_seed(cfg.seed))
+    n_groups = len(model.loop_groups())
+    model.train()
+    opt = _optimizer(model, cfg)
+    state = TrainState(level=min(cfg.start_hop, cfg.max_hop))
+    if cfg.resume:
+        state = _load_training_state(out, model, opt)
+    started = time.perf_counter() - state.elapsed
+    ema_loss = None
+
+    while state.step < cfg.steps:
+        if cfg.time_budget is not None and time.perf_counter() - started >= cfg.time_budget:
+            break
+        inputs, targets, hops = recipe.batch(state)
+        # One depth per loop group; the single-group Raven draws exactly what it always drew (stream 1).
+        draws = [sample_recurrence(_step_rng(cfg.seed, state.step, 1 + 2 * g), cfg.mean_recurrence,
+                                   cfg.backprop_depth, cfg.recurrence_sigma, cfg.max_recurrence)
+                 for g in range(n_groups)]
+        steps = [a + b for a, b in draws]
+        grad = [b for _, b in draws]
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(cfg, state.step)
+        logits = model(inputs, steps, backprop_depth=grad, generator=gen)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=synthetic.IGNORE)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+        state.step += 1
+        state.tokens += inputs.numel()
+        state.elapsed = time.perf_counter() - started
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        state.loss = ema_loss
+        recipe.after_step(state, logits, targets, hops, steps)
+        if on_step:
+            on_step(state)
+        if cfg.save_every and state.step % cfg.save_every == 0:
+            _checkpoint(model, tokenizer, out / TRAINING_DIR / f"step-{state.step:06d}", cfg, state, command)
+            _checkpoint(model, tokenizer, out / TRAINING_DIR / "latest", cfg, state, command)
+            _save_training_state(out, cfg, state, opt)
+
+    model.eval()
+    _checkpoint(model, tokenizer, out, cfg, state, command)
+    _checkpoint(model, tokenizer, out / TRAINING_DIR / "latest", cfg, state, command)
+    _save_training_state(out, cfg, state, opt)
+    return out
+
+
+def _checkpoint(model: LoopedLM, tokenizer, path: Path, cfg: TrainConfig, state: TrainState,
+                command: str | None) -> None:
+    training = {
+        "command": command or cfg.command(),
+        "seed": cfg.seed,
+        "train_config": dataclasses.asdict(cfg),
+        "steps_done": state.step,
+        "training_seconds": round(state.elapsed, 3),
+        "tokens_seen": state.tokens,
+        "final_level": state.level,
+        "curriculum": state.history,
+        "final_loss": state.loss,
+    }
+    extra = {"exitbench": {"training": training, "run": run_metadata(seed=cfg.seed)}}
+    save_checkpoint(model, path, tokenizer, extra_config=extra, overwrite=True)
