@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.models import HUGINN_CONFIG, HUGINN_PARAMETERS, make_tiny_raven, random_ids
 
 from exitbench.models import AttnContext, LoopGroup, Raven, RavenConfig, Stage
-from exitbench.models.layers import CausalSelfAttention, GatedMLP, RMSNorm, apply_rope, rope_table
+from exitbench.models.attention import apply_rope, rope_table
 from exitbench.models.looped import unit_trunc_normal
-
-from helpers.models import HUGINN_CONFIG, HUGINN_PARAMETERS, make_tiny_raven, random_ids
+from exitbench.models.raven import CausalSelfAttention, GatedMLP, RMSNorm
 
 ATOL = 1e-5
 

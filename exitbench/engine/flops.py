@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..models import LoopedLM, LoopGroup
-from ..models.layers import Conv1D
+from ..models.gpt2 import Conv1D
 
 
 def _linear_flops(modules: list[nn.Module]) -> float:

@@ -1,8 +1,8 @@
 """Looped language models: the generic stage view, the architectures, and checkpoint I/O."""
+from .attention import AttnContext
 from .cache import KVCache
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .gpt2 import LoopedGPT2, LoopedGPT2Config
-from .layers import AttnContext
 from .looped import LoopedLM, LoopGroup, Stage
 from .raven import Raven, RavenConfig
 from .registry import ARCHITECTURES

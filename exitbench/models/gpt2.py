@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from .layers import AttnContext, Conv1D, cached_causal_attention
+from .attention import AttnContext, cached_causal_attention
 from .looped import LoopedLM, LoopGroup, Stage
 
 ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -27,6 +27,18 @@ ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.ge
 # Buffers older GPT-2 checkpoints store: the causal mask, recomputed by every attention call here.
 _MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 _TOP_LEVEL = ("wte.", "wpe.", "h.", "ln_f.")
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: y = x W + b with W stored (in, out), so Hugging Face GPT-2 weights load as they are."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
 
 
 @dataclass

@@ -12,8 +12,16 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .attention import AttnContext
 from .cache import KVCache
-from .layers import AttnContext, trunc_normal_
+
+
+def trunc_normal_(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Truncated normal at ±3σ, drawn with an explicit generator so runs are reproducible."""
+    if std == 0:
+        return t.zero_()
+    with torch.no_grad():
+        return nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
 @dataclass

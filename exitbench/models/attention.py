@@ -1,4 +1,5 @@
-"""Building blocks of the Raven / Huginn-0125 architecture (Geiping et al. 2025, arXiv 2502.05171; reference code github.com/seal-rg/recurrent-pretraining).
+"""Attention that knows where its tokens sit in the KV cache, and rotary position embeddings: what every
+architecture's attention layers share.
 
 Every attention layer takes an `AttnContext` so the same code serves three callers: training on whole
 sequences (no cache), incremental decoding at fixed depth, and the exit engine, which runs only the
@@ -6,13 +7,11 @@ still-active rows of a batch and must read and write the KV entry of one loop it
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 if TYPE_CHECKING:
     from .cache import KVCache, TokenIndex
@@ -66,20 +65,6 @@ class AttnContext:
         return ctx if slot is None else ctx.at_slot(slot)
 
 
-class RMSNorm(nn.Module):
-    """Learned RMSNorm computed in fp32; Huginn casts back to the input dtype *before* the weight."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
-
-
 def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
     """(length, head_dim/2, 2) table of (cos, sin), Huginn's `freqs_cis` without its singleton dims."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -127,99 +112,3 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     L = k.shape[2]
     mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-class Conv1D(nn.Module):
-    """GPT-2's linear layer: y = x W + b with W stored (in, out), so Hugging Face GPT-2 weights load as they are."""
-
-    def __init__(self, n_in: int, n_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
-
-
-class CausalSelfAttention(nn.Module):
-    """Fused Wqkv, learned q/k bias added before RoPE, full multi-head attention, output `proj`."""
-
-    def __init__(self, n_embd: int, n_heads: int, qk_bias: bool, layer_id: int):
-        super().__init__()
-        self.n_heads = n_heads
-        self.head_dim = n_embd // n_heads
-        self.layer_id = layer_id
-        self.Wqkv = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.qk_bias = nn.Parameter(torch.zeros(2, 1, n_heads, self.head_dim)) if qk_bias else None
-        self.proj = nn.Linear(n_embd, n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.Wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        if self.qk_bias is not None:
-            q = q + self.qk_bias[0]
-            k = k + self.qk_bias[1]
-        rotation = ctx.rotation(rope) if ctx.positions is not None else None
-        q = apply_rope(q, rope, ctx.start, rotation).transpose(1, 2)
-        k = apply_rope(k, rope, ctx.start, rotation).transpose(1, 2)
-        y = cached_causal_attention(q, k, v.transpose(1, 2), ctx, self.layer_id)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class GatedMLP(nn.Module):
-    """proj(SiLU(gate) * up) with `fc` holding the gate rows first, then the up rows."""
-
-    def __init__(self, n_embd: int, intermediate_size: int):
-        super().__init__()
-        self.fc = nn.Linear(n_embd, 2 * intermediate_size, bias=False)
-        self.proj = nn.Linear(intermediate_size, n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
-
-
-class SandwichBlock(nn.Module):
-    """x̂ = n2(x + Attn(n1 x)); out = n4(x̂ + MLP(n3 x̂)), four learned RMSNorms (Huginn's layout)."""
-
-    def __init__(self, n_embd: int, n_heads: int, intermediate_size: int, qk_bias: bool, eps: float,
-                 layer_id: int):
-        super().__init__()
-        self.norm_1 = RMSNorm(n_embd, eps)
-        self.attn = CausalSelfAttention(n_embd, n_heads, qk_bias, layer_id)
-        self.norm_2 = RMSNorm(n_embd, eps)
-        self.mlp = GatedMLP(n_embd, intermediate_size)
-        self.norm_3 = RMSNorm(n_embd, eps)
-        self.norm_4 = RMSNorm(n_embd, eps)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = self.norm_2(x + self.attn(self.norm_1(x), rope, ctx))
-        return self.norm_4(x + self.mlp(self.norm_3(x)))
-
-
-def trunc_normal_(t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Truncated normal at ±3σ, drawn with an explicit generator so runs are reproducible."""
-    if std == 0:
-        return t.zero_()
-    with torch.no_grad():
-        return nn.init.trunc_normal_(t, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-
-
-def takase_init_(model: nn.Module, n_embd: int, effective_depth: int,
-                 generator: torch.Generator | None = None) -> None:
-    """Huginn's "takase" init: σ = sqrt(2/(5h)) everywhere, σ/sqrt(2·depth) on output projections."""
-    std = math.sqrt(2 / (5 * n_embd))
-    out_std = std / math.sqrt(2 * effective_depth)
-    for name, p in model.named_parameters():
-        if ".norm_" in name or name.endswith("ln_f.weight"):
-            nn.init.ones_(p)
-        elif name.endswith("qk_bias"):
-            nn.init.zeros_(p)
-        elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-            trunc_normal_(p.data, out_std, generator)
-        elif name.endswith("mlp.fc.weight"):
-            half = p.shape[0] // 2
-            trunc_normal_(p.data[:half], std, generator)
-            trunc_normal_(p.data[half:], out_std, generator)
-        elif p.dim() >= 2:
-            trunc_normal_(p.data, std, generator)
