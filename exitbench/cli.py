@@ -303,6 +303,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if compile_step:
         ck.model.compile_loops()
     grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
+    if replay:
+        from .replay.sweep import check_replayable
+        check_replayable(cfg)  # before planning, which may build the tasks to count their documents
     sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
     if replay:
         from .replay import ReplaySweep, check_named, parse_named, verify_frontier

@@ -175,11 +175,12 @@ def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
     needs: without one, no task is built here."""
     if cfg.limit is None:
         return {}
-    from .harness.quiet import lm_eval_output, lm_eval_warnings_off
+    from .harness.quiet import lm_eval_output
 
     counts = {}
-    # Whatever lm-eval warns of while loading a task it warns of again when the cells load it.
-    with lm_eval_output(quiet=cfg.quiet, progress_bars=False), lm_eval_warnings_off():
+    # Quiet: whatever lm-eval warns of while loading a task it warns of again when the cells load it, and
+    # datasets' bars belong to the data the cells read next.
+    with lm_eval_output(quiet=True):
         for name, spec in zip(tasks.names, tasks.specs):
             try:
                 loaded = tasks.manager.load([spec])

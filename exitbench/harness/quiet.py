@@ -74,11 +74,6 @@ def _logger_level(name: str, level: int) -> Iterator[None]:
         logger.setLevel(saved)
 
 
-def lm_eval_warnings_off() -> contextlib.AbstractContextManager[None]:
-    """lm-eval's log records below ERROR dropped for the block (errors still print)."""
-    return _logger_level("lm_eval", logging.ERROR)
-
-
 @contextlib.contextmanager
 def _datasets_progress_bars_off() -> Iterator[None]:
     import datasets
