@@ -226,8 +226,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     from .harness.quiet import lm_eval_output
 
     names = [tasks.names[i] for i in indices]
-    lm = ExitbenchLM.from_checkpoint(ck, exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
-                                     add_bos_token=cfg.add_bos_token)
+    lm = ExitbenchLM(ck, exit_config=exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
+                     add_bos_token=cfg.add_bos_token)
     started = run_metadata(seed=cfg.seed, run_id=run_id, batch_size=cfg.batch_size, device=str(lm.device),
                            dtype=ck.dtype, world_size=lm.world_size)
     t0 = time.perf_counter()

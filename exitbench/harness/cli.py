@@ -126,19 +126,19 @@ def check_model_args(model_args: dict[str, Any]) -> None:
     """What ExitbenchLM(**model_args) would reject before and while loading, without reading the weights."""
     from ..engine.config import ExitConfig
     from ..models.checkpoint import check_dtype_name
-    from .model import ExitbenchLM
+    from ..runtime.validation import parse
+    from .model import ExitbenchLM, ModelArgs
 
     params = inspect.signature(ExitbenchLM.__init__).parameters
-    own = [name for name, p in params.items() if name != "self" and p.kind is not p.VAR_KEYWORD]
+    # exit_config and on_progress are for Python callers; on lm-eval's command line knobs come one by one
+    own = [name for name, p in params.items()
+           if name not in ("self", "exit_config", "on_progress") and p.kind is not p.VAR_KEYWORD]
     exit_knobs = [f.name for f in dataclasses.fields(ExitConfig)]
     unknown = sorted(set(model_args) - set(own) - set(exit_knobs))
     if unknown:
         raise ExitbenchError(f"unknown exitbench model argument {unknown[0]!r} in --model_args; "
                              f"known: {', '.join(own + exit_knobs)}")
     bound = {name: model_args.get(name, params[name].default) for name in own}
-    from ..runtime.validation import parse
-    from .model import ModelArgs
-
     parse(ModelArgs, {k: v for k, v in bound.items() if k in ModelArgs.model_fields}, "exitbench model arguments")
     ExitConfig(**{k: v for k, v in model_args.items() if k in exit_knobs})
     check_dtype_name(bound["dtype"])

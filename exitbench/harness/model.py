@@ -57,34 +57,40 @@ class ModelArgs(BaseModel):
 
 @register_model("exitbench")
 class ExitbenchLM(LM):
-    def __init__(self, checkpoint: str | None = None, dtype: str = "auto", batch_size: int | str = 1,
+    def __init__(self, checkpoint: str | Checkpoint | None = None, dtype: str = "auto", batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
+                 exit_config: ExitConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
                  **exit_knobs: Any):
-        """The model's own arguments, and any of ExitConfig's fields (policy, threshold, min_steps, …)."""
+        """The one constructor. lm-eval builds the model from its model arguments (its own
+        `create_from_arg_string`): a checkpoint by path or embedded name, and any of ExitConfig's fields
+        (policy, threshold, min_steps, …). A sweep hands it a Checkpoint it loaded once for all its cells, and
+        each cell's ExitConfig (`exit_config`, instead of knobs)."""
         super().__init__()
-        parse(ModelArgs, {"checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size,
-                          "max_batch_size": max_batch_size, "device": device, "max_length": max_length,
-                          "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite}, "exitbench model arguments")
-        exit_config = ExitConfig.from_dict(exit_knobs, what="exitbench model argument")
+        loaded = isinstance(checkpoint, Checkpoint)
+        if not loaded:
+            parse(ModelArgs, {"checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size,
+                              "max_batch_size": max_batch_size, "device": device, "max_length": max_length,
+                              "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite},
+                  "exitbench model arguments")
+        if exit_config is not None and exit_knobs:
+            raise ExitbenchError(f"give exit_config or exit knobs ({', '.join(sorted(exit_knobs))}), not both")
+        if exit_config is None:
+            exit_config = ExitConfig.from_dict(exit_knobs, what="exitbench model argument")
         self._init_distributed()
-        self._device = torch.device(resolve_device(device))
-        ck = open_checkpoint(checkpoint, dtype=dtype, device=str(self._device), allow_nonfinite=allow_nonfinite)
-        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
-
-    @classmethod
-    def from_checkpoint(cls, ck: Checkpoint, exit_config: ExitConfig, batch_size: int | str = 1,
-                        max_batch_size: int | None = None, max_length: int | None = None, max_gen_toks: int = 256,
-                        on_progress: Callable[[int, int], None] | None = None,
-                        add_bos_token: bool | None = None) -> "ExitbenchLM":
-        """An adapter over an already loaded checkpoint (a sweep loads the model once for all its cells)."""
-        self = cls.__new__(cls)
-        LM.__init__(self)
-        self._init_distributed()
-        self._device = ck.model.device
+        if loaded:
+            ck = checkpoint
+            self._device = ck.model.device
+        else:
+            self._device = torch.device(resolve_device(device))
+            ck = open_checkpoint(checkpoint, dtype=dtype, device=str(self._device), allow_nonfinite=allow_nonfinite)
         self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
         self.on_progress = on_progress
-        return self
+
+    @classmethod
+    def from_checkpoint(cls, ck: Checkpoint, exit_config: ExitConfig, **kwargs: Any) -> "ExitbenchLM":
+        """`ExitbenchLM(ck, exit_config=…)`: an adapter over an already loaded checkpoint."""
+        return cls(ck, exit_config=exit_config, **kwargs)
 
     def _setup(self, ck: Checkpoint, exit_config: ExitConfig, batch_size, max_batch_size, max_length,
                max_gen_toks, add_bos_token) -> None:
@@ -112,7 +118,6 @@ class ExitbenchLM(LM):
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
-        self.on_progress = None
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:

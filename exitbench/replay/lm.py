@@ -50,8 +50,8 @@ class RecordingLM(ExitbenchLM):
     @classmethod
     def over(cls, ck: Checkpoint, recorder: Recorder, batch_size: int, add_bos_token: bool | None,
              seed: int, on_progress: Callable[[int, int], None] | None = None) -> "RecordingLM":
-        self = cls.from_checkpoint(ck, ExitConfig("fixed", threshold=recorder.K, seed=seed), batch_size=batch_size,
-                                   add_bos_token=add_bos_token, on_progress=on_progress)
+        self = cls(ck, exit_config=ExitConfig("fixed", threshold=recorder.K, seed=seed), batch_size=batch_size,
+                   add_bos_token=add_bos_token, on_progress=on_progress)
         self.recorder = recorder
         self.store: dict[tuple, Entry] = {}
         self.sample: list[tuple[list[int], int]] = []  # scoring requests the cost model times
