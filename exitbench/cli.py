@@ -275,7 +275,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .models.checkpoint import open_checkpoint
     from .models.embedded import resolve
     from .runtime.devices import resolve_device
-    from .runtime.distributed import init_distributed
+    from .runtime.distributed import finish_distributed, init_distributed
     from .runtime.files import writable_dir
     from .runtime.progress import SweepProgress
     from .studies.fit_exit import check_fitted_for
@@ -326,6 +326,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if replay and report is not None:
         from .analysis.tables import replay_table
         console.print(replay_table(report["rows"], title=f"replay vs exact ({out / 'verify'})"))
+    finish_distributed()
 
 
 @app.command()

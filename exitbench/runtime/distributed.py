@@ -14,3 +14,12 @@ def init_distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def finish_distributed() -> None:
+    """Leave the process group together. A rank that exits while another still holds its connections can
+    abort the other ("terminate called without an active exception" under gloo), so every rank waits for
+    the last one, then the group is taken down before the interpreter exits."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
