@@ -14,7 +14,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.sweep import SweepConfig, plan, run_sweep
 from exitbench.harness.task_set import resolve_tasks
 
-from helpers.cells import load_cells
+from helpers.cells import held_by_another_sweep, load_cells
 from helpers.cli import assert_one_line_error, explain, subprocess_env
 from helpers.paths import REPO
 
@@ -306,24 +305,8 @@ def test_a_cell_claimed_through_another_file_is_collected_once_written(tmp_path,
     out.mkdir()
     sweep = plan(ck, tasks, cfg, out, "cpu")
     fixed_key = next(key for _, c, key in sweep.cells if c.policy == "fixed")
-    theirs = {**made["fixed"], "cell_id": cells.cell_id(fixed_key), "key": fixed_key,
-              "run": {**made["fixed"]["run"], "run_id": "the-other-sweep"}}
-    held = results.Claim(out, cells.cell_id(fixed_key))
-    assert held.acquire()
-
-    def the_holder_finishes():
-        staged = tmp_path / "theirs.json"
-        staged.write_text(json.dumps(theirs))
-        staged.replace(out / cells.filename(theirs))
-        held.release()
-
-    timer = threading.Timer(0.5, the_holder_finishes)
-    timer.start()
-    try:
+    with held_by_another_sweep(out, fixed_key, made["fixed"], tmp_path / "theirs.json", 0.5):
         done = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.05)}
-    finally:
-        timer.join()
-        held.release()
     assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not computed twice
     assert done["second_order"]["run"]["run_id"] == sweep.run_id
     assert not list(out.glob(".*.lock"))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from exitbench.replay import ReplaySweep
 from exitbench.sweep import SweepConfig, plan
 from exitbench.harness.task_set import resolve_tasks
 
+from helpers.cells import held_by_another_sweep
 from helpers.cli import assert_one_line_error, explain, subprocess_env
 from helpers.paths import REPO
 
@@ -95,24 +95,8 @@ def test_a_cell_a_live_sweep_holds_is_collected_not_replayed(tmp_path, replay_sw
     out.mkdir()
     sweep = plan(ck, tasks, cfg, out, "cpu")
     fixed_key = next(key for _, c, key in sweep.cells if c.policy == "fixed")
-    theirs = {**reference["fixed"], "cell_id": cells.cell_id(fixed_key), "key": fixed_key,
-              "run": {**reference["fixed"]["run"], "run_id": "the-other-sweep"}}
-    held = results.Claim(out, cells.cell_id(fixed_key))
-    assert held.acquire()
-
-    def the_holder_finishes():
-        staged = tmp_path / "theirs.json"
-        staged.write_text(json.dumps(theirs))
-        staged.replace(out / cells.filename(theirs))
-        held.release()
-
-    timer = threading.Timer(0.3, the_holder_finishes)
-    timer.start()
-    try:
+    with held_by_another_sweep(out, fixed_key, reference["fixed"], tmp_path / "theirs.json", 0.3):
         done = {c["policy"]["policy"]: c for c in ReplaySweep(ck, tasks, cfg, sweep).run(out)}
-    finally:
-        timer.join()
-        held.release()
     assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not replayed a second time
     assert done["second_order"]["run"]["run_id"] == sweep.run_id
     assert counted_writes[sweep.run_id] == [done["second_order"]["cell_id"]]

@@ -2,13 +2,15 @@
 exitbench/cells.py, and hand-made ones with known answers for the readers (pareto, check)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
-from exitbench.store import cells
+from exitbench.store import cells, disk
 from exitbench.engine import ExitConfig
 
 from helpers.paths import REPO
@@ -212,3 +214,26 @@ def write_samples(cell_path: Path, docs: dict[int, tuple[float, list[int]]]) -> 
     path = cell_path.with_suffix(".samples.jsonl")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def held_by_another_sweep(out: Path, key: dict[str, Any], made: dict[str, Any], staging: Path, after_s: float):
+    """The cell of `key` claimed here as another sweep would claim it; `after_s` seconds in, that sweep writes
+    it (`made` under this key, run_id "the-other-sweep", atomically) and lets go. An flock belongs to the open
+    file, so the claim refuses the sweep's own as another process's would."""
+    theirs = {**made, "cell_id": cells.cell_id(key), "key": key, "run": {**made["run"], "run_id": "the-other-sweep"}}
+    held = disk.Claim(out, cells.cell_id(key))
+    assert held.acquire()
+
+    def the_holder_finishes():
+        staging.write_text(json.dumps(theirs))
+        staging.replace(out / cells.filename(theirs))
+        held.release()
+
+    timer = threading.Timer(after_s, the_holder_finishes)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.join()
+        held.release()
