@@ -14,7 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .engine.config import ExitConfig
 from .errors import ExitbenchError
+from .runtime.validation import at_least
 
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -45,8 +47,6 @@ def _root() -> None:
 def exit_knobs(*names: str, **defaults):
     """Give a command the exit knobs `names` as options, made from ExitConfig's fields (their one definition);
     the command receives them as one dict, `knobs`. `defaults` overrides a knob's default for this command."""
-    from .engine.config import ExitConfig
-
     specs = {name: (kind, default, meta) for name, kind, default, meta in ExitConfig.knobs()}
 
     def wrap(fn):
@@ -66,6 +66,11 @@ def exit_knobs(*names: str, **defaults):
         command.__signature__ = signature.replace(parameters=kept + options)
         return command
     return wrap
+
+
+# A sweep varies the policy and threshold itself; the other knobs apply to each of its cells that takes them.
+KNOBS_ON_COMMAND_LINE = ExitConfig.names(command_line=True)
+KNOBS_SHARED_BY_A_SWEEP = ExitConfig.names(command_line=True, swept=False)
 
 
 def one_line_errors(fn):
@@ -99,13 +104,11 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
                                                  "[each group's default depth]."), knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
-    from .engine.config import ExitConfig
     from .models.checkpoint import check_dtype_name, inspect_checkpoint, open_checkpoint, parse_dtype
     from .models.embedded import resolve
     from .models.info import describe
 
-    if programs < 1:
-        raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+    at_least("--programs", programs)
     kv_window = ExitConfig(**knobs).kv_window  # validated and normalised (0: none) as a run validates it
     layout = inspect_checkpoint(resolve(checkpoint))  # headers only
     report = describe(layout, check_dtype_name(dtype))
@@ -192,8 +195,7 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
 
 @app.command()
 @one_line_errors
-@exit_knobs("policy", "threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "prefill",
-            "warm_start", "kv_window", policy="second_order")
+@exit_knobs(*KNOBS_ON_COMMAND_LINE, policy="second_order")
 def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, the prompt to continue."),
           checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
@@ -207,7 +209,6 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from .analysis import exitmap
     from .analysis.tables import trace_table
-    from .engine.config import ExitConfig
     from .models.checkpoint import open_checkpoint
     from .runtime.files import writable_file
     from .studies.fit_exit import check_fitted_for
@@ -221,7 +222,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
         if path is not None:
             writable_file(path, flag)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    check_fitted_for(ck, cfg.exit_model)
+    check_fitted_for(ck, cfg.fitted_exit_model)
     if compile_step:
         ck.model.compile_loops()
     reports = [trace_prompt(ck, prompt, c, generate) for c in configs]
@@ -236,7 +237,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
 
 @app.command()
 @one_line_errors
-@exit_knobs("min_steps", "max_steps", "patience", "relative", "exit_model", "prefill", "warm_start", "kv_window")
+@exit_knobs(*KNOBS_SHARED_BY_A_SWEEP)
 def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
         policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
                                          help="Exit policy (repeatable), or 'all'."),
@@ -288,10 +289,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       add_bos_token=add_bos_token, replay=replay)
     if (verify or verify_cells) and not replay:
         raise ExitbenchError("--verify checks a replay sweep against exact runs; add --replay")
-    if batch_size < 1:
-        raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
-    if num_fewshot is not None and num_fewshot < 0:
-        raise ExitbenchError(f"--num-fewshot must be ≥ 0, got {num_fewshot}")
+    at_least("--batch-size", batch_size)
+    if num_fewshot is not None:
+        at_least("--num-fewshot", num_fewshot, 0)
     device = resolve_device(device)
     rank0 = init_distributed()[0] == 0
     out = out or Path("results") / resolve(checkpoint).name
@@ -299,10 +299,10 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
-    check_fitted_for(ck, knobs.get("exit_model"))
+    configs = grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the fingerprint
+    check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     if compile_step:
         ck.model.compile_loops()
-    grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the model fingerprint is taken
     if replay:
         from .replay.sweep import check_replayable
         check_replayable(cfg)  # before planning, which may build the tasks to count their documents
@@ -426,8 +426,7 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
 
     if checkpoint and checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
-    if programs < 1:
-        raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
+    at_least("--programs", programs)
     writable_dir(out, "--out")
     cks = [open_checkpoint(c, dtype, allow_nonfinite=allow_nonfinite)
            for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
@@ -522,7 +521,6 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
                                                  "<checkpoint>-<policy>.json]."), knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from .analysis.tables import calibration_table
-    from .engine.config import ExitConfig
     from .harness.documents import token_lists
     from .models.checkpoint import open_checkpoint
     from .policies import REGISTRY
@@ -538,7 +536,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     check_calibratable(policy)
     grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    check_fitted_for(ck, config.exit_model)
+    check_fitted_for(ck, config.fitted_exit_model)
     path = writable_report(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
         docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
@@ -583,8 +581,7 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
 
     if limit < 2:
         raise ExitbenchError(f"--limit must be ≥ 2 (one document to fit on, one to check), got {limit}")
-    if batch_size < 1:
-        raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch_size}")
+    at_least("--batch-size", batch_size)
     if seed < 0:
         # numpy's generators take no negative seed; refused here rather than after the recording pass
         raise ExitbenchError(f"--seed must be a whole number ≥ 0, got {seed}")

@@ -107,8 +107,7 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
     unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
     if unknown:
         raise ExitbenchError(f"unknown exit knob {unknown[0]!r} for a sweep")
-    runs = {k: shared[k] for k in ("prefill", "warm_start", "kv_window") if k in shared}
-    configs = [ExitConfig("fixed", threshold=r, seed=cfg.seed, **runs)
+    configs = [ExitConfig.fixed_depth(r, {**shared, "seed": cfg.seed})
                for r in (cfg.baselines or default_baselines(default_steps))]
     names = expand_policies(cfg.policies)
     if "all" in cfg.policies and not shared.get("exit_model"):
@@ -123,15 +122,13 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
             thresholds = [cls.default_threshold]
         else:
             thresholds = cfg.thresholds or list(cls.default_grid)
-        knobs = {**shared, "relative": bool(shared.get("relative")) and cls.uses_relative,
-                 "exit_model": shared.get("exit_model") if cls.needs_exit_model else None}
         for tau in thresholds:
             if cls.integer_threshold and float(tau) != int(tau):
                 raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
                                      "whole numbers; sweep it in a run of its own")
             if cls.integer_threshold:
                 tau = int(tau)
-            configs.append(ExitConfig(name, threshold=tau, seed=cfg.seed, **knobs))
+            configs.append(ExitConfig.for_policy(name, tau, {**shared, "seed": cfg.seed}))
     unique = {tuple(sorted(c.to_dict().items())): c for c in configs}
     return list(unique.values())
 
@@ -150,8 +147,7 @@ def check_depths(configs: list[ExitConfig], groups: list[Any]) -> None:
     sweep is planned: the engine would refuse the same config only when its cell came up, after the cells
     before it had been computed."""
     for config in configs:
-        for g in groups:
-            policy = config.build_policy().bind(g.default_steps)  # min_steps > max_steps fails here too
+        for g, policy in zip(groups, config.bound_policies(groups)):  # min_steps > max_steps fails here too
             if policy.max_steps <= g.max_steps:
                 continue
             what = (f"--baselines {policy.max_steps}: a fixed depth of {policy.max_steps}" if config.policy == "fixed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,41 +21,56 @@ from ..errors import ExitbenchError
 from ..policies import POLICY_KNOBS, REGISTRY, ExitPolicy, check_policy_name
 from ..runtime.validation import parse
 
+ROLES = ("policy", "engine", "run")
 
-def knob(help: str, *, flags: tuple[str, ...] = (), swept: bool = False, command_line: bool = True
-         ) -> dict[str, Any]:
-    """Field metadata. `swept`: a sweep varies it itself (policy, threshold), so it is not one of the knobs
-    shared by a sweep's cells; `command_line`: the commands offer it as an option."""
-    return {"help": help, "flags": flags, "swept": swept, "command_line": command_line}
+
+def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...] = (), swept: bool = False,
+         command_line: bool = True) -> dict[str, Any]:
+    """Field metadata, the one statement of what each knob is for.
+
+    `role`: who reads it: the exit policy ("policy": its rule and step limits), the engine ("engine": how tokens
+    run: prompt depth, warm start, KV window; a fixed-depth baseline keeps these), or whoever runs the config
+    ("run": seed, recording). `when_set`: the knob came after results were first written, so a config (and a
+    cell's key) holds it only when it is set, and configs without it read as they did before it existed.
+    `swept`: a sweep varies it itself (policy, threshold), so it is not one of the knobs shared by a sweep's
+    cells; `command_line`: the commands offer it as an option."""
+    assert role in ROLES, role
+    return {"help": help, "role": role, "when_set": when_set, "flags": flags, "swept": swept,
+            "command_line": command_line}
 
 
 @dataclass
 class ExitConfig:
     """Everything that decides how tokens exit: the policy and its knobs, and how the engine runs them."""
 
-    policy: str = field(default="fixed", metadata=knob("Exit policy (`exitbench policies` lists them).",
-                                                        flags=("--policy", "-p"), swept=True))
-    threshold: float | None = field(default=None, metadata=knob("Threshold τ (default: the policy's own).",
-                                                                 swept=True))
-    min_steps: int = field(default=1, metadata=knob("No exit before this iteration."))
-    max_steps: int | None = field(default=None, metadata=knob("Cap on iterations (default: each loop group's "
-                                                              "default depth)."))
-    patience: int | None = field(default=None, metadata=knob("Consecutive hits needed to exit (default: the "
-                                                             "policy's own)."))
-    relative: bool = field(default=False, metadata=knob("Latent rules: divide step norms by ‖s_k‖."))
-    exit_model: str | None = field(default=None, metadata=knob("The learned policy's exit model (the JSON file "
-                                                               "`exitbench fit-exit` wrote)."))
-    prefill: str = field(default="full", metadata=knob("Prompt tokens run at full depth ('full') or with exits "
-                                                       "like the rest ('exit')."))
-    warm_start: bool = field(default=False, metadata=knob("Start each token from the previous token's final "
-                                                          "state."))
-    kv_window: int | None = field(default=None, metadata=knob("Keep each loop layer's KV entries of the last C "
-                                                              "iterations only, a rolling buffer (Huginn's "
-                                                              "compress-s, C × core layers; 1 is its vLLM "
-                                                              "plugin); 0 or unset: one slot per iteration."))
-    record_signals: bool = field(default=False, metadata=knob("Keep every token's signal at every iteration.",
-                                                              command_line=False))
-    seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", command_line=False))
+    # The policy's rule and its step limits.
+    policy: str = field(default="fixed", metadata=knob(
+        "Exit policy (`exitbench policies` lists them).", role="policy", flags=("--policy", "-p"), swept=True))
+    threshold: float | None = field(default=None, metadata=knob(
+        "Threshold τ (default: the policy's own).", role="policy", swept=True))
+    min_steps: int = field(default=1, metadata=knob("No exit before this iteration.", role="policy"))
+    max_steps: int | None = field(default=None, metadata=knob(
+        "Cap on iterations (default: each loop group's default depth).", role="policy"))
+    patience: int | None = field(default=None, metadata=knob(
+        "Consecutive hits needed to exit (default: the policy's own).", role="policy"))
+    relative: bool = field(default=False, metadata=knob(
+        "Latent rules: divide step norms by ‖s_k‖.", role="policy"))
+    exit_model: str | None = field(default=None, metadata=knob(
+        "The learned policy's exit model (the JSON file `exitbench fit-exit` wrote).", role="policy",
+        when_set=True))
+    # How the engine runs tokens.
+    prefill: str = field(default="full", metadata=knob(
+        "Prompt tokens run at full depth ('full') or with exits like the rest ('exit').", role="engine"))
+    warm_start: bool = field(default=False, metadata=knob(
+        "Start each token from the previous token's final state.", role="engine"))
+    kv_window: int | None = field(default=None, metadata=knob(
+        "Keep each loop layer's KV entries of the last C iterations only, a rolling buffer (Huginn's compress-s, "
+        "C × core layers; 1 is its vLLM plugin); 0 or unset: one slot per iteration.", role="engine",
+        when_set=True))
+    # Set by whoever runs the config.
+    record_signals: bool = field(default=False, metadata=knob(
+        "Keep every token's signal at every iteration.", role="run", command_line=False))
+    seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", role="run", command_line=False))
 
     def __post_init__(self):
         if self.prefill not in ("full", "exit"):
@@ -66,32 +82,57 @@ class ExitConfig:
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
         parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
         # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:
-        # every policy this config builds, and its cells' keys, use those same bytes.
-        self._exit_model = None
+        # every policy this config builds, its cells' keys and the check that it fits the checkpoint use
+        # those same bytes (`fitted_exit_model`, an ExitModel, None for every other rule).
+        self.fitted_exit_model = None
         policy = self.build_policy()
-        self._exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
+        self.fitted_exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
 
     def build_policy(self) -> ExitPolicy:
         check_policy_name(self.policy)
-        knobs = {name: getattr(self, name) for name in POLICY_KNOBS}
-        if self._exit_model is not None:
-            knobs["exit_model"] = self._exit_model
+        knobs = {name: getattr(self, name) for name in _POLICY_ROLE if name != "policy"}
+        if self.fitted_exit_model is not None:
+            knobs["exit_model"] = self.fitted_exit_model
         return REGISTRY[self.policy](**knobs)
 
+    def bound_policies(self, groups: Sequence[Any]) -> list[ExitPolicy]:
+        """One policy per loop group, its open max_steps fixed from the group's default depth."""
+        return [self.build_policy().bind(g.default_steps) for g in groups]
+
+    def changed(self, role: str) -> list[str]:
+        """The knobs of `role` set away from their defaults."""
+        return [f.name for f in fields(self) if f.metadata["role"] == role and getattr(self, f.name) != f.default]
+
+    @classmethod
+    def for_policy(cls, name: str, threshold: float | None, knobs: dict[str, Any]) -> "ExitConfig":
+        """A config of policy `name` from knobs shared by several rules (a sweep's, a config compared with
+        another rule): those the rule takes none of drop out (`relative` where it reads no step norm, the exit
+        model where it is not the learned rule), instead of each caller knowing which rule takes what."""
+        check_policy_name(name)
+        cls_ = REGISTRY[name]
+        kept = {k: v for k, v in knobs.items() if k not in ("policy", "threshold") and cls_.takes(k)}
+        return cls(name, threshold=threshold, **kept)
+
+    @classmethod
+    def fixed_depth(cls, depth: int | None, knobs: dict[str, Any]) -> "ExitConfig":
+        """Full depth r (None: each group's default) run the way `knobs` run tokens: the engine and run knobs
+        stay, the policy's go, so a baseline differs from the policies it is compared with only in the rule."""
+        kept = {k: v for k, v in knobs.items() if k in cls.names(role="engine") + cls.names(role="run")}
+        return cls("fixed", threshold=depth, **kept)
+
     def to_dict(self) -> dict[str, Any]:
-        """Every knob; those added after results were first written (the exit model, the KV window) only when
-        set, so configs (and cell keys) without them read as they did before they existed."""
+        """Every knob; a `when_set` knob only when set."""
         out = asdict(self)
-        for knob in ("exit_model", "kv_window"):
-            if out[knob] is None:
-                del out[knob]
+        for f in fields(self):
+            if f.metadata["when_set"] and out[f.name] is None:
+                del out[f.name]
         return out
 
     def key_dict(self) -> dict[str, Any]:
         """to_dict() as a cell's key holds it: an exit model by its content, not by where the file lies."""
         out = self.to_dict()
-        if self._exit_model is not None:
-            out["exit_model"] = "sha256:" + self._exit_model.digest
+        if self.fitted_exit_model is not None:
+            out["exit_model"] = "sha256:" + self.fitted_exit_model.digest
         return out
 
     @classmethod
@@ -118,14 +159,26 @@ class ExitConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def knobs(cls, *, swept: bool | None = None, command_line: bool | None = None) -> list[tuple[str, Any, Any, dict]]:
+    def knobs(cls, *, role: str | None = None, swept: bool | None = None, command_line: bool | None = None
+              ) -> list[tuple[str, Any, Any, dict]]:
         """(name, type, default, metadata) of each knob, filtered by its metadata."""
         hints = typing.get_type_hints(cls)
         return [(f.name, hints[f.name], f.default, dict(f.metadata)) for f in fields(cls)
-                if (swept is None or f.metadata["swept"] == swept)
+                if (role is None or f.metadata["role"] == role)
+                and (swept is None or f.metadata["swept"] == swept)
                 and (command_line is None or f.metadata["command_line"] == command_line)]
 
+    @classmethod
+    def names(cls, **selected: Any) -> list[str]:
+        """The names of the knobs `knobs(**selected)` gives."""
+        return [name for name, *_ in cls.knobs(**selected)]
 
+
+# The policies take their knobs by keyword (POLICY_KNOBS, their constructor's contract); the fields of the policy
+# role are the same list, checked here so the two cannot drift apart.
+_POLICY_ROLE = ExitConfig.names(role="policy")
+if set(_POLICY_ROLE) - {"policy"} != set(POLICY_KNOBS):
+    raise AssertionError(f"ExitConfig's policy knobs {_POLICY_ROLE} and the policies' {POLICY_KNOBS} differ")
 
 
 @functools.cache

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import ExitbenchError
 from ..models import AttnContext, LoopedLM
+from ..runtime.validation import at_least
 from .config import ExitConfig
 from .flops import FlopModel
 from .loop import Leaving, Token, TokenLoop
@@ -61,7 +62,7 @@ class ExitEngine:
         self.groups = model.loop_groups()
         if not self.groups:
             raise ExitbenchError(f"{model.architecture} model has no loop group: nothing to exit from")
-        self.policies = [self.config.build_policy().bind(g.default_steps) for g in self.groups]
+        self.policies = self.config.bound_policies(self.groups)
         for g, p in zip(self.groups, self.policies):
             if p.max_steps > g.max_steps:
                 raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "
@@ -155,8 +156,8 @@ class ExitEngine:
              batch_size: int | None, on_request: Callable[[int], None] | None) -> None:
         if not reqs:
             return
-        if batch_size is not None and batch_size < 1:
-            raise ExitbenchError(f"batch_size must be ≥ 1, got {batch_size}")
+        if batch_size is not None:
+            at_least("batch_size", batch_size)
         wall = time.perf_counter()
         run = Run(self, reqs, consume, results, teacher_forced, min(batch_size or len(reqs), len(reqs)), on_request)
         run.go()

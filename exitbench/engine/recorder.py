@@ -22,13 +22,15 @@ What the recording sees, and so what replay is exact for:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from ..errors import ExitbenchError
 from ..models import AttnContext, LoopedLM
 from ..policies import ExitPolicy
+from .config import ExitConfig
 from .noise import PositionNoise
 
 
@@ -54,6 +56,18 @@ class Trajectories:
     finite: np.ndarray                     # (n, K) states and readout finite, last group
     fixed_picked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # r → [member] (n,)
     fixed_top: dict[int, np.ndarray] = field(default_factory=dict)           # r → (n,)
+
+
+def check_recordable(knobs: dict[str, Any], command: str) -> None:
+    """A recording runs tokens the default way (prompt at full depth, each token from its own initial state, one
+    KV slot per iteration): refuse a replay of any engine knob set otherwise, naming it."""
+    engine = {k: v for k, v in knobs.items() if k in ExitConfig.names(role="engine")}
+    changed = ExitConfig(**engine).changed("engine")
+    if changed:
+        flag = "--" + changed[0].replace("_", "-") + (f" {knobs[changed[0]]}" if changed[0] == "prefill" else "")
+        raise ExitbenchError(f"{command}: --replay records prompts at full depth, every token from its own initial "
+                             f"state and one KV slot per iteration; it cannot replay {flag} (run those cells "
+                             "without --replay)")
 
 
 def variant_key(policy: ExitPolicy) -> str:

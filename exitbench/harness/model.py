@@ -34,7 +34,7 @@ from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
 from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
-from ..runtime.validation import parse
+from ..runtime.validation import at_least, parse
 from ..store import cells
 
 NO_CHAT_TEMPLATE = ("--apply_chat_template: the exitbench model has no chat template yet; run without it (prompts "
@@ -135,8 +135,7 @@ class ExitbenchLM(LM):
             value = int(batch_size)
         except (TypeError, ValueError):
             raise ExitbenchError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}") from None
-        if value < 1:
-            raise ExitbenchError(f"batch_size must be ≥ 1, got {value}")
+        at_least("batch_size", value)
         return min(value, max_batch_size) if max_batch_size else value
 
     # ---- data parallel -------------------------------------------------------------------------------

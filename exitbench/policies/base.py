@@ -89,15 +89,21 @@ class ExitPolicy:
             raise ExitbenchError(f"{self.name}: min_steps={self.min_steps} is greater than max_steps={self.max_steps}")
         if not isinstance(self.patience, int) or self.patience < 1:
             raise ExitbenchError(f"{self.name}: patience must be an integer ≥ 1, got {self.patience!r}")
-        if self.relative and not self.uses_relative:
+        if self.relative and not self.takes("relative"):
             raise ExitbenchError(f"{self.name}: relative=True has no meaning for this policy; "
-                                 f"it applies to {', '.join(n for n, c in REGISTRY.items() if c.uses_relative)}")
+                                 f"it applies to {', '.join(n for n, c in REGISTRY.items() if c.takes('relative'))}")
         if self.needs_exit_model and not self.exit_model:
             raise ExitbenchError(f"{self.name}: needs --exit-model FILE, the exit model `exitbench fit-exit` "
                                  "writes for this checkpoint")
-        if self.exit_model and not self.needs_exit_model:
+        if self.exit_model and not self.takes("exit_model"):
             raise ExitbenchError(f"{self.name}: --exit-model has no meaning for this policy; it applies to "
-                                 f"{', '.join(n for n, c in REGISTRY.items() if c.needs_exit_model)}")
+                                 f"{', '.join(n for n, c in REGISTRY.items() if c.takes('exit_model'))}")
+
+    @classmethod
+    def takes(cls, knob: str) -> bool:
+        """Whether this rule has a use for `knob`: every rule takes its threshold, step limits and patience;
+        `relative` only a rule that reads step norms, the exit model only the learned rule."""
+        return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model}.get(knob, True)
 
     def bind(self, max_steps: int) -> "ExitPolicy":
         """Fix max_steps from the loop group when the config left it open."""

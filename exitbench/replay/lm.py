@@ -122,7 +122,7 @@ class ReplayLM(LM):
         super().__init__()
         self.recording, self.config, self.costs, self.tokens = recording, config, costs, tokens
         model = recording.ck.model
-        self.policies = [config.build_policy().bind(g.default_steps) for g in model.loop_groups()]
+        self.policies = config.bound_policies(model.loop_groups())
         self.K = recording.recorder.K
         self.flops = FlopModel(model, [min(g.default_steps, p.max_steps)
                                        for g, p in zip(model.loop_groups(), self.policies)])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..engine import ExitConfig
-from ..engine.recorder import Recorder
+from ..engine.recorder import Recorder, check_recordable
 from ..errors import ExitbenchError
 from ..harness.quiet import lm_eval_output
 from ..harness.task_set import TaskSet
@@ -68,12 +68,7 @@ def check_replayable(cfg: SweepConfig) -> None:
     if cfg.shard != (0, 1) or init_distributed()[1] > 1:
         raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
                              "torchrun, or run without --replay")
-    if cfg.exit.get("prefill", "full") != "full" or cfg.exit.get("warm_start"):
-        raise ExitbenchError("--replay records prompts at full depth and every token from its own initial state; "
-                             "it cannot replay --prefill exit or --warm-start (run those cells without --replay)")
-    if cfg.exit.get("kv_window"):
-        raise ExitbenchError("--replay records every position with one KV slot per iteration; it cannot replay "
-                             "--kv-window (run those cells without --replay)")
+    check_recordable(cfg.exit, "run")
 
 
 def _load_tasks(tasks: TaskSet, indices: list[int], cfg: SweepConfig) -> dict:
@@ -129,7 +124,7 @@ class ReplaySweep:
         self.configs: dict[str, ExitConfig] = {}
         for _, c, _ in sweep.cells:
             self.configs.setdefault(cells.cell_id(c.to_dict()), c)
-        self.policies = {cid: [c.build_policy().bind(g.default_steps) for g in groups]
+        self.policies = {cid: c.bound_policies(groups)
                          for cid, c in self.configs.items()}
         self.depth = max(p.max_steps for ps in self.policies.values() for p in ps)
         self.indices = sorted({t for t, _, _ in sweep.cells})

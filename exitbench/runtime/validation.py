@@ -43,3 +43,10 @@ def describe(exc: ValidationError) -> str:
     if len(shown) > _SHOWN_CHARS:
         shown = shown[:_SHOWN_CHARS] + "…"
     return f"{where}: {message[0].lower() + message[1:]}, got {shown}"
+
+
+def at_least(what: str, value: int, low: int = 1) -> int:
+    """`value` when it is ≥ `low`, else the one-line error every command gives for it (a batch size, a count)."""
+    if value < low:
+        raise ExitbenchError(f"{what} must be ≥ {low}, got {value}")
+    return value

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..engine import ExitConfig, ExitEngine
+from ..engine.recorder import check_recordable
 from ..errors import ExitbenchError
 from ..policies import REGISTRY
 from ..runtime.files import atomic_write
 from ..runtime.provenance import run_metadata
+from ..runtime.validation import at_least
 
 SCHEMA, SCHEMA_VERSION = "exitbench.calibration", 1
 UNCALIBRATABLE = {"fixed": "it has no threshold to choose", "oracle": "it is a bound that needs the answer"}
@@ -112,7 +114,7 @@ def replayed_predictions(model, docs: Sequence[list[int]], configs: Sequence[Exi
     from ..replay.exits import trajectory_exits
 
     groups = model.loop_groups()
-    policies = [[c.build_policy().bind(g.default_steps) for g in groups] for c in configs]
+    policies = [c.bound_policies(groups) for c in configs]
     depth = max([reference_steps] + [p.max_steps for ps in policies for p in ps])
     recorder = Recorder(model, depth, [ps[0] for ps in policies], [reference_steps], seed,
                         [min(g.default_steps, depth) for g in groups], oracle=False)
@@ -170,22 +172,17 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
             raise ExitbenchError(f"calibrate: --{name} must lie strictly between 0 and 1, got {value!r}")
     if not 0 <= test_fraction < 1:
         raise ExitbenchError(f"calibrate: --test-fraction must be in [0, 1), got {test_fraction!r}")
-    if batch_size < 1:
-        raise ExitbenchError(f"calibrate: --batch-size must be ≥ 1, got {batch_size}")
+    at_least("calibrate: --batch-size", batch_size)
     if not thresholds:
         raise ExitbenchError(f"calibrate: policy {config.policy!r} has no threshold grid; pass --thresholds")
-    if replay and config.kv_window:
-        raise ExitbenchError("calibrate: --replay records one KV slot per iteration and cannot replay --kv-window; "
-                             "calibrate under a window without --replay")
+    if replay:
+        check_recordable(config.to_dict(), "calibrate")
     engines = {tau: ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "threshold": tau}))
                for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
     cal, test = split([list(d) for d in docs], test_fraction, seed)
     if not cal:
         raise ExitbenchError("calibrate: no calibration documents left after the held-out split")
-    reference = ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "policy": "fixed",
-                                                        "threshold": config.max_steps, "patience": None,
-                                                        "relative": False, "min_steps": 1,
-                                                        "exit_model": None}))
+    reference = ExitEngine(model, ExitConfig.fixed_depth(config.max_steps, config.to_dict()))
     batches = -(-len(cal) // batch_size)
     total, done = batches * (len(engines) + 1), 0
 

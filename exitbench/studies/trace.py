@@ -7,7 +7,6 @@ from typing import Any
 from ..engine import ExitConfig, ExitEngine
 from ..errors import ExitbenchError
 from ..models import Checkpoint
-from ..policies import REGISTRY
 
 
 def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int = 0) -> dict[str, Any]:
@@ -49,8 +48,5 @@ def parse_vs(specs: list[str], base: ExitConfig) -> list[ExitConfig]:
             threshold = float(tau) if tau else None
         except ValueError:
             raise ExitbenchError(f"--vs takes POLICY or POLICY:THRESHOLD, got {spec!r}") from None
-        name = name.strip()
-        # The exit model belongs to the learned rule: a compared rule that takes none leaves it behind.
-        exit_model = base.exit_model if name in REGISTRY and REGISTRY[name].needs_exit_model else None
-        out.append(replace(base, policy=name, threshold=threshold, exit_model=exit_model))
+        out.append(ExitConfig.for_policy(name.strip(), threshold, base.to_dict()))
     return out
