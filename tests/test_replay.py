@@ -22,7 +22,6 @@ from exitbench.analysis import pareto
 from exitbench.models.checkpoint import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.policies import REGISTRY
-from exitbench.replay.exits import first_exits
 from exitbench.engine.recorder import Recorder, Sequence_, variant_key
 
 from helpers.cells import load_cells
@@ -47,7 +46,7 @@ def test_first_exits_equal_the_policy_rule(name, knobs):
     values[rng.random(values.shape) < 0.05] = np.nan  # NaN never hits
     values[:, :policy.defined_from - 1] = policy.never
     want = [policy.first_exit(list(row)) for row in values]
-    assert first_exits(policy, values).tolist() == want
+    assert policy.first_exits(values).tolist() == want
 
 
 def _one_token_requests(ck, n: int = 6) -> list[tuple[list[int], int]]:
@@ -82,7 +81,7 @@ def test_recording_equals_the_engine_on_one_token_continuations(tiny64, name, ta
             steps = policy.exit_steps(torch.from_numpy(traj.top[0]), torch.from_numpy(traj.picked[0][0]),
                                       torch.ones(1, dtype=torch.bool)).numpy()
         else:
-            steps = first_exits(policy, traj.signals[0][variant_key(policy)])
+            steps = policy.first_exits(traj.signals[0][variant_key(policy)])
         assert steps.tolist() == [r.exit_steps[0] for r in res.records]
         # The recording reports float32 log-probabilities, as the engine's lm-eval answers are made.
         np.testing.assert_allclose(traj.quality[0][np.arange(len(steps)), steps - 1], res.logprobs, rtol=1e-6)

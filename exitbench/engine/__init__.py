@@ -2,6 +2,7 @@
 
 engine.py   ExitEngine: score / generate, the prefill, rows that advance on their own
 loop.py     TokenLoop: one loop group's tokens in flight, their probe and where they leave
+hindsight.py  a retrospective rule's (the oracle's) record of each token's trajectory, and its settling
 timing.py   phase times shared by the tokens that took part; noise.py: initial states by position
 records.py  what a run returns per sequence and per token
 config.py   ExitConfig: the exit knobs, defined once

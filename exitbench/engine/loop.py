@@ -16,6 +16,7 @@ import torch
 
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
+from .hindsight import Hindsight
 from .timing import PhaseClock
 
 
@@ -53,10 +54,8 @@ class TokenLoop:
         self.batch = batch
         self.K = policy.max_steps
         self.window = window
-        # The oracle runs every token to K and settles on an earlier exit afterwards; under a KV window of
-        # fewer than K iterations the iterations past the exit have overwritten its entries by then, so it
-        # keeps each iteration's entries to put the exit's back.
-        self.keeps_entries = policy.retrospective and bool(window) and window < self.K and bool(group.attn_layers)
+        # A retrospective rule (the oracle) decides after the whole trajectory: its record of it, apart.
+        self.hindsight = Hindsight(model, group, policy, window) if policy.retrospective else None
         self.vocab = model.output_size
         self.decodes = policy.needs_logits
         # Per place in the table: its token (None: free), iterations so far, hit streak, signals, first step.
@@ -68,7 +67,7 @@ class TokenLoop:
         self.count = 0  # tokens in flight (places not free)
         self.s = self.x = None  # states and group inputs (n, 1, d)
         self.memory: dict[str, torch.Tensor] = {}
-        self.oracle: dict[str, torch.Tensor] = {}  # the retrospective policy's record of every iteration
+        self.record_of: dict[str, torch.Tensor] = {}  # per place: the hindsight's record of every iteration
         self._where: tuple[int | None, AttnContext | None] | None = None  # lockstep position, token context
 
     def __len__(self) -> int:
@@ -78,13 +77,13 @@ class TokenLoop:
     def add(self, tokens: list[Token], x: torch.Tensor, s0: torch.Tensor) -> None:
         """Tokens start their loops at states s0 with group inputs x (both (m, 1, d)), in free places first."""
         memory = self.policy.start(s0[:, 0], self.vocab)
-        oracle = self._oracle_buffers(tokens, s0) if self.policy.retrospective else {}
+        record = self.hindsight.start(tokens, s0) if self.hindsight else {}
         free = [j for j, t in enumerate(self.tokens) if t is None][: len(tokens)]
         step = self.clock.steps_so_far(self.index)
         if len(free) == len(self.tokens):  # every place is free: start the table afresh, no scatter
             self.tokens, self.k, self.streak, self.trace, self.joined, self.count = [], [], [], [], [], 0
             self.s = self.x = None
-            self.memory, self.oracle = {}, {}
+            self.memory, self.record_of = {}, {}
             free = []
         if free:
             at = torch.tensor(free, device=s0.device)
@@ -92,8 +91,8 @@ class TokenLoop:
             self.s[at], self.x[at] = s0[:m], x[:m]
             for name, value in memory.items():
                 self.memory[name][at] = value[:m]
-            for name, value in oracle.items():
-                self.oracle[name][at] = value[:m]
+            for name, value in record.items():
+                self.record_of[name][at] = value[:m]
             for j, token in zip(free, tokens):
                 self.tokens[j], self.k[j], self.streak[j], self.trace[j], self.joined[j] = token, 0, 0, [], step
         rest = len(free)
@@ -101,7 +100,7 @@ class TokenLoop:
             grow = lambda old, new: new[rest:] if old is None else torch.cat([old, new[rest:]])  # noqa: E731
             self.s, self.x = grow(self.s, s0), grow(self.x, x)
             self.memory = {name: grow(self.memory.get(name), value) for name, value in memory.items()}
-            self.oracle = {name: grow(self.oracle.get(name), value) for name, value in oracle.items()}
+            self.record_of = {name: grow(self.record_of.get(name), value) for name, value in record.items()}
             added = tokens[rest:]
             self.tokens += added
             self.k += [0] * len(added)
@@ -123,8 +122,8 @@ class TokenLoop:
         self.clock.step(started, "core", self.index, n)
         self.k = [k + 1 for k in self.k]
         started = self.clock.start()
-        if self.keeps_entries:
-            self._oracle_keep_entries(cache)
+        if self.hindsight:
+            self.hindsight.keep_entries(self.record_of, self.tokens, self.k, cache)
         logits, leave = self._probe(ctx)
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
@@ -140,8 +139,8 @@ class TokenLoop:
                     trace.append(float(k))
             return None, [k >= self.K for k in self.k]
         logits = self.model.readout(self.index, self.s, ctx, self.readout_steps)[:, 0] if self.decodes else None
-        if policy.retrospective:
-            self._oracle_record(logits)
+        if self.hindsight:
+            self.hindsight.record(self.record_of, self.s, self.k, logits)
             return logits, [k >= self.K for k in self.k]
         # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's rounding
         # noise, which varies with batch shape; in float64 batching cannot flip an exit.
@@ -162,8 +161,11 @@ class TokenLoop:
         steps = [self.k[j] for j in gone]
         states = self.s[gone]
         exit_logits = logits[gone] if logits is not None and self.probe_is_final else None
-        if self.policy.retrospective:
-            steps, states, exit_logits = self._oracle_settle(gone, cache)
+        if self.hindsight:
+            steps, states, exit_logits = self.hindsight.settle(
+                {name: value[gone] for name, value in self.record_of.items()}, tokens, cache,
+                (lambda st, ctx: self.model.readout(self.index, st, ctx, self.readout_steps)[:, 0])
+                if self.probe_is_final else None)
         end = self.clock.steps_so_far(self.index)
         for token, k, j in zip(tokens, steps, gone):
             token.exit_steps.append(k)
@@ -185,7 +187,7 @@ class TokenLoop:
         at = torch.tensor(keep, dtype=torch.long, device=self.s.device)
         self.s, self.x = self.s[at], self.x[at]
         self.memory = {name: value[at] for name, value in self.memory.items()}
-        self.oracle = {name: value[at] for name, value in self.oracle.items()}
+        self.record_of = {name: value[at] for name, value in self.record_of.items()}
         for name in ("tokens", "k", "streak", "trace", "joined"):
             setattr(self, name, [getattr(self, name)[j] for j in keep])
         self._where = None
@@ -207,66 +209,3 @@ class TokenLoop:
                                         slot=None)
             self._where = (position, tokens)
         return tokens.at_slot(self.k[0] if same_slot else torch.tensor(self.k, device=cache.device))
-
-    # ---- the oracle: every token runs to max_steps, then settles on the earliest agreeing iteration -----------
-    def _oracle_buffers(self, tokens: list[Token], s0: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Room for every iteration of new tokens: states, argmax, and the target's log-probability."""
-        m, device = len(tokens), s0.device
-        buffers = {"states": torch.zeros(m, self.K, s0.shape[-1], dtype=s0.dtype, device=device),
-                   "top": torch.zeros(m, self.K, dtype=torch.long, device=device),
-                   "picked": torch.zeros(m, self.K, dtype=torch.float64, device=device),
-                   "target": torch.tensor([-1 if t.target is None else t.target for t in tokens], device=device)}
-        if self.keeps_entries:  # (token, iteration, layer, key or value, head, dim)
-            heads, head_dim = self.model.cache_geometry()
-            buffers["kv"] = torch.zeros(m, self.K, len(self.group.attn_layers), 2, heads, head_dim,
-                                        dtype=self.model.dtype, device=device)
-        return buffers
-
-    def _oracle_keep_entries(self, cache: KVCache) -> None:
-        """Each token's KV entries of the iteration it just ran."""
-        at = [k - 1 for k in self.k]
-        entries = cache.entries(self.group.attn_layers, [t.row for t in self.tokens],
-                                [t.position for t in self.tokens], at)
-        device = entries.device
-        self.oracle["kv"][torch.arange(len(at), device=device), torch.tensor(at, device=device)] = entries
-
-    def _oracle_restore_entries(self, gone: list[int], steps: list[int], kept: torch.Tensor, cache: KVCache) -> None:
-        """Put back the entries of each settled token's last `window` iterations up to its exit (the window's
-        slots as a token that stopped there left them; `_leave` carries the exit's entry above it)."""
-        rows, positions, iterations, picks = [], [], [], []
-        for i, (j, e) in enumerate(zip(gone, steps)):
-            if e == self.K:
-                continue
-            token = self.tokens[j]
-            for it in range(max(0, e - self.window), e):
-                rows.append(token.row)
-                positions.append(token.position)
-                iterations.append(it)
-                picks.append(i * self.K + it)
-        if rows:
-            flat = kept.view(-1, *kept.shape[2:])
-            cache.put_entries(self.group.attn_layers, rows, positions, iterations,
-                              flat[torch.tensor(picks, device=kept.device)])
-
-    def _oracle_record(self, logits: torch.Tensor) -> None:
-        rows = torch.arange(len(self.tokens), device=logits.device)
-        at = torch.tensor(self.k, device=logits.device) - 1  # each token's own iteration
-        logp = torch.log_softmax(logits.double(), -1)
-        self.oracle["states"][rows, at] = self.s[:, 0]
-        self.oracle["top"][rows, at] = logp.argmax(-1)
-        self.oracle["picked"][rows, at] = logp.gather(1, self.oracle["target"].clamp(min=0).unsqueeze(1)).squeeze(1)
-
-    def _oracle_settle(self, gone: list[int], cache: KVCache) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """Exit steps from the recorded trajectories; the states there; and, for the last loop group, the
-        readout rerun from the exit state, so the coda's KV entries are those of a token that stopped there."""
-        record = {name: value[gone] for name, value in self.oracle.items()}
-        steps = self.policy.exit_steps(record["top"], record["picked"], record["target"] >= 0)
-        states = record["states"][torch.arange(len(gone)), steps - 1].unsqueeze(1)
-        if self.keeps_entries:
-            self._oracle_restore_entries(gone, steps.tolist(), record["kv"], cache)
-        logits = None
-        if self.probe_is_final:
-            tokens = [self.tokens[j] for j in gone]
-            ctx = AttnContext.tokens(cache, [t.row for t in tokens], [t.position for t in tokens])
-            logits = self.model.readout(self.index, states, ctx, self.readout_steps)[:, 0]
-        return steps.tolist(), states, logits

@@ -57,6 +57,14 @@ class Trajectories:
     fixed_picked: dict[int, list[np.ndarray]] = field(default_factory=dict)  # r → [member] (n,)
     fixed_top: dict[int, np.ndarray] = field(default_factory=dict)           # r → (n,)
 
+    def exits(self, policies: Sequence[ExitPolicy], member: int = 0, by_target: bool = True) -> np.ndarray:
+        """Exit step per scored token and loop group, (n, G), one policy per group, each by its own rule's
+        array form (`ExitPolicy.recorded_exits`)."""
+        n = len(self.positions)
+        return np.stack([p.recorded_exits(n, self.signals[g].get(variant_key(p)), self.top[g],
+                                          self.picked[member][g], by_target)
+                         for g, p in enumerate(policies)], 1)
+
 
 def check_recordable(knobs: dict[str, Any], command: str) -> None:
     """A recording runs tokens the default way (prompt at full depth, each token from its own initial state, one

@@ -21,6 +21,7 @@ import difflib
 import math
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..errors import ExitbenchError
@@ -153,12 +154,39 @@ class ExitPolicy:
         return leave
 
     def first_exit(self, signals: list[float]) -> int:
-        """The exit step the rule gives for one token's recorded signal trajectory (s_1 … s_max): for tests."""
+        """`decide` walked over one token's recorded signal trajectory (s_1 … s_max): its exit step. The bridge
+        by which the tests hold `first_exits` to the streaming form."""
         streak = [0]
         for k, value in enumerate(signals, start=1):
             if self.decide([k], [value], streak)[0]:
                 return k
         return len(signals)
+
+    # ---- the same rule over recorded trajectories (replay, calibration): arrays, not a walk ---------------------
+    def first_exits(self, values: np.ndarray) -> np.ndarray:
+        """Exit step (1-based) of each token from its signals (n, K) at iterations 1 … K, as `defined` reads
+        them (+inf / −inf where undefined), K ≥ max_steps: `decide`'s rule as a few array operations."""
+        n, K = values.shape
+        K = min(K, self.max_steps)
+        v = values[:, :K]
+        with np.errstate(invalid="ignore"):
+            hits = v < self.threshold if self.exits_below else v >= self.threshold  # NaN never hits
+        p = self.patience
+        # A run of p hits ends at k when the hit count over (k − p, k] is p.
+        counts = np.concatenate([np.zeros((n, 1), dtype=np.int64), np.cumsum(hits, axis=1, dtype=np.int64)], axis=1)
+        ends = np.zeros_like(hits)
+        if p <= K:
+            ends[:, p - 1:] = (counts[:, p:] - counts[:, :-p]) == p
+        steps = np.arange(1, K + 1)
+        leave = ends & (steps >= self.min_steps)
+        leave[:, K - 1] = True  # k = max_steps
+        return leave.argmax(axis=1) + 1
+
+    def recorded_exits(self, n: int, signals: np.ndarray | None, top: np.ndarray | None,
+                       picked: np.ndarray | None, by_target: bool) -> np.ndarray:
+        """Exit steps (n,) from a recording of `n` tokens: this rule's signals (n, K), and the readout's argmax
+        and the target's log-probability at every iteration (n, K), which only the oracle reads."""
+        return self.first_exits(signals)
 
 
 def policy_names() -> list[str]:

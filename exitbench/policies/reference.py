@@ -1,6 +1,7 @@
 """The two reference points every exit policy is compared with: fixed depth, and the oracle bound."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .base import ExitPolicy, Memory, register
@@ -32,6 +33,9 @@ class Fixed(ExitPolicy):
 
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         raise TypeError("fixed depth exits by counting; the engine asks it for no signal")
+
+    def recorded_exits(self, n: int, signals, top, picked, by_target: bool) -> np.ndarray:
+        return np.full(n, self.max_steps)
 
 
 @register
@@ -67,3 +71,9 @@ class Oracle(ExitPolicy):
         trailing = torch.flip(torch.cumprod(torch.flip(agrees, [1]).long(), 1), [1]).sum(1)
         first = K - trailing + 1
         return first.clamp(min=self.min_steps)
+
+    def recorded_exits(self, n: int, signals, top: np.ndarray, picked: np.ndarray, by_target: bool) -> np.ndarray:
+        """By the target where one is given (scoring), by the argmax where the model chose the token."""
+        K = self.max_steps
+        return self.exit_steps(torch.from_numpy(top[:, :K]), torch.from_numpy(picked[:, :K]),
+                               torch.full((n,), by_target)).numpy()

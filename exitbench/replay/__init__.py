@@ -1,6 +1,7 @@
 """Replay sweeps: every cell of a sweep from one recording pass, checked against exact runs on the frontier.
 
-exits.py      a policy's exit rule over whole recorded trajectories
+Each policy applies its own exit rule to recorded trajectories (`ExitPolicy.recorded_exits`).
+
 lm.py         lm-eval models that record (RecordingLM, over exitbench.engine.recorder) and replay one
               exit config (ReplayLM)
 costs.py      the per-iteration costs a replay cell's estimated wall-clock is made of

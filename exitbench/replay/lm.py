@@ -25,7 +25,6 @@ from ..harness.model import ExitbenchLM
 from ..models import Checkpoint
 from ..store import cells
 from .costs import CostModel
-from .exits import trajectory_exits
 
 
 @dataclass
@@ -137,7 +136,7 @@ class ReplayLM(LM):
         # The options of a question share a pass and, but for the oracle, its exits.
         key = (id(traj), member if self.policies[-1].retrospective else 0, by_target)
         if key not in self._exits:
-            self._exits[key] = trajectory_exits(self.policies, traj, member, by_target)
+            self._exits[key] = traj.exits(self.policies, member, by_target)
         return self._exits[key]
 
     def outputs(self, traj: Trajectories, member: int, exits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

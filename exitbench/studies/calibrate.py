@@ -111,7 +111,6 @@ def replayed_predictions(model, docs: Sequence[list[int]], configs: Sequence[Exi
     import numpy as np
 
     from ..engine.recorder import Recorder, Sequence_
-    from ..replay.exits import trajectory_exits
 
     groups = model.loop_groups()
     policies = [c.bound_policies(groups) for c in configs]
@@ -129,7 +128,7 @@ def replayed_predictions(model, docs: Sequence[list[int]], configs: Sequence[Exi
     for ps in policies:
         preds, iters = [], []
         for t in trajs:
-            steps = trajectory_exits(ps, t)
+            steps = t.exits(ps)
             preds.append(t.top[-1][np.arange(len(steps)), steps[:, -1] - 1].tolist())
             iters += steps.sum(1).tolist()
         per_config.append((preds, iters))
