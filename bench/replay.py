@@ -76,8 +76,8 @@ def baseline(repeats: int, figures: dict) -> None:
 
 
 def wide_checkpoint(tmp: Path, width: int) -> Path:
-    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.models import save_checkpoint
+    from exitbench.models.checkpoint import open_checkpoint
 
     sys.path.insert(0, str(REPO / "bench"))
     from engine import wide_model  # the same random model bench/engine.py times
@@ -93,12 +93,12 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
                         also_exact: str | None = None) -> None:
     """The whole replay sweep (every policy's grid and the baselines, or `policies`') against one exact run at
     full depth; with `also_exact`, one exact cell of that policy (its default threshold) for scale."""
-    from exitbench.store import cells
-    from exitbench.models.checkpoint import open_checkpoint
     from exitbench.engine import ExitConfig
-    from exitbench.replay import ReplaySweep
-    from exitbench.sweep import SweepConfig, cell_key, plan, run_config
     from exitbench.harness.task_set import resolve_tasks
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.runner import execute, prepare
+    from exitbench.store import cells
+    from exitbench.sweep import SweepConfig, cell_key, run_config
 
     ck = open_checkpoint(checkpoint)
     tasks = resolve_tasks(task_names, data_dir)
@@ -106,7 +106,8 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
     exact_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True)
     replay_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True, replay=True)
     with tempfile.TemporaryDirectory() as tmp:
-        sweep = plan(ck, tasks, replay_cfg, Path(tmp) / "replay", "cpu")
+        prepared = prepare(ck, tasks, replay_cfg, Path(tmp) / "replay", "cpu")
+        sweep = prepared.plan
         full = ExitConfig("fixed", threshold=depth)
         idx = list(range(len(task_names)))
         keys = [cell_key(sweep.model, n, tasks.fingerprints[n], full, exact_cfg, "cpu") for n in task_names]
@@ -114,8 +115,8 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
         exact = run_config(ck, tasks, idx, full, exact_cfg, sweep.model, keys, sweep.run_id)
         exact_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        replayer = ReplaySweep(ck, tasks, replay_cfg, sweep)
-        made = replayer.run(Path(tmp) / "replay")
+        outcome = execute(ck, tasks, replay_cfg, Path(tmp) / "replay", prepared)
+        made, record_s, costs_s = outcome.cells, outcome.timings["record_s"], outcome.timings["cost_model_s"]
         replay_s = time.perf_counter() - t0
         tokens = sum(c["iterations"]["tokens"] for c, _ in exact)
         other_s = None
@@ -131,8 +132,8 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
         print(f"[{label}, policies: {', '.join(policies)}]  target: whole replay sweep ≤ 1.5 × one exact "
               "full-depth run")
         print(f"one exact run at depth {depth}: {exact_s:.1f} s ({tokens} scored tokens) · replay sweep of "
-              f"{len(made)} cells: {replay_s:.1f} s (recording {replayer.record_s:.1f} s, cost model "
-              f"{replayer.costs_s:.1f} s, cells {per_cell:.1f} s) · ratio {ratio:.2f}")
+              f"{len(made)} cells: {replay_s:.1f} s (recording {record_s:.1f} s, cost model "
+              f"{costs_s:.1f} s, cells {per_cell:.1f} s) · ratio {ratio:.2f}")
         if other_s is not None:
             print(f"  for scale: one exact {also_exact} cell at its default threshold takes {other_s:.1f} s")
         full_replay = [c for c in made if c["policy"]["policy"] == "fixed" and c["policy"]["threshold"] == depth]
@@ -141,7 +142,7 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
             print(f"  {ce['task']['name']}: full-depth quality exact {ce['quality']['value']:.6g}, replay "
                   f"{cr['quality']['value']:.6g}")
         figures[f"{label}, {'+'.join(policies)}"] = {"exact_full_depth_s": exact_s, "one_exact_cell_s": other_s, "replay_sweep_s": replay_s, "ratio": ratio,
-                          "cells": len(made), "record_s": replayer.record_s, "cost_model_s": replayer.costs_s,
+                          "cells": len(made), "record_s": record_s, "cost_model_s": costs_s,
                           "cells_s": per_cell, "cell_ids": len({cells.cell_id(c["key"]) for c in made})}
 
 

@@ -271,24 +271,24 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
-    from .analysis.tables import reuse_note, summary_table
+    from .analysis.tables import replay_table, reuse_note, summary_table
     from .harness.task_set import resolve_tasks
     from .models.checkpoint import open_checkpoint
     from .models.embedded import resolve
+    from .runner import check_mode, execute, prepare
     from .runtime.devices import resolve_device
     from .runtime.distributed import finish_distributed, init_distributed
     from .runtime.files import writable_dir
     from .runtime.progress import SweepProgress
     from .studies.fit_exit import check_fitted_for
-    from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, plan, run_sweep, summary_rows
+    from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, summary_rows
 
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
                       add_bos_token=add_bos_token, replay=replay)
-    if (verify or verify_cells) and not replay:
-        raise ExitbenchError("--verify checks a replay sweep against exact runs; add --replay")
+    check_mode(cfg, verify, verify_cells)
     at_least("--batch-size", batch_size)
     if num_fewshot is not None:
         at_least("--num-fewshot", num_fewshot, 0)
@@ -303,29 +303,16 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     if compile_step:
         ck.model.compile_loops()
-    if replay:
-        from .replay.sweep import check_replayable
-        check_replayable(cfg)  # before planning, which may build the tasks to count their documents
-    sweep = plan(ck, task_set, cfg, out, ck.model.device.type)
-    if replay:
-        from .replay import ReplaySweep, check_named, parse_named, verify_frontier
-        named = parse_named(verify_cells)
-        check_named(named, [c for _, c, _ in sweep.cells])
-    note = reuse_note(sweep.reused(), out)
+    prepared = prepare(ck, task_set, cfg, out, ck.model.device.type, verify=verify, verify_cells=verify_cells)
+    note = reuse_note(prepared.plan.reused(), out)
     if rank0 and note:
         err_console.print(note, highlight=False)
-    with SweepProgress(console, err_console, len(sweep.cells), enabled=rank0, quiet=quiet) as progress:
-        if replay:
-            replayer = ReplaySweep(ck, task_set, cfg, sweep, progress)
-            finished = replayer.run(out)
-            report = verify_frontier(replayer, finished, out, named) if verify or named else None
-        else:
-            finished = run_sweep(ck, task_set, cfg, out, ck.model.device.type, progress, sweep)
+    with SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0, quiet=quiet) as progress:
+        outcome = execute(ck, task_set, cfg, out, prepared, progress)
     if rank0:
-        console.print(summary_table(summary_rows(finished), title=f"{len(finished)} cells in {out}"))
-    if replay and report is not None:
-        from .analysis.tables import replay_table
-        console.print(replay_table(report["rows"], title=f"replay vs exact ({out / 'verify'})"))
+        console.print(summary_table(summary_rows(outcome.cells), title=f"{len(outcome.cells)} cells in {out}"))
+    if outcome.verified is not None:
+        console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({out / 'verify'})"))
     finish_distributed()
 
 

@@ -1,4 +1,4 @@
-"""Threshold sweeps: tasks × policies × thresholds, plus fixed-depth baselines, one result cell each.
+"""Threshold sweeps, run exactly: tasks × policies × thresholds, plus fixed-depth baselines, one result cell each.
 
 Each cell is named by a hash of everything that determines it; a cell already on disk is skipped, so an
 interrupted sweep resumes where it stopped, and `--shard i/n` lets a scheduler fan cells out. Under torchrun
@@ -444,3 +444,4 @@ def summary_rows(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "ms_per_token": 1e3 * (c["wall_clock"]["per_token_s"] or 0.0),
                      "probe_share": c["wall_clock"]["probe_share"]})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))
+

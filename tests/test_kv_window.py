@@ -92,7 +92,7 @@ def windowed_reference(model, tokens: list[int], prefix: int, exits: dict[int, i
         x = through(model.embed(torch.tensor([tokens[:prefix]]), 0), ctx, before)
         s = group.init(x, noise[:prefix].unsqueeze(0) if model.config.init_scale > 0 else None)
         for j in range(1, depth + 1):
-            s = group.step(s, x, ctx.at_slot(j - 1))
+            s = group.step(s, x, ctx.at_iteration(j - 1))
             keep(range(prefix), j)
         through(group.finish(s), ctx, after)
     out = {}
@@ -106,7 +106,7 @@ def windowed_reference(model, tokens: list[int], prefix: int, exits: dict[int, i
                     k, v = written[layer, q, rule(j, ran[q], c)]
                     cache.k[layer][j - 1, 0, q] = k
                     cache.v[layer][j - 1, 0, q] = v
-            s = group.step(s, x, ctx.at_slot(j - 1))
+            s = group.step(s, x, ctx.at_iteration(j - 1))
             keep([p], j)
         ran[p] = exits[p]
         logits = model.head(through(group.finish(s), ctx, after))[0, 0]

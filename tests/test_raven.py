@@ -86,7 +86,7 @@ def run_stage_view(model: Raven, ids: torch.Tensor, r: int) -> torch.Tensor:
     e = prelude.run(model.embed(ids), ctx)
     s = group.init(e, None)
     for i in range(r):
-        s = group.step(s, e, ctx.at_slot(i))
+        s = group.step(s, e, ctx.at_iteration(i))
     return model.head(coda.run(group.finish(s), ctx))
 
 
@@ -393,9 +393,9 @@ def manual_truncated(model: Raven, ids: torch.Tensor, r: int, k: int):
     s = group.init(e, None)
     with torch.no_grad():
         for i in range(r - k):
-            s = group.step(s, e, ctx.at_slot(i))
+            s = group.step(s, e, ctx.at_iteration(i))
     for i in range(r - k, r):
-        s = group.step(s, e, ctx.at_slot(i))
+        s = group.step(s, e, ctx.at_iteration(i))
     model.head(coda.run(group.finish(s), ctx)).square().mean().backward()
     return grads(model)
 

@@ -30,9 +30,9 @@ from ..models import AttnContext, LoopedLM
 from ..runtime.validation import at_least
 from .config import ExitConfig
 from .flops import FlopModel
-from .loop import Leaving, Token, TokenLoop
+from .loop import Leaving, TokenLoop
 from .noise import PositionNoise
-from .records import SequenceResult, TokenRecord
+from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
 
 # consume(request, position, log-probabilities (V,), their argmax, the log-probability of the target (scoring)

@@ -13,15 +13,13 @@ and go) and calls `start`, `keep_entries`, `record` and `settle` at the matching
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
-
-if TYPE_CHECKING:
-    from .loop import Token
+from .records import Token
 
 Record = dict[str, torch.Tensor]  # per token: its record of every iteration
 
@@ -32,7 +30,7 @@ class Hindsight:
         self.K = policy.max_steps
         self.keeps_entries = bool(window) and window < self.K and bool(group.attn_layers)
 
-    def start(self, tokens: list["Token"], s0: torch.Tensor) -> Record:
+    def start(self, tokens: list[Token], s0: torch.Tensor) -> Record:
         """Room for every iteration of new tokens: states, argmax, the target's log-probability (and the KV
         entries, under a short window)."""
         m, device = len(tokens), s0.device
@@ -46,7 +44,7 @@ class Hindsight:
                                        dtype=self.model.dtype, device=device)
         return record
 
-    def keep_entries(self, record: Record, tokens: list["Token"], k: list[int], cache: KVCache) -> None:
+    def keep_entries(self, record: Record, tokens: list[Token], k: list[int], cache: KVCache) -> None:
         """Each token's KV entries of the iteration it just ran (only under a window shorter than K)."""
         if not self.keeps_entries:
             return
@@ -64,7 +62,7 @@ class Hindsight:
         record["top"][rows, at] = logp.argmax(-1)
         record["picked"][rows, at] = logp.gather(1, record["target"].clamp(min=0).unsqueeze(1)).squeeze(1)
 
-    def settle(self, record: Record, tokens: list["Token"], cache: KVCache,
+    def settle(self, record: Record, tokens: list[Token], cache: KVCache,
                readout: Callable[[torch.Tensor, AttnContext], torch.Tensor] | None
                ) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
         """For leaving tokens (their rows of the record): exit steps by the rule, the states there and, given
@@ -78,7 +76,7 @@ class Hindsight:
             logits = readout(states, AttnContext.tokens(cache, [t.row for t in tokens], [t.position for t in tokens]))
         return steps.tolist(), states, logits
 
-    def _restore_entries(self, tokens: list["Token"], steps: list[int], kept: torch.Tensor, cache: KVCache) -> None:
+    def _restore_entries(self, tokens: list[Token], steps: list[int], kept: torch.Tensor, cache: KVCache) -> None:
         """Put back the entries of each settled token's last `window` iterations up to its exit (the window's
         slots as a token that stopped there left them; the loop carries the exit's entry above it)."""
         rows, positions, iterations, picks = [], [], [], []

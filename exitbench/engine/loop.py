@@ -5,34 +5,20 @@ streaks, signals and timings. Tokens join with `add`, at any iteration of the ot
 tokens left (so a step's tensors keep their shape while rows hand over to their next tokens); `step` runs
 one iteration for all of them and returns those that leave, and `_leave` is the one place they go. Rows of a
 batch are independent, so the tokens in flight may sit at different positions and iterations: each attends
-to its own row's keys at its own slot, and when all rows sit at one position and iteration the step is an
+to its own row's keys at its own iteration, and when all rows sit at one position and iteration the step is an
 ordinary cached chunk.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
 from .hindsight import Hindsight
+from .records import Token
 from .timing import PhaseClock
-
-
-@dataclass
-class Token:
-    """One token's journey through the loop groups: where it is, what it must predict, what it did."""
-
-    uid: int
-    row: int
-    position: int
-    target: int | None = None  # the next token, when teacher-forced (the oracle scores against it)
-    consumed: bool = True  # False for prompt tokens run with exits (prefill="exit"): nobody reads their output
-    request: int = 0  # which of the run's requests the token belongs to
-    exit_steps: list[int] = field(default_factory=list)
-    signals: list[list[float]] = field(default_factory=list)
-    nonfinite: bool = False
 
 
 @dataclass
@@ -201,11 +187,11 @@ class TokenLoop:
             lockstep = rows == list(range(self.batch)) and min(positions) == max(positions)
             self._where = (positions[0] if lockstep else None, None)
         position, tokens = self._where
-        same_slot = min(self.k) == max(self.k)
-        if position is not None and same_slot:
-            return AttnContext(start=position, cache=cache, slot=self.k[0])  # every row in lockstep: a chunk
+        same_iteration = min(self.k) == max(self.k)
+        if position is not None and same_iteration:
+            return AttnContext(start=position, cache=cache, iteration=self.k[0])  # every row in lockstep: a chunk
         if tokens is None:  # (also in lockstep, when iterations differ)
             tokens = AttnContext.tokens(cache, [t.row for t in self.tokens], [t.position for t in self.tokens],
-                                        slot=None)
+                                        iteration=None)
             self._where = (position, tokens)
-        return tokens.at_slot(self.k[0] if same_slot else torch.tensor(self.k, device=cache.device))
+        return tokens.at_iteration(self.k[0] if same_iteration else torch.tensor(self.k, device=cache.device))

@@ -1,9 +1,25 @@
-"""What the engine returns: per sequence its tokens and log-probabilities, per token its exits and costs."""
+"""What the engine keeps of a token in flight (`Token`) and returns: per sequence its tokens and log-probabilities,
+per token its exits and costs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class Token:
+    """One token's journey through the loop groups: where it is, what it must predict, what it did."""
+
+    uid: int
+    row: int
+    position: int
+    target: int | None = None  # the next token, when teacher-forced (the oracle scores against it)
+    consumed: bool = True  # False for prompt tokens run with exits (prefill="exit"): nobody reads their output
+    request: int = 0  # which of the run's requests the token belongs to
+    exit_steps: list[int] = field(default_factory=list)
+    signals: list[list[float]] = field(default_factory=list)
+    nonfinite: bool = False
 
 
 @dataclass

@@ -25,27 +25,28 @@ class AttnContext:
     (`rows` picks cache rows; None = all rows, in order). Training, decoding at fixed depth and the prefill.
     Token mode (`places` given): one token per row of `rows`, each at its own position (`positions`), reading
     its row's keys 0 … its position; `places` says where in the cache at iteration 0, worked out once per set
-    of tokens, and `index` where they write and read at this slot, shared by the layers of a step. The exit
+    of tokens, and `index` where they write and read at this iteration, shared by the layers of a step. The exit
     engine's loop, where rows advance independently.
-    `slot` is the loop iteration (0-based) whose KV entry a layer writes and reads (0 outside loops; the cache
-    maps it to a slot of its own): an int shared by every token, or in token mode one per token.
+    `iteration` is the loop iteration (0-based) whose KV entry a layer writes and reads (0 outside loops; the
+    cache maps it to a slot of its own, `KVCache.slot`): an int shared by every token, or in token mode one
+    per token.
     """
 
     start: int = 0
     cache: "KVCache | None" = None
     rows: torch.Tensor | None = None
-    slot: int | torch.Tensor = 0
+    iteration: int | torch.Tensor = 0
     positions: torch.Tensor | None = None
     places: "TokenIndex | None" = None
     index: "TokenIndex | None" = None
-    # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and slot.
+    # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and iteration.
     rotations: dict[int, torch.Tensor] | None = None
 
-    def at_slot(self, slot: int | torch.Tensor) -> "AttnContext":
+    def at_iteration(self, iteration: int | torch.Tensor) -> "AttnContext":
         if self.places is None:
-            return AttnContext(self.start, self.cache, self.rows, slot)
-        return AttnContext(self.start, self.cache, self.rows, slot, self.positions, self.places,
-                           self.cache.at_iteration(self.places, slot), self.rotations)
+            return AttnContext(self.start, self.cache, self.rows, iteration)
+        return AttnContext(self.start, self.cache, self.rows, iteration, self.positions, self.places,
+                           self.cache.at_iteration(self.places, iteration), self.rotations)
 
     def rotation(self, table: torch.Tensor) -> torch.Tensor:
         """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
@@ -55,14 +56,14 @@ class AttnContext:
 
     @classmethod
     def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
-               slot: int | torch.Tensor | None = 0) -> "AttnContext":
-        """Token mode for one token per entry of `rows` at `positions` (lists), at `slot` (None: no slot yet;
-        `at_slot` gives one)."""
+               iteration: int | torch.Tensor | None = 0) -> "AttnContext":
+        """Token mode for one token per entry of `rows` at `positions` (lists), at `iteration` (None: none yet;
+        `at_iteration` gives one)."""
         rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
         length = max(positions) + 1
         places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1)
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
-        return ctx if slot is None else ctx.at_slot(slot)
+        return ctx if iteration is None else ctx.at_iteration(iteration)
 
 
 def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
@@ -95,7 +96,7 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             layer_id: int) -> torch.Tensor:
     """Causal attention of q, k, v (B, H, T, D), through the cache when there is one.
 
-    The cache stores this layer's keys at loop iteration ctx.slot and returns every earlier position's keys
+    The cache stores this layer's keys at loop iteration ctx.iteration and returns every earlier position's keys
     of that iteration, so one function serves plain layers and loop iterations of any architecture.
     """
     T = q.shape[2]
@@ -103,7 +104,7 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         k, v = ctx.cache.update_tokens(layer_id, ctx.index, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.index.mask)
     if ctx.cache is not None:
-        k, v = ctx.cache.update(layer_id, ctx.slot, ctx.rows, ctx.start, k, v)
+        k, v = ctx.cache.update(layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v)
     if k.shape[2] == T:

@@ -245,7 +245,7 @@ class LoopedGPT2(LoopedLM):
             if plain:
                 layers = [h[i] for i in plain]
                 stages.append(Stage(f"layers {plain[0]}-{plain[-1]}" if len(plain) > 1 else f"layer {plain[0]}",
-                                    lambda x, ctx, layers=layers: self._run(layers, x, ctx.at_slot(0)),
+                                    lambda x, ctx, layers=layers: self._run(layers, x, ctx.at_iteration(0)),
                                     list(plain), modules=layers))
                 plain.clear()
 

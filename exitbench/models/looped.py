@@ -40,8 +40,8 @@ class LoopGroup:
 
     `x` is the group's input (Raven injects it at every step; GPT-2 groups start from it). When
     `random_init` is set, `noise` is a unit truncated normal shaped like x that the caller draws, so the
-    engine can key it to token positions and batching never changes a token's start. Each iteration
-    writes its KV entries in cache slot k, so the engine can stop a token after any iteration.
+    engine can key it to token positions and batching never changes a token's start. Iteration k writes its
+    KV entries as iteration k's (the cache maps it to a slot), so the engine can stop a token after any one.
     """
 
     name: str
@@ -216,7 +216,7 @@ class LoopedLM(nn.Module):
             no_grad = depths[g] - grad_steps[g] if grad_steps is not None else 0
             for i in range(depths[g]):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and i >= no_grad):
-                    s = stage.step(s, x, ctx.at_slot(i))
+                    s = stage.step(s, x, ctx.at_iteration(i))
                 if on_state is not None:
                     on_state(g, i + 1, s)
             x = stage.finish(s)

@@ -298,13 +298,13 @@ class Raven(LoopedLM):
         t, c = self.transformer, self.config
         ids = lambda layers: [blk.attn.layer_id for blk in layers]  # noqa: E731
         return [
-            Stage("prelude", lambda x, ctx: self._run_layers(t.prelude, x, ctx.at_slot(0)), ids(t.prelude),
+            Stage("prelude", lambda x, ctx: self._run_layers(t.prelude, x, ctx.at_iteration(0)), ids(t.prelude),
                   modules=[t.prelude]),
             LoopGroup("core_block", init=self._init_state, step=self._core_step, finish=t.ln_f,
                       attn_layers=ids(t.core_block), n_layers=len(t.core_block),
                       default_steps=c.mean_recurrence, max_steps=c.max_recurrence,
                       random_init=c.init_scale > 0, modules=[t.adapter, t.core_block]),
-            Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_slot(0)), ids(t.coda), modules=[t.coda]),
+            Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_iteration(0)), ids(t.coda), modules=[t.coda]),
         ]
 
     def stages(self) -> list[Stage | LoopGroup]:

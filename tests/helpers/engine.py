@@ -129,7 +129,7 @@ def direct_trajectory(model, t0s: list[int], K: int, noise: torch.Tensor | None)
     s = group.init(x, nz)
     states, logps = [s[:, 0].clone()], []
     for i in range(K):
-        s = group.step(s, x, ctx.at_slot(i))
+        s = group.step(s, x, ctx.at_iteration(i))
         states.append(s[:, 0].clone())
         y = group.finish(s)
         for st in stages[gi + 1:]:
@@ -278,7 +278,7 @@ def reference_run(model, tokens: list[int], first_scored: int, last: int, rule, 
         states, logps = [s[0, 0]], []
         e = K
         for i in range(K):
-            s = group.step(s, x, ctx.at_slot(i))
+            s = group.step(s, x, ctx.at_iteration(i))
             states.append(s[0, 0])
             if adaptive and need_logits:
                 logps.append(readout(s, ctx))
