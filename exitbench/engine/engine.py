@@ -34,6 +34,7 @@ from .loop import Leaving, TokenLoop
 from .noise import PositionNoise
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
+from .waves import DepthMajor, block_positions, depth_major_blocker
 
 # consume(request, position, log-probabilities (V,), their argmax, the log-probability of the target (scoring)
 # or of the argmax (generation)) -> the next input token, or None when the request is done
@@ -55,10 +56,18 @@ class Request:
     end: int
 
 
+SCHEDULES = ("auto", "depth_major", "token_major")
+
+
 class ExitEngine:
-    def __init__(self, model: LoopedLM, config: ExitConfig | None = None):
+    def __init__(self, model: LoopedLM, config: ExitConfig | None = None, schedule: str = "auto"):
+        """`schedule`: how teacher-forced requests run, "depth_major" (a sequence's positions together, one wave
+        per iteration: exitbench.engine.waves), "token_major" (one position in flight per row), or "auto":
+        depth-major wherever it is exact. Generation is always token by token."""
         self.model = model.eval()
         self.config = config or ExitConfig()
+        if schedule not in SCHEDULES:
+            raise ExitbenchError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.groups = model.loop_groups()
         if not self.groups:
             raise ExitbenchError(f"{model.architecture} model has no loop group: nothing to exit from")
@@ -78,6 +87,12 @@ class ExitEngine:
         # Seconds per phase and in all, tokens recorded, and loop steps run (batched iterations: with rows
         # advancing on their own, the steps a run takes are what its time follows on a dispatch-bound device).
         self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens", "steps"), 0.0)
+        blocker = depth_major_blocker(self)
+        if schedule == "depth_major" and blocker is not None:
+            raise ExitbenchError(f"schedule depth_major is not exact here ({blocker}); use auto or token_major")
+        # What teacher-forced requests run as; the reason when it is not depth-major.
+        self.scoring_schedule = "token_major" if schedule == "token_major" or blocker else "depth_major"
+        self.schedule_note = blocker
 
     def _state_dim(self) -> int:
         return self.model.embed(torch.zeros(1, 1, dtype=torch.long, device=self.model.device)).shape[-1]
@@ -159,7 +174,9 @@ class ExitEngine:
         if batch_size is not None:
             at_least("batch_size", batch_size)
         wall = time.perf_counter()
-        run = Run(self, reqs, consume, results, teacher_forced, min(batch_size or len(reqs), len(reqs)), on_request)
+        depth_major = teacher_forced and self.scoring_schedule == "depth_major"
+        run = Run(self, reqs, consume, results, teacher_forced, min(batch_size or len(reqs), len(reqs)), on_request,
+                  depth_major)
         run.go()
         for phase, seconds in run.clock.totals.items():
             self.stats[phase] += seconds
@@ -198,7 +215,8 @@ class Run:
     """
 
     def __init__(self, engine: ExitEngine, reqs: list[Request], consume: Consume, results: list[SequenceResult],
-                 teacher_forced: bool, rows: int, on_request: Callable[[int], None] | None = None):
+                 teacher_forced: bool, rows: int, on_request: Callable[[int], None] | None = None,
+                 depth_major: bool = False):
         self.engine, self.model = engine, engine.model
         self.reqs, self.consume, self.results, self.teacher_forced = reqs, consume, results, teacher_forced
         self.B = rows
@@ -214,7 +232,10 @@ class Run:
                                 probe_is_final=g == len(engine.groups) - 1,
                                 record_signals=engine.config.record_signals, batch=rows, window=window)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
-        self.defer = teacher_forced and not engine.policies[-1].needs_logits
+        # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
+        self.waves = DepthMajor(self, block_positions(engine, rows, capacity)) if depth_major else None
+        # Token-major scoring defers outputs to batch them; depth-major blocks are batches already.
+        self.defer = teacher_forced and not engine.policies[-1].needs_logits and not depth_major
         self.queue = deque(reqs)
         self.serving: list[Request | None] = [None] * rows
         self.next_pos = [0] * rows
@@ -283,7 +304,10 @@ class Run:
         self.assign(rows)
 
     def advance(self, row: int, position: int) -> None:
-        """Row `row` is done with `position`: on to the next one, or (at the next tick) to the next request."""
+        """Row `row` is done with `position`: on to the next one, or (at the next tick) to the next request.
+        Depth-major, a row moves on when its block's last position is done."""
+        if self.waves is not None and not self.waves.block_done(row, position):
+            return
         req = self.serving[row]
         if position >= req.end:
             self.done_rows.append(row)
@@ -337,12 +361,7 @@ class Run:
     def enter(self, rows: list[int]) -> None:
         """The rows' next tokens into the first loop group: their inputs, known in advance or run now
         (embedding and the plain stages before the group)."""
-        tokens = []
-        for b in rows:
-            req, pos = self.serving[b], self.next_pos[b]
-            tokens.append(Token(next(self.uids), b, pos, req.tokens[pos + 1] if self.teacher_forced else None,
-                                pos >= req.start, request=req.index))
-            self.idle[b] = False
+        tokens = self.waves.tokens(rows) if self.waves is not None else self._next_tokens(rows)
         started = self.clock.start()
         if self.inputs is not None:
             at = torch.tensor([t.row * self.inputs.shape[1] + t.position for t in tokens], device=self.cache.device)
@@ -355,8 +374,23 @@ class Run:
         self.clock.stop(started, "prelude", [t.uid for t in tokens])
         self.loops[0].add(tokens, x, s0)
 
+    def _next_tokens(self, rows: list[int]) -> list[Token]:
+        """Token-major: each row's next position, one token per row."""
+        tokens = []
+        for b in rows:
+            req, pos = self.serving[b], self.next_pos[b]
+            tokens.append(Token(next(self.uids), b, pos, req.tokens[pos + 1] if self.teacher_forced else None,
+                                pos >= req.start, request=req.index))
+            self.idle[b] = False
+        return tokens
+
     def leave(self, g: int, out: Leaving) -> None:
-        """Tokens left loop group g: on to the next group, or (after the last) to their outputs."""
+        """Tokens left loop group g: on to the next group, or (after the last) to their outputs. Depth-major,
+        a row's block goes on once all of its positions have left."""
+        if self.waves is not None:
+            out = self.waves.complete(g, out)
+            if out is None:
+                return
         if self.warm is not None:
             self.warm.remember(g, torch.tensor([t.row for t in out.tokens], device=self.cache.device),
                                out.states[:, 0])

@@ -53,6 +53,7 @@ class ModelArgs(BaseModel):
     max_length: Optional[int] = None
     max_gen_toks: int = 256
     allow_nonfinite: bool = False  # (add_bos_token has a check of its own, with the tokenizer at hand)
+    schedule: str = "auto"
 
 
 @register_model("exitbench")
@@ -60,18 +61,20 @@ class ExitbenchLM(LM):
     def __init__(self, checkpoint: str | Checkpoint | None = None, dtype: str = "auto", batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
-                 exit_config: ExitConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
+                 schedule: str = "auto", exit_config: ExitConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
                  **exit_knobs: Any):
         """The one constructor. lm-eval builds the model from its model arguments (its own
         `create_from_arg_string`): a checkpoint by path or embedded name, and any of ExitConfig's fields
         (policy, threshold, min_steps, …). A sweep hands it a Checkpoint it loaded once for all its cells, and
-        each cell's ExitConfig (`exit_config`, instead of knobs)."""
+        each cell's ExitConfig (`exit_config`, instead of knobs). `schedule`: how the engine runs teacher-forced
+        requests (exitbench.engine.ExitEngine; auto: depth-major wherever exact), a speed choice only."""
         super().__init__()
         loaded = isinstance(checkpoint, Checkpoint)
         if not loaded:
             parse(ModelArgs, {"checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size,
                               "max_batch_size": max_batch_size, "device": device, "max_length": max_length,
-                              "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite},
+                              "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite,
+                              "schedule": schedule},
                   "exitbench model arguments")
         if exit_config is not None and exit_knobs:
             raise ExitbenchError(f"give exit_config or exit knobs ({', '.join(sorted(exit_knobs))}), not both")
@@ -84,7 +87,7 @@ class ExitbenchLM(LM):
         else:
             self._device = torch.device(resolve_device(device))
             ck = open_checkpoint(checkpoint, dtype=dtype, device=str(self._device), allow_nonfinite=allow_nonfinite)
-        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token)
+        self._setup(ck, exit_config, batch_size, max_batch_size, max_length, max_gen_toks, add_bos_token, schedule)
         self.on_progress = on_progress
 
     @classmethod
@@ -93,7 +96,7 @@ class ExitbenchLM(LM):
         return cls(ck, exit_config=exit_config, **kwargs)
 
     def _setup(self, ck: Checkpoint, exit_config: ExitConfig, batch_size, max_batch_size, max_length,
-               max_gen_toks, add_bos_token) -> None:
+               max_gen_toks, add_bos_token, schedule: str = "auto") -> None:
         self.ck = ck
         if ck.tokenizer is None:
             raise ExitbenchError(f"{ck.path} has no tokenizer.json; lm-eval tasks need text in and out")
@@ -113,7 +116,7 @@ class ExitbenchLM(LM):
         bos = self.tok.bos_token_id
         self._bos_text = None if bos is None else self.tok.token(bos)
         self.exit_config = exit_config
-        self.engine = ExitEngine(ck.model, exit_config)
+        self.engine = ExitEngine(ck.model, exit_config, schedule)
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
@@ -224,8 +227,11 @@ class ExitbenchLM(LM):
         # Each exited token's text, log-probability and greedy flag, aligned with stats["exit_steps"], so a
         # sample's exit map can be drawn without the tokenizer (`exitbench report`, exitbench/exitmap.py).
         tokens = [t for res in results for t in res.tokens]
+        # Generation runs token by token; teacher-forced requests as the engine schedules them (depth-major
+        # wherever that is exact): the same numbers either way, so the schedule is said, not keyed.
+        schedule = "token_major" if kind == "generate_until" else self.engine.scoring_schedule
         self.request_stats.append({"task_name": req.task_name, "doc_id": req.doc_id, "idx": req.idx,
-                                   "kind": kind, **stats,
+                                   "kind": kind, "schedule": schedule, **stats,
                                    "token_text": self.tok.pieces(tokens),
                                    "logprobs": [float(x) for res in results for x in res.logprobs],
                                    "greedy": [bool(g) for res in results for g in res.greedy]})

@@ -166,6 +166,8 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "flops": {"per_token": sum(s["flops"] for s in stats) / tokens if tokens else None,
                   "probe_per_token": sum(s["probe_flops"] for s in stats) / tokens if tokens else None},
         "numerics": {"nonfinite_tokens": sum(s.get("nonfinite", 0) for s in stats)},
+        # How the engine ran the cell's requests (exitbench.engine.waves): depth_major, token_major, or both.
+        "engine": {"schedule": "+".join(sorted({s["schedule"] for s in stats if "schedule" in s})) or None},
     }
 
 

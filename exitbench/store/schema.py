@@ -83,6 +83,10 @@ class NumericsPart(_Part):
     nonfinite_tokens: int = 0
 
 
+class EnginePart(_Part):
+    schedule: Optional[str] = None  # cells written before depth-major scoring existed say nothing
+
+
 class RunPart(_Part):
     started: str
 
@@ -99,6 +103,7 @@ class Cell(_Part):
     flops: FlopsPart
     run: RunPart
     numerics: NumericsPart = NumericsPart()
+    engine: EnginePart = EnginePart()
     samples: bool = False
     mode: Literal["exact", "replay"] = "exact"
     replay: dict = {}

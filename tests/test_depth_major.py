@@ -1,0 +1,128 @@
+"""Depth-major scoring (exitbench.engine.waves) gives the token-major schedule's answers.
+
+Every policy of the roster runs through both schedules on three models: a random Raven of Huginn-0125's
+layout (prelude, a 4-layer core, coda: tests/helpers/models.py), the embedded tiny-raven (no coda, so even the
+decoding rules run depth-major) and the embedded tiny-looped-gpt2 (three loop groups between attention
+layers). Exits must be identical and log-probabilities equal within LOGP_TOL + LOGP_RTOL · |log p|: the two
+schedules run the same arithmetic on differently shaped batches (a wave's token-mode attention over a masked
+block against one token's), so float32 results may differ in the last bits (LOGP_RTOL says how many);
+thresholds are placed in wide gaps of the observed signals (helpers.engine.spread_threshold), away from where
+rounding decides an exit.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.engine import EXITS_ABOVE, LOGP_TOL, exit_steps, knobs_for, mixed_requests, spread_threshold, tiny
+
+from exitbench.engine import ExitConfig, ExitEngine, waves
+from exitbench.errors import ExitbenchError
+from exitbench.models import checkpoint
+from exitbench.policies import REGISTRY
+
+K = 8
+# Relative part of the log-probability tolerance: 1e-6 is about 8 float32 ulps. A log-probability is a logit
+# minus a log-sum-exp, both about its own size, each summed over the hidden width in an order the batch shape
+# sets; the trained tiny-raven's log-probabilities of -20 and below differ by up to 1.4e-5 between schedules.
+LOGP_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module", params=["huginn-layout", "tiny-raven", "tiny-looped-gpt2"])
+def model_case(request):
+    if request.param == "huginn-layout":
+        model, vocab = tiny(init_scale=1.0), 100
+    else:
+        model = checkpoint.open_checkpoint(request.param).model.eval()
+        vocab = model.output_size
+    return request.param, model, mixed_requests(8, seed=5, vocab=vocab, min_len=3, max_len=14)
+
+
+def _engine(model, policy: str, schedule: str = "auto", **knobs) -> ExitEngine:
+    knobs = {**knobs_for(policy), "record_signals": True, "max_steps": K, **knobs}
+    return ExitEngine(model, ExitConfig(policy, **knobs), schedule=schedule)
+
+
+def _threshold(model, requests, policy: str) -> dict:
+    if policy == "fixed":
+        return {"threshold": K // 2}
+    if REGISTRY[policy].retrospective:
+        return {}
+    if REGISTRY[policy].integer_threshold:  # iterations of a stable argmax: a count, no rounding at stake
+        return {"threshold": 2}
+    never = 1.0 if policy in EXITS_ABOVE else 1e-30  # (confidence: a probability, never above 1)
+    probe = _engine(model, policy, schedule="token_major", threshold=never).score(requests)
+    patience = REGISTRY[policy].default_patience
+    return {"threshold": spread_threshold(probe, policy, K, 1, patience)}
+
+
+def _same(a, b) -> None:
+    assert exit_steps(a) == exit_steps(b)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens and x.greedy == y.greedy
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=LOGP_RTOL, atol=LOGP_TOL)
+        for rx, ry in zip(x.records, y.records):
+            for sx, sy in zip(rx.signals, ry.signals):
+                np.testing.assert_allclose(sx, sy, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", list(REGISTRY))
+def test_both_schedules_give_the_same_exits_and_log_probabilities(model_case, policy):
+    name, model, requests = model_case
+    cls = REGISTRY[policy]
+    auto = _engine(model, policy, **({"threshold": K // 2} if policy == "fixed" else {}))
+    blocker = waves.depth_major_blocker(auto)
+    if cls.retrospective:
+        assert blocker and "settles" in blocker and auto.scoring_schedule == "token_major"
+        return
+    if cls.needs_logits and name != "tiny-raven":  # reading out through a coda or later loop groups
+        assert blocker and "attend" in blocker and auto.scoring_schedule == "token_major"
+        return
+    # Decoding-free rules, and every rule of a model whose readout is norm + head, run depth-major.
+    assert blocker is None and auto.scoring_schedule == "depth_major"
+    knobs = _threshold(model, requests, policy)
+    token, auto = _engine(model, policy, "token_major", **knobs), _engine(model, policy, **knobs)
+    for rows in (1, 3):
+        _same(token.score(requests, batch_size=rows), auto.score(requests, batch_size=rows))
+    assert auto.stats["steps"] < token.stats["steps"] / 2, (auto.stats["steps"], token.stats["steps"])
+
+
+def test_blocks_of_positions_read_earlier_blocks_at_their_exits(model_case, monkeypatch):
+    """A sequence longer than one wave is cut into blocks; a block reads earlier blocks' entries at their exit
+    slots, so the answers do not depend on where the cuts fall."""
+    name, model, requests = model_case
+    knobs = _threshold(model, requests, "second_order")
+    want = _engine(model, "second_order", "token_major", **knobs).score(requests, batch_size=3)
+    heads, head_dim = model.cache_geometry()
+    for block in (1, 3):
+        capacity = max(len(t) for t, _ in requests) - 1
+        per_position = 3 * capacity * heads * head_dim * 2 * model.dtype.itemsize
+        monkeypatch.setattr(waves, "WAVE_GATHER_BYTES", block * per_position)
+        run = _engine(model, "second_order", **knobs)
+        assert waves.block_positions(run, 3, capacity) == block
+        _same(want, run.score(requests, batch_size=3))
+
+
+def test_a_short_kv_window_keeps_the_token_major_schedule():
+    model = tiny(init_scale=1.0)
+    requests = mixed_requests(6, seed=2)
+    short = _engine(model, "first_order", kv_window=2)
+    assert short.scoring_schedule == "token_major" and "kv_window" in waves.depth_major_blocker(short)
+    whole = _engine(model, "first_order", kv_window=K)  # a window as deep as the loop is the full cache
+    assert whole.scoring_schedule == "depth_major"
+    _same(_engine(model, "first_order", "token_major", kv_window=K).score(requests), whole.score(requests))
+
+
+def test_warm_start_and_generation_run_token_by_token():
+    model = tiny(init_scale=1.0)
+    assert _engine(model, "first_order", warm_start=True).scoring_schedule == "token_major"
+    run = _engine(model, "first_order", threshold=1e-2)
+    prompts = [[1, 5, 9], [2, 7]]
+    assert run.generate(prompts, 3)[0].tokens == _engine(model, "first_order", "token_major",
+                                                         threshold=1e-2).generate(prompts, 3)[0].tokens
+
+
+def test_asking_for_depth_major_where_it_is_not_exact_is_refused():
+    with pytest.raises(ExitbenchError, match="depth_major is not exact here .*oracle"):
+        _engine(tiny(), "oracle", schedule="depth_major")
+    with pytest.raises(ExitbenchError, match="schedule must be one of"):
+        _engine(tiny(), "fixed", schedule="waves")
