@@ -54,7 +54,7 @@ class TokenLoop:
         self.s = self.x = None  # states and group inputs (n, 1, d)
         self.memory: dict[str, torch.Tensor] = {}
         self.record_of: dict[str, torch.Tensor] = {}  # per place: the hindsight's record of every iteration
-        self._where: tuple[int | None, AttnContext | None] | None = None  # lockstep position, token context
+        self._where: dict | None = None  # where the tokens in flight sit (`_placement`)
 
     def __len__(self) -> int:
         return self.count
@@ -102,15 +102,17 @@ class TokenLoop:
         if self.count < len(self.tokens):
             self._compact()
         n = len(self.tokens)
-        ctx = self._context(cache)
+        blocks = self._blocks(cache)
+        ctx = None if blocks else self._context(cache)
         started = self.clock.start()
-        self.s = self.group.step(self.s, self.x, ctx)
+        self.s = self._step_blocks(blocks) if blocks else self.group.step(self.s, self.x, ctx)
         self.clock.step(started, "core", self.index, n)
         self.k = [k + 1 for k in self.k]
         started = self.clock.start()
         if self.hindsight:
             self.hindsight.keep_entries(self.record_of, self.tokens, self.k, cache)
-        logits, leave = self._probe(ctx)
+        # A block step's contexts are chunks; a readout reads each token at its own position.
+        logits, leave = self._probe(ctx if ctx is not None else self._context(cache, at=[k - 1 for k in self.k]))
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
             return None
@@ -179,19 +181,62 @@ class TokenLoop:
         self._where = None
 
     # ---- attention context ------------------------------------------------------------------------------------
-    def _context(self, cache: KVCache) -> AttnContext:
-        """Where the tokens in flight read and write this iteration: their rows, positions and slots."""
-        if self._where is None:  # membership changed: where the tokens sit, worked out once
+    def _placement(self) -> dict:
+        """Where the tokens in flight sit, worked out once per membership: the lockstep position (every row at
+        one position), the token-mode context once built, and the runs of consecutive positions per row."""
+        if self._where is None:
             rows = [t.row for t in self.tokens]
             positions = [t.position for t in self.tokens]
             lockstep = rows == list(range(self.batch)) and min(positions) == max(positions)
-            self._where = (positions[0] if lockstep else None, None)
-        position, tokens = self._where
-        same_iteration = min(self.k) == max(self.k)
-        if position is not None and same_iteration:
-            return AttnContext(start=position, cache=cache, iteration=self.k[0])  # every row in lockstep: a chunk
-        if tokens is None:  # (also in lockstep, when iterations differ)
-            tokens = AttnContext.tokens(cache, [t.row for t in self.tokens], [t.position for t in self.tokens],
-                                        iteration=None)
-            self._where = (position, tokens)
-        return tokens.at_iteration(self.k[0] if same_iteration else torch.tensor(self.k, device=cache.device))
+            self._where = {"position": positions[0] if lockstep else None, "tokens": None,
+                           "runs": _runs(rows, positions)}
+        return self._where
+
+    def _context(self, cache: KVCache, at: list[int] | None = None) -> AttnContext:
+        """Where the tokens in flight read and write this iteration (`at`: these iterations, 0-based, instead
+        of the one each token runs next): their rows, positions and slots."""
+        where, k = self._placement(), self.k if at is None else at
+        same_iteration = min(k) == max(k)
+        if where["position"] is not None and same_iteration:
+            return AttnContext(start=where["position"], cache=cache, iteration=k[0])  # rows in lockstep: a chunk
+        if where["tokens"] is None:  # (also in lockstep, when iterations differ)
+            where["tokens"] = AttnContext.tokens(cache, [t.row for t in self.tokens],
+                                                 [t.position for t in self.tokens], iteration=None)
+        return where["tokens"].at_iteration(k[0] if same_iteration else torch.tensor(k, device=cache.device))
+
+    def _blocks(self, cache: KVCache) -> list[tuple[int, int, AttnContext, int]] | None:
+        """Depth-major waves: when each row's tokens are one run of consecutive positions, all at one iteration,
+        the step is a chunk per run (a prefill's attention, no per-token key gather): (first place, end place,
+        context, rows) per call, runs of equal start and length sharing one call. None otherwise."""
+        runs = self._placement()["runs"]
+        if runs is None or min(self.k) != max(self.k):
+            return None
+        k = self.k[0]
+        shapes = {(start, hi - lo) for lo, hi, _, start in runs}
+        if len(shapes) == 1:
+            (start, _), = shapes
+            rows = [row for _, _, row, _ in runs]
+            index = None if rows == list(range(self.batch)) else torch.tensor(rows, device=cache.device)
+            return [(0, runs[-1][1], AttnContext(start=start, cache=cache, rows=index, iteration=k), len(runs))]
+        return [(lo, hi, AttnContext(start=start, cache=cache, rows=torch.tensor([row], device=cache.device),
+                                     iteration=k), 1) for lo, hi, row, start in runs]
+
+    def _step_blocks(self, blocks: list[tuple[int, int, AttnContext, int]]) -> torch.Tensor:
+        d = self.s.shape[-1]
+        out = [self.group.step(self.s[lo:hi].view(rows, -1, d), self.x[lo:hi].view(rows, -1, d), ctx
+                               ).reshape(hi - lo, 1, d) for lo, hi, ctx, rows in blocks]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _runs(rows: list[int], positions: list[int]) -> list[tuple[int, int, int, int]] | None:
+    """(first place, end place, row, first position) of each row's run of consecutive positions, when every row
+    holds one run and some run holds several tokens (a depth-major wave); else None."""
+    runs: list[tuple[int, int, int, int]] = []
+    lo = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] or positions[i] != positions[i - 1] + 1:
+            runs.append((lo, i, rows[lo], positions[lo]))
+            lo = i
+    if len({row for _, _, row, _ in runs}) < len(runs) or all(hi - lo == 1 for lo, hi, _, _ in runs):
+        return None
+    return runs
