@@ -231,5 +231,9 @@ def plan_table(plan: dict[str, Any]) -> Table:
                   f"{gb(kv['bytes_per_slot'])} a slot")
     terms = ", ".join(f"{k} {gb(v)}" for k, v in plan["activation_terms"].items())
     table.add_row("activations", gb(plan["activations"]), f"estimate of the largest transient: {terms}")
+    if "wave" in plan:
+        w = plan["wave"]
+        table.add_row("scoring wave", f"{w['tokens']:,} tokens", f"depth-major: {plan['batch_size']} rows × "
+                      f"{w['block_positions']:,} positions iterate together; their key gather {gb(w['gather_bytes'])}")
     table.add_row("total", gb(plan["total"]), "")
     return table

@@ -30,7 +30,7 @@ from ..models import AttnContext, LoopedLM
 from ..runtime.validation import at_least
 from .config import ExitConfig
 from .flops import FlopModel
-from .loop import Leaving, TokenLoop
+from .loop import Leaving, TokenLoop, positions_runs
 from .noise import PositionNoise
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
@@ -233,7 +233,7 @@ class Run:
                                 record_signals=engine.config.record_signals, batch=rows, window=window)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
-        self.waves = DepthMajor(self, block_positions(engine, rows, capacity)) if depth_major else None
+        self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
         # Token-major scoring defers outputs to batch them; depth-major blocks are batches already.
         self.defer = teacher_forced and not engine.policies[-1].needs_logits and not depth_major
         self.queue = deque(reqs)
@@ -410,8 +410,7 @@ class Run:
         """Tokens that left loop group g: its finish and the plain stages up to the next group, into its loop."""
         engine = self.engine
         started = self.clock.start()
-        x = self.model.walk(engine.groups[g].finish(out.states), self._context(out.tokens),
-                            start=engine.bounds[g] + 1, stop=engine.bounds[g + 1])
+        x = self._walk(engine.groups[g].finish(out.states), out.tokens, engine.bounds[g] + 1, engine.bounds[g + 1])
         s0 = self._start_states(g + 1, out.tokens, x)
         self.clock.stop(started, "coda", [t.uid for t in out.tokens])
         self.loops[g + 1].add(out.tokens, x, s0)
@@ -429,7 +428,7 @@ class Run:
             g = len(engine.groups) - 1
             # Several tokens of one row may finish together: each reads the plain stages' entries of the row's
             # earlier positions, written in this same call before any token reads.
-            x = self.model.walk(engine.groups[g].finish(states), self._context(tokens), start=engine.bounds[g] + 1)
+            x = self._walk(engine.groups[g].finish(states), tokens, engine.bounds[g] + 1)
             logits = self.model.head(x)[:, 0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         top = logp.argmax(-1)
@@ -452,6 +451,26 @@ class Run:
                     self.done_rows.append(token.row)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def _walk(self, x: torch.Tensor, tokens: list[Token], start: int, stop: int | None = None) -> torch.Tensor:
+        """The plain stages [start, stop) for tokens (x: (n, 1, d)). A depth-major block, each row's run of
+        consecutive positions, walks as chunks (runs of one shape in one call); other sets token by token."""
+        runs = positions_runs([t.row for t in tokens], [t.position for t in tokens])
+        if runs is None:
+            return self.model.walk(x, self._context(tokens), start=start, stop=stop)
+        d = x.shape[-1]
+        calls = []
+        if len({(first, hi - lo) for lo, hi, _, first in runs}) == 1:
+            rows = [row for _, _, row, _ in runs]
+            index = None if rows == list(range(self.B)) else torch.tensor(rows, device=self.cache.device)
+            calls.append((0, len(tokens), AttnContext(start=runs[0][3], cache=self.cache, rows=index), len(runs)))
+        else:
+            calls = [(lo, hi, AttnContext(start=first, cache=self.cache,
+                                          rows=torch.tensor([row], device=self.cache.device)), 1)
+                     for lo, hi, row, first in runs]
+        out = [self.model.walk(x[lo:hi].view(n, -1, d), ctx, start=start, stop=stop).flatten(0, 1).unsqueeze(1)
+               for lo, hi, ctx, n in calls]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
     def _context(self, tokens: list[Token]) -> AttnContext:
         rows = [t.row for t in tokens]
         positions = [t.position for t in tokens]

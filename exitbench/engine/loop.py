@@ -189,7 +189,7 @@ class TokenLoop:
             positions = [t.position for t in self.tokens]
             lockstep = rows == list(range(self.batch)) and min(positions) == max(positions)
             self._where = {"position": positions[0] if lockstep else None, "tokens": None,
-                           "runs": _runs(rows, positions)}
+                           "runs": positions_runs(rows, positions)}
         return self._where
 
     def _context(self, cache: KVCache, at: list[int] | None = None) -> AttnContext:
@@ -228,7 +228,7 @@ class TokenLoop:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _runs(rows: list[int], positions: list[int]) -> list[tuple[int, int, int, int]] | None:
+def positions_runs(rows: list[int], positions: list[int]) -> list[tuple[int, int, int, int]] | None:
     """(first place, end place, row, first position) of each row's run of consecutive positions, when every row
     holds one run and some run holds several tokens (a depth-major wave); else None."""
     runs: list[tuple[int, int, int, int]] = []

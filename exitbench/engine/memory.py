@@ -19,6 +19,7 @@ import torch
 from ..errors import ExitbenchError
 from ..models import KVCache, LoopedLM
 from .engine import DEFERRED_BATCH
+from .waves import block_positions, gather_bytes
 
 # Parameters that are not per-layer weights: their widths (vocabulary, positions) are not activation widths.
 _NOT_LAYER_WEIGHTS = ("wte", "wpe", "lm_head")
@@ -48,6 +49,7 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
     n_heads, head_dim = model.cache_geometry()
     kv = KVCache.bytes_for(batch, context, n_heads, head_dim, slots, dtype)
     acts = activations(model, dtype, batch, context)
+    transient = acts["inputs"] + max(acts["prefill_or_head"], acts["wave_gather"])
     looped = {layer for g in groups for layer in g.attn_layers}
     return {
         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch, "context": context,
@@ -58,9 +60,10 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
                       "slots_per_loop_layer": [min(r, kv_window) if kv_window else r for r in steps],
                       "plain_layers": len(slots) - len(looped),
                       "bytes_per_slot": KVCache.bytes_for(batch, context, n_heads, head_dim, {0: 1}, dtype)},
-        "activations": sum(acts.values()),
+        "activations": transient,
         "activation_terms": acts,
-        "total": weights + kv + sum(acts.values()),
+        "wave": wave(model, dtype, batch, context),
+        "total": weights + kv + transient,
     }
 
 
@@ -72,8 +75,9 @@ def activations(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -
       (fc's output, its activation and the gated product: 2 · widest) beside a few residual-stream copies,
       and RMSNorm / RoPE work in float32;
     - `head`: float32 logits and log-probabilities of the tokens finished together (up to DEFERRED_BATCH
-      teacher-forced, or one per row), and the same again for a decoding probe (kl, confidence).
-    The prefill and the head do not overlap, so the larger of the two counts.
+      teacher-forced, or one per row), and the same again for a decoding probe (kl, confidence);
+    - `wave_gather`: a depth-major wave's keys and values gathered per token (`wave`).
+    The prefill, the head and the loop's waves do not overlap: the largest of them counts (`activations`).
     """
     size = dtype.itemsize
     d = model.config.n_embd
@@ -82,4 +86,13 @@ def activations(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -
     tokens = batch * context
     prefill = tokens * ((2 * widest + 8 * d) * size + 3 * d * 4)
     head = 2 * max(batch, min(DEFERRED_BATCH, tokens)) * model.output_size * 4 * 2
-    return {"inputs": tokens * d * size, "prefill_or_head": max(prefill, head)}
+    return {"inputs": tokens * d * size, "prefill_or_head": max(prefill, head),
+            "wave_gather": wave(model, dtype, batch, context)["gather_bytes"]}
+
+
+def wave(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -> dict[str, int]:
+    """What a depth-major wave holds (exitbench.engine.waves): each row's block of positions, and the
+    token-mode gather of their keys and values once some have exited (the largest loop-time transient)."""
+    block = min(block_positions(model, batch, context, dtype), context)
+    return {"block_positions": block, "tokens": batch * block,
+            "gather_bytes": block * gather_bytes(model, batch, context, dtype)}

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..models import LoopedLM
 from .loop import Leaving
 from .records import Token
 
@@ -57,12 +58,16 @@ def depth_major_blocker(engine: "ExitEngine") -> str | None:
     return None
 
 
-def block_positions(engine: "ExitEngine", rows: int, capacity: int) -> int:
+def gather_bytes(model: LoopedLM, rows: int, capacity: int, dtype: torch.dtype | None = None) -> int:
+    """What one position of each of `rows` rows adds to a wave's key and value gather over `capacity`."""
+    heads, head_dim = model.cache_geometry()
+    return rows * capacity * heads * head_dim * 2 * (dtype or model.dtype).itemsize
+
+
+def block_positions(model: LoopedLM, rows: int, capacity: int, dtype: torch.dtype | None = None) -> int:
     """Positions of a row that enter a wave together: as many as keep the wave's key gather under
     WAVE_GATHER_BYTES (at least one; a tiny model takes whole sequences)."""
-    heads, head_dim = engine.model.cache_geometry()
-    per_position = rows * capacity * heads * head_dim * 2 * engine.model.dtype.itemsize
-    return max(1, WAVE_GATHER_BYTES // max(per_position, 1))
+    return max(1, WAVE_GATHER_BYTES // max(gather_bytes(model, rows, capacity, dtype), 1))
 
 
 class DepthMajor:
