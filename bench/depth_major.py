@@ -180,9 +180,11 @@ def section_cells(figures: dict, limit: int, repeats: int) -> None:
             m = median_of(times)
             for s in SCHEDULES:
                 total[s] += m[s]
+            rel = max((abs(values["auto"][k] - v) / max(abs(v), 1e-30) for k, v in values["token_major"].items()),
+                      default=0.0)
             print(f"[cells] {name} · {task} · {policy} ({schedule}): token-major {m['token_major']:.2f} s · "
-                  f"auto {m['auto']:.2f} s · speed-up {m['token_major'] / m['auto']:.2f}× · metrics "
-                  f"{'equal' if values['auto'] == values['token_major'] else values}", flush=True)
+                  f"auto {m['auto']:.2f} s · speed-up {m['token_major'] / m['auto']:.2f}× · metrics' largest "
+                  f"relative difference {rel:.1e}", flush=True)
             figures[f"cells {name} {task} {policy}"] = {"seconds": times, "schedule": schedule,
                                                          "speedup": m["token_major"] / m["auto"]}
     print(f"[cells] all of them: token-major {total['token_major']:.1f} s · auto {total['auto']:.1f} s · "
@@ -191,12 +193,11 @@ def section_cells(figures: dict, limit: int, repeats: int) -> None:
 
 
 # ---- wide: where arithmetic dominates -----------------------------------------------------------------------------
-def section_wide(figures: dict, width: int, docs: int, repeats: int) -> None:
+def section_wide(figures: dict, width: int, docs: int, repeats: int, schedules: tuple[str, ...] = SCHEDULES) -> None:
     sys.path.insert(0, str(REPO / "bench"))
     from engine import wide_model  # the random model bench/engine.py times
 
     from exitbench.engine import ExitEngine
-    from exitbench.models.tokenizer import Tokenizer  # noqa: F401  (the embedded tokenizer's ids)
 
     base = open_checkpoint(None)
     model = wide_model(base.model.config, width)
@@ -214,17 +215,17 @@ def section_wide(figures: dict, width: int, docs: int, repeats: int) -> None:
             mean = statistics.fmean(i for r in res for i in r.iterations)
             lo, hi = (tau, hi) if mean > K / 2 else (lo, tau)
         configs[policy] = ExitConfig(policy, threshold=(lo * hi) ** 0.5)
-    times = {(p, s): [] for p in configs for s in SCHEDULES}
+    times = {(p, s): [] for p in configs for s in schedules}
     iters = {}
     for _ in range(repeats):
         for p, cfg in configs.items():
-            for s in SCHEDULES:
+            for s in schedules:
                 engine = ExitEngine(model, cfg, schedule=s)
                 dt, res = timed(lambda engine=engine: engine.score(reqs, batch_size=16))
                 times[(p, s)].append(dt)
                 iters[p] = statistics.fmean(i for r in res for i in r.iterations)
     m = {k: statistics.median(v) for k, v in times.items()}
-    for s in SCHEDULES:
+    for s in schedules:
         for p in DECODING_FREE:
             ratio = (m[(p, s)] / m[("fixed", s)]) / (iters[p] / iters["fixed"])
             print(f"[wide] n_embd {width}, {docs} documents, batch size 16, {s}: {p} mean iterations "
@@ -241,6 +242,8 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--limit", type=int, default=48, help="cells: documents per task")
     ap.add_argument("--wide", type=int, default=1024)
+    ap.add_argument("--wide-schedules", default=",".join(SCHEDULES), help="wide: the schedules to time (token-major "
+                    "takes about 15 minutes there)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -254,7 +257,7 @@ def main() -> int:
     if "cells" in sections:
         section_cells(figures, args.limit, args.repeats)
     if "wide" in sections:
-        section_wide(figures, args.wide, args.docs, args.repeats)
+        section_wide(figures, args.wide, args.docs, args.repeats, tuple(args.wide_schedules.split(",")))
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1, default=str))

@@ -189,7 +189,9 @@ class TokenLoop:
             positions = [t.position for t in self.tokens]
             lockstep = rows == list(range(self.batch)) and min(positions) == max(positions)
             self._where = {"position": positions[0] if lockstep else None, "tokens": None,
-                           "runs": positions_runs(rows, positions)}
+                           "runs": positions_runs(rows, positions),
+                           # a depth-major wave (several tokens of a row, entered and iterating together)
+                           "by_row": len(set(rows)) < len(rows)}
         return self._where
 
     def _context(self, cache: KVCache, at: list[int] | None = None) -> AttnContext:
@@ -201,7 +203,8 @@ class TokenLoop:
             return AttnContext(start=where["position"], cache=cache, iteration=k[0])  # rows in lockstep: a chunk
         if where["tokens"] is None:  # (also in lockstep, when iterations differ)
             where["tokens"] = AttnContext.tokens(cache, [t.row for t in self.tokens],
-                                                 [t.position for t in self.tokens], iteration=None)
+                                                 [t.position for t in self.tokens], iteration=None,
+                                                 by_row=where["by_row"])
         return where["tokens"].at_iteration(k[0] if same_iteration else torch.tensor(k, device=cache.device))
 
     def _blocks(self, cache: KVCache) -> list[tuple[int, int, AttnContext, int]] | None:

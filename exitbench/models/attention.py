@@ -56,12 +56,13 @@ class AttnContext:
 
     @classmethod
     def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
-               iteration: int | torch.Tensor | None = 0) -> "AttnContext":
+               iteration: int | torch.Tensor | None = 0, by_row: bool = False) -> "AttnContext":
         """Token mode for one token per entry of `rows` at `positions` (lists), at `iteration` (None: none yet;
-        `at_iteration` gives one)."""
+        `at_iteration` gives one). `by_row`: a row's tokens read its keys as one slice (KVCache.attend_by_row),
+        for sets with several tokens per row whose tokens share an iteration."""
         rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
         length = max(positions) + 1
-        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1)
+        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1, by_row=by_row)
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if iteration is None else ctx.at_iteration(iteration)
 
@@ -100,6 +101,8 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     of that iteration, so one function serves plain layers and loop iterations of any architecture.
     """
     T = q.shape[2]
+    if ctx.index is not None and ctx.index.by_row is not None:
+        return ctx.cache.attend_by_row(layer_id, ctx.index, q, k, v)
     if ctx.index is not None:
         k, v = ctx.cache.update_tokens(layer_id, ctx.index, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.index.mask)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -40,9 +41,14 @@ class TokenIndex:
     so the index is worked out once per set of tokens, not once per step."""
 
     write: torch.Tensor
-    read: torch.Tensor
+    read: torch.Tensor | None
     length: int
     mask: torch.Tensor | None
+    # Several tokens of a row (a depth-major wave): per row, (its tokens' places in the step, the row, keys to
+    # read, the (m, length) mask of what each may see (None: all), its first place), read as one slice of the
+    # row instead of a gather per token; and the slot each row reads at this iteration.
+    by_row: list[tuple[torch.Tensor, int, int, torch.Tensor | None, int]] | None = None
+    row_slots: list[int] | None = None
 
 
 class KVCache:
@@ -108,10 +114,23 @@ class KVCache:
             self._flats[key] = store[layer].view(-1, self.n_heads, self.head_dim)
         return self._flats[key]
 
-    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool) -> TokenIndex:
+    def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool,
+                    by_row: bool = False) -> TokenIndex:
         """The `TokenIndex` at iteration 0 of one token per entry of `rows` at `positions`, each reading its row's
-        keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it."""
+        keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it.
+        `by_row`: tokens of one row read their row's keys as one slice (`attend_by_row`), not one gather each."""
         base = rows * self.capacity
+        if by_row:
+            groups = []
+            row_list, pos_list = rows.tolist(), positions.tolist()
+            for row in dict.fromkeys(row_list):
+                idx = [i for i, r in enumerate(row_list) if r == row]
+                pos = torch.tensor([pos_list[i] for i in idx], device=self.device)
+                n_keys = int(pos.max()) + 1
+                sees = torch.arange(n_keys, device=self.device) <= pos.unsqueeze(1)
+                groups.append((torch.tensor(idx, device=self.device), row, n_keys,
+                               None if bool(sees.all()) else sees, idx[0]))
+            return TokenIndex(base + positions, None, length, None, groups)
         read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
         mask = None
         if masked:
@@ -123,6 +142,11 @@ class KVCache:
     def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int) -> TokenIndex:
         """`index` (at iteration 0) moved to loop iteration(s) `iterations`: an int, or one per token."""
         offset = self.slot(iterations) * (self.batch * self.capacity)
+        if index.by_row is not None:
+            # one read of the iterations per step, not one per row (each a device sync on a GPU)
+            host = [iterations] * len(index.write) if isinstance(iterations, int) else iterations.tolist()
+            slots = [self.slot(host[first]) for *_, first in index.by_row]
+            return TokenIndex(index.write + offset, None, index.length, None, index.by_row, slots)
         if isinstance(offset, int):
             if offset == 0:
                 return index
@@ -141,6 +165,21 @@ class KVCache:
             flat.index_copy_(0, index.write, new[:, :, 0])
             out.append(flat.index_select(0, index.read).view(n, index.length, H, D).transpose(1, 2))
         return out[0], out[1]
+
+    def attend_by_row(self, layer: int, index: TokenIndex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                      ) -> torch.Tensor:
+        """Write k, v (n, H, 1, D) where `index` says, then attend each row's tokens (q: (n, H, 1, D)) to that
+        row's keys at its slot, one slice and one masked attention per row; (n, H, 1, D)."""
+        for store, new in ((self.k, k), (self.v, v)):
+            self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        out = torch.empty_like(q)
+        for (idx, row, n_keys, sees, _), slot in zip(index.by_row, index.row_slots):
+            keys = self.k[layer][slot, row, :n_keys].transpose(0, 1).unsqueeze(0)     # (1, H, L, D)
+            values = self.v[layer][slot, row, :n_keys].transpose(0, 1).unsqueeze(0)
+            queries = q.index_select(0, idx).transpose(0, 2)                           # (1, H, m, D)
+            got = F.scaled_dot_product_attention(queries, keys, values, attn_mask=sees)
+            out.index_copy_(0, idx, got.transpose(0, 2))
+        return out
 
     def carry_forward(self, layers: list[int], rows: torch.Tensor | list[int] | int | None,
                       positions: list[int] | int, last_slots: list[int] | int) -> None:
