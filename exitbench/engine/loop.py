@@ -11,6 +11,7 @@ ordinary cached chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -111,14 +112,16 @@ class TokenLoop:
         started = self.clock.start()
         if self.hindsight:
             self.hindsight.keep_entries(self.record_of, self.tokens, self.k, cache)
-        # A block step's contexts are chunks; a readout reads each token at its own position.
-        logits, leave = self._probe(ctx if ctx is not None else self._context(cache, at=[k - 1 for k in self.k]))
+        # A block step's contexts are chunks; a readout reads each token at its own position (built only for
+        # a rule that decodes).
+        ran = [k - 1 for k in self.k]
+        logits, leave = self._probe(lambda: ctx if ctx is not None else self._context(cache, at=ran))
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
             return None
         return self._leave(leave, logits, cache)
 
-    def _probe(self, ctx: AttnContext) -> tuple[torch.Tensor | None, list[bool]]:
+    def _probe(self, context: Callable[[], AttnContext]) -> tuple[torch.Tensor | None, list[bool]]:
         """Signals and the exit decision: which tokens leave after this iteration."""
         policy = self.policy
         if policy.signal_free:
@@ -126,7 +129,7 @@ class TokenLoop:
                 for trace, k in zip(self.trace, self.k):
                     trace.append(float(k))
             return None, [k >= self.K for k in self.k]
-        logits = self.model.readout(self.index, self.s, ctx, self.readout_steps)[:, 0] if self.decodes else None
+        logits = self.model.readout(self.index, self.s, context(), self.readout_steps)[:, 0] if self.decodes else None
         if self.hindsight:
             self.hindsight.record(self.record_of, self.s, self.k, logits)
             return logits, [k >= self.K for k in self.k]
