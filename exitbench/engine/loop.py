@@ -211,21 +211,20 @@ class TokenLoop:
         return where["tokens"].at_iteration(k[0] if same_iteration else torch.tensor(k, device=cache.device))
 
     def _blocks(self, cache: KVCache) -> list[tuple[int, int, AttnContext, int]] | None:
-        """Depth-major waves: when each row's tokens are one run of consecutive positions, all at one iteration,
-        the step is a chunk per run (a prefill's attention, no per-token key gather): (first place, end place,
-        context, rows) per call, runs of equal start and length sharing one call. None otherwise."""
+        """Depth-major waves: when each row's tokens are one run of consecutive positions, all runs of one start
+        and length and at one iteration, the step is one chunk call (a prefill's attention, no per-token key
+        gather): [(first place, end place, context, rows)]. None otherwise."""
         runs = self._placement()["runs"]
         if runs is None or min(self.k) != max(self.k):
             return None
-        k = self.k[0]
-        shapes = {(start, hi - lo) for lo, hi, _, start in runs}
-        if len(shapes) == 1:
-            (start, _), = shapes
-            rows = [row for _, _, row, _ in runs]
-            index = None if rows == list(range(self.batch)) else torch.tensor(rows, device=cache.device)
-            return [(0, runs[-1][1], AttnContext(start=start, cache=cache, rows=index, iteration=k), len(runs))]
-        return [(lo, hi, AttnContext(start=start, cache=cache, rows=torch.tensor([row], device=cache.device),
-                                     iteration=k), 1) for lo, hi, row, start in runs]
+        # Runs of one shape make one chunk call. Runs of several shapes would need a call each, every layer
+        # dispatched once per row: the token path (`attend_by_row`) runs the layers once for all of them.
+        if len({(start, hi - lo) for lo, hi, _, start in runs}) > 1:
+            return None
+        rows = [row for _, _, row, _ in runs]
+        index = None if rows == list(range(self.batch)) else torch.tensor(rows, device=cache.device)
+        return [(0, runs[-1][1], AttnContext(start=runs[0][3], cache=cache, rows=index, iteration=self.k[0]),
+                 len(runs))]
 
     def _step_blocks(self, blocks: list[tuple[int, int, AttnContext, int]]) -> torch.Tensor:
         d = self.s.shape[-1]
