@@ -30,7 +30,7 @@ from ..models import AttnContext, LoopedLM
 from ..runtime.validation import at_least
 from .config import ExitConfig
 from .flops import FlopModel
-from .loop import Leaving, TokenLoop, positions_runs
+from .loop import Leaving, TokenLoop, positions_runs, uniform_chunk
 from .noise import PositionNoise
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
@@ -452,31 +452,21 @@ class Run:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _walk(self, x: torch.Tensor, tokens: list[Token], start: int, stop: int | None = None) -> torch.Tensor:
-        """The plain stages [start, stop) for tokens (x: (n, 1, d)). A depth-major block, each row's run of
-        consecutive positions, walks as chunks (runs of one shape in one call); other sets token by token."""
-        runs = positions_runs([t.row for t in tokens], [t.position for t in tokens])
-        if runs is None:
+        """The plain stages [start, stop) for tokens (x: (n, 1, d)). A depth-major block whose rows hold runs of
+        one shape walks as one chunk; other sets token by token (several of a row: one slice of its keys)."""
+        rows, positions = [t.row for t in tokens], [t.position for t in tokens]
+        chunk = uniform_chunk(positions_runs(rows, positions), self.B, self.cache)
+        if chunk is None:
             return self.model.walk(x, self._context(tokens), start=start, stop=stop)
-        d = x.shape[-1]
-        calls = []
-        if len({(first, hi - lo) for lo, hi, _, first in runs}) == 1:
-            rows = [row for _, _, row, _ in runs]
-            index = None if rows == list(range(self.B)) else torch.tensor(rows, device=self.cache.device)
-            calls.append((0, len(tokens), AttnContext(start=runs[0][3], cache=self.cache, rows=index), len(runs)))
-        else:
-            calls = [(lo, hi, AttnContext(start=first, cache=self.cache,
-                                          rows=torch.tensor([row], device=self.cache.device)), 1)
-                     for lo, hi, row, first in runs]
-        out = [self.model.walk(x[lo:hi].view(n, -1, d), ctx, start=start, stop=stop).flatten(0, 1).unsqueeze(1)
-               for lo, hi, ctx, n in calls]
-        return out[0] if len(out) == 1 else torch.cat(out)
+        ctx, n_rows = chunk
+        return self.model.walk(x.view(n_rows, -1, x.shape[-1]), ctx, start=start, stop=stop).reshape(-1, 1, x.shape[-1])
 
     def _context(self, tokens: list[Token]) -> AttnContext:
         rows = [t.row for t in tokens]
         positions = [t.position for t in tokens]
         if rows == list(range(self.B)) and min(positions) == max(positions):
             return AttnContext(start=positions[0], cache=self.cache)
-        return AttnContext.tokens(self.cache, rows, positions)
+        return AttnContext.tokens(self.cache, rows, positions, by_row=len(set(rows)) < len(rows))
 
     def _start_states(self, g: int, tokens: list[Token], x: torch.Tensor) -> torch.Tensor:
         group = self.engine.groups[g]

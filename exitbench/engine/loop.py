@@ -210,27 +210,29 @@ class TokenLoop:
                                                  by_row=where["by_row"])
         return where["tokens"].at_iteration(k[0] if same_iteration else torch.tensor(k, device=cache.device))
 
-    def _blocks(self, cache: KVCache) -> list[tuple[int, int, AttnContext, int]] | None:
-        """Depth-major waves: when each row's tokens are one run of consecutive positions, all runs of one start
-        and length and at one iteration, the step is one chunk call (a prefill's attention, no per-token key
-        gather): [(first place, end place, context, rows)]. None otherwise."""
-        runs = self._placement()["runs"]
-        if runs is None or min(self.k) != max(self.k):
+    def _blocks(self, cache: KVCache) -> tuple[AttnContext, int] | None:
+        """A depth-major wave at one iteration whose rows hold runs of one shape: its chunk context and rows."""
+        if min(self.k) != max(self.k):
             return None
-        # Runs of one shape make one chunk call. Runs of several shapes would need a call each, every layer
-        # dispatched once per row: the token path (`attend_by_row`) runs the layers once for all of them.
-        if len({(start, hi - lo) for lo, hi, _, start in runs}) > 1:
-            return None
-        rows = [row for _, _, row, _ in runs]
-        index = None if rows == list(range(self.batch)) else torch.tensor(rows, device=cache.device)
-        return [(0, runs[-1][1], AttnContext(start=runs[0][3], cache=cache, rows=index, iteration=self.k[0]),
-                 len(runs))]
+        return uniform_chunk(self._placement()["runs"], self.batch, cache, self.k[0])
 
-    def _step_blocks(self, blocks: list[tuple[int, int, AttnContext, int]]) -> torch.Tensor:
+    def _step_blocks(self, blocks: tuple[AttnContext, int]) -> torch.Tensor:
+        ctx, rows = blocks
         d = self.s.shape[-1]
-        out = [self.group.step(self.s[lo:hi].view(rows, -1, d), self.x[lo:hi].view(rows, -1, d), ctx
-                               ).reshape(hi - lo, 1, d) for lo, hi, ctx, rows in blocks]
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return self.group.step(self.s.view(rows, -1, d), self.x.view(rows, -1, d), ctx).reshape(-1, 1, d)
+
+
+def uniform_chunk(runs: list[tuple[int, int, int, int]] | None, batch: int, cache: KVCache, iteration: int = 0
+                  ) -> tuple[AttnContext, int] | None:
+    """When every row's tokens are one run of consecutive positions, all of one start and length: one chunk
+    context for them all (a prefill's attention, no per-token key gather) and the number of rows. Runs of
+    several shapes would need a call each, every layer dispatched once per row: None, and the token path
+    (`KVCache.attend_by_row`) runs the layers once for all of them."""
+    if runs is None or len({(start, hi - lo) for lo, hi, _, start in runs}) > 1:
+        return None
+    rows = [row for _, _, row, _ in runs]
+    index = None if rows == list(range(batch)) else torch.tensor(rows, device=cache.device)
+    return AttnContext(start=runs[0][3], cache=cache, rows=index, iteration=iteration), len(runs)
 
 
 def positions_runs(rows: list[int], positions: list[int]) -> list[tuple[int, int, int, int]] | None:

@@ -25,7 +25,7 @@ blocks' entries at their exit slots, and the row moves to its next block when th
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -33,16 +33,14 @@ from ..models import LoopedLM
 from .loop import Leaving
 from .records import Token
 
-if TYPE_CHECKING:
-    from .engine import ExitEngine, Run
-
 # A wave's token-mode attention gathers each token's row of keys and values: rows × block positions × context ×
 # heads × head_dim × 2 per layer. Blocks are sized to keep that gather under this many bytes.
 WAVE_GATHER_BYTES = 256 * 2**20
 
 
-def depth_major_blocker(engine: "ExitEngine") -> str | None:
-    """Why a teacher-forced run of this engine cannot run depth-major exactly (None: it can)."""
+def depth_major_blocker(engine: Any) -> str | None:
+    """Why a teacher-forced run of this ExitEngine cannot run depth-major exactly (None: it can). (Typed Any:
+    the engine imports this module, not the other way round.)"""
     config, model = engine.config, engine.model
     if config.warm_start:
         return "warm_start: each token starts from the previous token's final state"
@@ -74,7 +72,7 @@ class DepthMajor:
     """The admission side of a depth-major run: a row enters a block of positions at once, and a block moves
     on to the next loop group, or out of the model, when all of its positions have left the current one."""
 
-    def __init__(self, run: "Run", block: int):
+    def __init__(self, run: Any, block: int):  # the engine's Run
         self.run, self.block = run, block
         self.size = [0] * run.B                                    # positions in each row's current block
         self.last = [-1] * run.B                                   # each block's last position

@@ -122,9 +122,11 @@ class KVCache:
         base = rows * self.capacity
         if by_row:
             groups = []
-            row_list, pos_list = rows.tolist(), positions.tolist()
-            for row in dict.fromkeys(row_list):
-                idx = [i for i, r in enumerate(row_list) if r == row]
+            pos_list = positions.tolist()
+            places: dict[int, list[int]] = {}
+            for i, row in enumerate(rows.tolist()):
+                places.setdefault(row, []).append(i)
+            for row, idx in places.items():
                 pos = torch.tensor([pos_list[i] for i in idx], device=self.device)
                 n_keys = int(pos.max()) + 1
                 sees = torch.arange(n_keys, device=self.device) <= pos.unsqueeze(1)
@@ -143,9 +145,11 @@ class KVCache:
         """`index` (at iteration 0) moved to loop iteration(s) `iterations`: an int, or one per token."""
         offset = self.slot(iterations) * (self.batch * self.capacity)
         if index.by_row is not None:
-            # one read of the iterations per step, not one per row (each a device sync on a GPU)
-            host = [iterations] * len(index.write) if isinstance(iterations, int) else iterations.tolist()
-            slots = [self.slot(host[first]) for *_, first in index.by_row]
+            if isinstance(iterations, int):
+                slots = [self.slot(iterations)] * len(index.by_row)
+            else:  # one read of the iterations per step, not one per row (each a device sync on a GPU)
+                host = iterations.tolist()
+                slots = [self.slot(host[first]) for *_, first in index.by_row]
             return TokenIndex(index.write + offset, None, index.length, None, index.by_row, slots)
         if isinstance(offset, int):
             if offset == 0:
