@@ -208,7 +208,9 @@ class TokenLoop:
             where["tokens"] = AttnContext.tokens(cache, [t.row for t in self.tokens],
                                                  [t.position for t in self.tokens], iteration=None,
                                                  by_row=where["by_row"])
-        return where["tokens"].at_iteration(k[0] if same_iteration else torch.tensor(k, device=cache.device))
+        if same_iteration:
+            return where["tokens"].at_iteration(k[0])
+        return where["tokens"].at_iteration(torch.tensor(k, device=cache.device), host=k)
 
     def _blocks(self, cache: KVCache) -> tuple[AttnContext, int] | None:
         """A depth-major wave at one iteration whose rows hold runs of one shape: its chunk context and rows."""

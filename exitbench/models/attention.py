@@ -42,11 +42,12 @@ class AttnContext:
     # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and iteration.
     rotations: dict[int, torch.Tensor] | None = None
 
-    def at_iteration(self, iteration: int | torch.Tensor) -> "AttnContext":
+    def at_iteration(self, iteration: int | torch.Tensor, host: list[int] | None = None) -> "AttnContext":
+        """At `iteration`; `host`: the same per-token iterations as a list, so no device read is needed."""
         if self.places is None:
             return AttnContext(self.start, self.cache, self.rows, iteration)
         return AttnContext(self.start, self.cache, self.rows, iteration, self.positions, self.places,
-                           self.cache.at_iteration(self.places, iteration), self.rotations)
+                           self.cache.at_iteration(self.places, iteration, host), self.rotations)
 
     def rotation(self, table: torch.Tensor) -> torch.Tensor:
         """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
@@ -62,7 +63,8 @@ class AttnContext:
         for sets with several tokens per row whose tokens share an iteration."""
         rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
         length = max(positions) + 1
-        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1, by_row=by_row)
+        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1,
+                                   by_row=(list(rows), list(positions)) if by_row else None)
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if iteration is None else ctx.at_iteration(iteration)
 

@@ -115,23 +115,26 @@ class KVCache:
         return self._flats[key]
 
     def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool,
-                    by_row: bool = False) -> TokenIndex:
+                    by_row: tuple[list[int], list[int]] | None = None) -> TokenIndex:
         """The `TokenIndex` at iteration 0 of one token per entry of `rows` at `positions`, each reading its row's
         keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it.
-        `by_row`: tokens of one row read their row's keys as one slice (`attend_by_row`), not one gather each."""
+        `by_row` (the rows and positions as host lists): tokens of one row read their row's keys as one slice
+        (`attend_by_row`), not one gather each."""
         base = rows * self.capacity
         if by_row:
             groups = []
-            pos_list = positions.tolist()
+            row_list, pos_list = by_row
             places: dict[int, list[int]] = {}
-            for i, row in enumerate(rows.tolist()):
+            for i, row in enumerate(row_list):
                 places.setdefault(row, []).append(i)
             for row, idx in places.items():
                 pos = torch.tensor([pos_list[i] for i in idx], device=self.device)
-                n_keys = int(pos.max()) + 1
+                mine = [pos_list[i] for i in idx]
+                n_keys = max(mine) + 1
                 sees = torch.arange(n_keys, device=self.device) <= pos.unsqueeze(1)
-                groups.append((torch.tensor(idx, device=self.device), row, n_keys,
-                               None if bool(sees.all()) else sees, idx[0]))
+                # every token sees every key only when the row has one token, at the last position
+                whole = len(mine) == 1
+                groups.append((torch.tensor(idx, device=self.device), row, n_keys, None if whole else sees, idx[0]))
             return TokenIndex(base + positions, None, length, None, groups)
         read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
         mask = None
@@ -141,14 +144,15 @@ class KVCache:
             mask = mask.view(len(positions), 1, 1, length)
         return TokenIndex(base + positions, read, length, mask)
 
-    def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int) -> TokenIndex:
+    def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int, host: list[int] | None = None
+                     ) -> TokenIndex:
         """`index` (at iteration 0) moved to loop iteration(s) `iterations`: an int, or one per token."""
         offset = self.slot(iterations) * (self.batch * self.capacity)
         if index.by_row is not None:
             if isinstance(iterations, int):
                 slots = [self.slot(iterations)] * len(index.by_row)
-            else:  # one read of the iterations per step, not one per row (each a device sync on a GPU)
-                host = iterations.tolist()
+            else:  # the caller's host copy, else one read per step (not one per row: each a device sync)
+                host = host if host is not None else iterations.tolist()
                 slots = [self.slot(host[first]) for *_, first in index.by_row]
             return TokenIndex(index.write + offset, None, index.length, None, index.by_row, slots)
         if isinstance(offset, int):
