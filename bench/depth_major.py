@@ -13,6 +13,9 @@ Sections (each a median of --repeats, the variants taking turns within a repeat 
   loop of its layers (one `model(ids, depth)` forward per document, batch size 1: no exits, no cache).
 - cells: lm-eval cells through ExitbenchLM, each schedule, same cells: tiny-raven on chains_lambada and
   chains_mc, tiny-looped-gpt2 on gsm8k_text (its default depth and decoding-free rules).
+- compile: `--compile` against eager on the embedded models, each schedule, fixed depth and second_order,
+  rolling perplexity at batch size 1 and 16; the first call (which compiles) is left out of the timing, and
+  the run fails if dynamo reached its recompile limit or compiled anything after that first call.
 - wide: a random Raven of n_embd --wide (4 core layers), rolling perplexity at batch size 16: time ratio over
   iteration ratio of each decoding-free rule against fixed depth, each schedule. Target ≤ 1.10 depth-major.
 """
@@ -192,6 +195,45 @@ def section_cells(figures: dict, limit: int, repeats: int) -> None:
     figures["cells total"] = total
 
 
+# ---- compile: eager against torch.compile'd steps -------------------------------------------------------------------
+def section_compile(figures: dict, docs: int, repeats: int) -> None:
+    from torch._dynamo.utils import counters
+
+    from exitbench.engine import ExitEngine
+
+    texts = gsm8k_texts(docs)
+    for name in ("tiny-raven", "tiny-looped-gpt2"):
+        eager, compiled = open_checkpoint(name), open_checkpoint(name)
+        compiled.model.compile_loops()
+        bos = [eager.tokenizer.bos_token_id] if eager.tokenizer.bos_token_id is not None else []
+        reqs = [((bos + eager.tokenizer.encode(t))[:129], 1) for t in texts]
+        for policy in ("fixed", "second_order"):
+            for s in SCHEDULES:
+                for bs in (1, 16):
+                    engines = {tag: ExitEngine(ck.model, ExitConfig(policy), schedule=s)
+                               for tag, ck in (("eager", eager), ("compiled", compiled))}
+                    first = {tag: timed(lambda e=e: e.score(reqs, batch_size=bs)) for tag, e in engines.items()}
+                    graphs = counters["stats"]["unique_graphs"]
+                    times = {tag: [] for tag in engines}
+                    for _ in range(repeats):
+                        for tag, e in engines.items():
+                            dt, out = timed(lambda e=e: e.score(reqs, batch_size=bs))
+                            times[tag].append(dt)
+                    assert counters["stats"]["unique_graphs"] == graphs, "compiled again after the first call"
+                    same = all(a.iterations == b.iterations for a, b in zip(first["eager"][1], first["compiled"][1]))
+                    assert same, "compiled exits differ from eager ones"
+                    m = median_of(times)
+                    print(f"[compile] {name} · {policy} · {s} · batch size {bs}: eager {m['eager']:.2f} s · compiled "
+                          f"{m['compiled']:.2f} s ({m['eager'] / m['compiled']:.2f}× faster; its first call "
+                          f"{first['compiled'][0]:.1f} s)", flush=True)
+                    figures[f"compile {name} {policy} {s} bs{bs}"] = {
+                        "seconds": times, "median": m, "first_call": {k: v[0] for k, v in first.items()},
+                        "eager_over_compiled": m["eager"] / m["compiled"]}
+    limit = [k for k in counters["unimplemented"] if "recompile" in k.lower()]
+    assert not limit, "dynamo reached its recompile limit: steps ran eagerly"
+    print(f"[compile] {counters['stats']['unique_graphs']} graphs compiled in all; recompile limit never reached")
+
+
 # ---- wide: where arithmetic dominates -----------------------------------------------------------------------------
 def section_wide(figures: dict, width: int, docs: int, repeats: int, schedules: tuple[str, ...] = SCHEDULES) -> None:
     sys.path.insert(0, str(REPO / "bench"))
@@ -237,7 +279,7 @@ def section_wide(figures: dict, width: int, docs: int, repeats: int, schedules: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="hf,looped,cells,wide")
+    ap.add_argument("--sections", default="hf,looped,cells,compile,wide")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--limit", type=int, default=48, help="cells: documents per task")
@@ -256,6 +298,8 @@ def main() -> int:
         section_looped(figures, args.docs, args.repeats)
     if "cells" in sections:
         section_cells(figures, args.limit, args.repeats)
+    if "compile" in sections:
+        section_compile(figures, args.docs, args.repeats)
     if "wide" in sections:
         section_wide(figures, args.wide, args.docs, args.repeats, tuple(args.wide_schedules.split(",")))
     print(f"({time.perf_counter() - t0:.0f} s)")

@@ -51,6 +51,11 @@ class AttnContext:
 
     def rotation(self, table: torch.Tensor) -> torch.Tensor:
         """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
+        if torch.compiler.is_compiling():
+            # Dynamo cannot carry an id()-keyed dict across the cache's graph break (and would guard on the
+            # table's identity, recompiling whenever a caller passes a new view of it); compiled, the gather
+            # fuses into the rotation, so sharing it buys nothing.
+            return table[self.positions]
         if id(table) not in self.rotations:
             self.rotations[id(table)] = table[self.positions]
         return self.rotations[id(table)]
@@ -77,10 +82,11 @@ def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of x (B, T, H, D): the GPT-J / original-LLaMA layout, in fp32. Token t
-    of row b sits at position start + t, or (one token per row, T = 1) at `positions`: either its positions
-    (b,) or the table's rows there already, (b, pairs, 2)."""
+               positions: torch.Tensor | None = None, halves: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of x (B, T, H, D): the GPT-J / original-LLaMA layout, in fp32; with
+    `halves`, the pairs (i, i + D/2) instead: Hugging Face's rotate-half layout (Llama, Qwen2, Ouro), the same
+    rotation of differently paired coordinates. Token t of row b sits at position start + t, or (one token per
+    row, T = 1) at `positions`: either its positions (b,) or the table's rows there already, (b, pairs, 2)."""
     T = x.shape[1]
     if positions is not None:
         rot = (positions if positions.dim() == 3 else table[positions]).view(-1, 1, 1, table.shape[1], 2)
@@ -89,18 +95,26 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
             raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
         rot = table[start : start + T].view(1, T, 1, -1, 2)
     cos, sin = rot[..., 0], rot[..., 1]
+    if halves:
+        even, odd = x.float().chunk(2, dim=-1)
+        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1).to(x.dtype)
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
     return out.flatten(-2).to(x.dtype)
 
 
+@torch.compiler.disable
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
     """Causal attention of q, k, v (B, H, T, D), through the cache when there is one.
 
     The cache stores this layer's keys at loop iteration ctx.iteration and returns every earlier position's keys
     of that iteration, so one function serves plain layers and loop iterations of any architecture.
+
+    Never compiled (`--compile`): the cache is host bookkeeping (dicts of stores, per-row slices, in-place
+    writes whose shapes follow the schedule), and tracing it would specialise on positions and slots. A
+    compiled step breaks here cleanly and compiles the arithmetic on either side once, with dynamic shapes.
     """
     T = q.shape[2]
     if ctx.index is not None and ctx.index.by_row is not None:

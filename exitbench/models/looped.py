@@ -55,6 +55,33 @@ class LoopGroup:
     random_init: bool = False
     modules: list[nn.Module] = field(default_factory=list)  # what one iteration computes, for FLOP counts
     compiled: bool = False  # `step` is torch.compile'd (LoopedLM.compile_loops)
+    # A trained exit gate (Ouro's): the logit of stopping after an iteration, from the state it left, (n, d) →
+    # (n,); it reads no other token. None: the model has none, and a gate rule refuses it.
+    gate: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gate_modules: list[nn.Module] = field(default_factory=list)
+
+
+def _compiled_step(step: Callable, sharing: int) -> Callable:
+    """`step` compiled for a whole run: a few graphs on the first calls (size-1 axes and the chunk and token
+    modes compile apart), then none, whatever the lengths and batches. The attention layers' ids (ints on their
+    modules) only name the cache layer the uncompiled attention boundary reads, so they stay symbolic:
+    specialised, every layer of a block would be a compilation of its own and a deep block alone would exceed
+    dynamo's recompile limit, after which steps silently run eagerly. What still varies is bounded: chunk or
+    token mode, size-1 batch or length axes, an argument that is None or not (up to 16 graphs of a frame). Dynamo
+    keeps graphs per code object, so groups whose steps are one function (the looped GPT-2's) share a frame:
+    the limit is 16 per group sharing it, `sharing`."""
+    import torch._dynamo
+    import torch.fx.experimental._config as shapes
+
+    compiled = torch.compile(step, dynamic=True)
+    limit = max(torch._dynamo.config.recompile_limit, 16) * sharing
+
+    def run(s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # No duck sizing either: two axes that happen to be equal once (rows = positions) are not a rule.
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=limit), \
+                shapes.patch(use_duck_shape=False):
+            return compiled(s, x, ctx)
+    return run
 
 
 def unit_trunc_normal(shape: Sequence[int], generator: torch.Generator | None = None,
@@ -109,6 +136,20 @@ class LoopedLM(nn.Module):
         """Whether lm_head shares its weight with the token embedding `transformer.wte`."""
         return False
 
+    def exit_grids(self) -> dict[str, tuple[float, ...]]:
+        """Default threshold grids of rules whose useful thresholds depend on the model (its scale, how far its
+        steps contract), by policy name; a rule not named here sweeps its own `default_grid`."""
+        return {}
+
+    @property
+    def gated(self) -> bool:
+        """Whether a loop group has a trained exit gate (the gate rules can run)."""
+        return any(g.gate is not None for g in self.loop_groups())
+
+    def tie_head(self) -> None:
+        """Make lm_head share the token embedding's weight (after a load assigned both)."""
+        self.lm_head.weight = self.transformer.wte.weight
+
     @classmethod
     def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         """Map a checkpoint's tensors as published onto this module tree's keys (default: as they are)."""
@@ -125,9 +166,10 @@ class LoopedLM(nn.Module):
         shapes change every call; specialising on them would recompile nearly every tick. Everything that
         runs a step (the engine's loops, the prefill walk) picks it up, since they call `group.step`.
         """
-        for group in self.loop_groups():
+        groups = self.loop_groups()
+        for group in groups:
             if not group.compiled:
-                group.step = torch.compile(group.step, dynamic=True)
+                group.step = _compiled_step(group.step, len(groups))
                 group.compiled = True
 
     @property
