@@ -107,20 +107,26 @@ def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.G
     return t.to(dtype)
 
 
-def make_tokenizer() -> Tokenizer:
-    """65,536 entries: byte-level BPE over the 256 byte symbols with made-up two-symbol merges, then the
-    special tokens at Huginn's ids. Encodes any text (every byte has a symbol)."""
+def byte_level_bpe(size: int, leading: list[str] = ()) -> Tokenizer:
+    """Byte-level BPE of `size` entries: `leading` tokens first, the 256 byte symbols, then made-up two-symbol
+    merges. Encodes any text (every byte has a symbol)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(alphabet)}
+    vocab = {s: i for i, s in enumerate([*leading, *alphabet])}
     merges = []
     pairs = ((a, b) for a in alphabet for b in alphabet)
-    while len(vocab) < FIRST_SPECIAL:
+    while len(vocab) < size:
         a, b = next(pairs)
         vocab[a + b] = len(vocab)
         merges.append((a, b))
     tok = Tokenizer(BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def make_tokenizer() -> Tokenizer:
+    """65,536 entries: byte-level BPE, then the special tokens at Huginn's ids."""
+    tok = byte_level_bpe(FIRST_SPECIAL)
     tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
     # BOS first, as Huginn's pretraining documents start (huginn-0125.md §2.1).
     tok.post_processor = processors.TemplateProcessing(single="<|begin_text|> $A",

@@ -299,7 +299,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
-    configs = grid(cfg, ck.model.loop_groups()[0].default_steps)  # bad thresholds fail before the fingerprint
+    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(),  # bad thresholds fail
+                   ck.model.gated)  # before the fingerprint
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     if compile_step:
         ck.model.compile_loops()
@@ -521,8 +522,8 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
     policy = config.policy
     check_calibratable(policy)
-    grid = parse_thresholds(thresholds) or list(REGISTRY[policy].default_grid)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    grid = parse_thresholds(thresholds) or list(ck.model.exit_grids().get(policy, REGISTRY[policy].default_grid))
     check_fitted_for(ck, config.fitted_exit_model)
     path = writable_report(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):

@@ -98,10 +98,12 @@ def default_baselines(max_steps: int) -> list[int]:
     return rs + [max_steps]
 
 
-def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
-    """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds. The shared
-    exit knobs go to the policies that take them; a baseline keeps those that change how it runs (prefill,
-    warm start, KV window)."""
+def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...]] | None = None,
+         gated: bool = False) -> list[ExitConfig]:
+    """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds (`grids`:
+    the model's own default grids, `LoopedLM.exit_grids`, else the rule's). The shared exit knobs go to the
+    policies that take them; a baseline keeps those that change how it runs (prefill, warm start, KV window).
+    `gated`: the model has a trained exit gate, so 'all' includes the gate rules."""
     swept = {name for name, *_ in ExitConfig.knobs(swept=True)}
     shared = {k: v for k, v in cfg.exit.items() if k not in swept}
     unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
@@ -112,6 +114,8 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
     names = expand_policies(cfg.policies)
     if "all" in cfg.policies and not shared.get("exit_model"):
         names = [n for n in names if not REGISTRY[n].needs_exit_model]  # 'all' the rules this sweep can run
+    if "all" in cfg.policies and not gated:
+        names = [n for n in names if not REGISTRY[n].needs_gate]
     if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
         raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
                              f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
@@ -121,7 +125,7 @@ def grid(cfg: SweepConfig, default_steps: int) -> list[ExitConfig]:
         if cls.retrospective:
             thresholds = [cls.default_threshold]
         else:
-            thresholds = cfg.thresholds or list(cls.default_grid)
+            thresholds = cfg.thresholds or list((grids or {}).get(name, cls.default_grid))
         for tau in thresholds:
             if cls.integer_threshold and float(tau) != int(tau):
                 raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
@@ -301,7 +305,7 @@ class SweepPlan:
 
 
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str) -> SweepPlan:
-    configs = grid(cfg, ck.model.loop_groups()[0].default_steps)
+    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(), ck.model.gated)
     check_depths(configs, ck.model.loop_groups())
     model = model_record(ck)
     world = init_distributed()[1]

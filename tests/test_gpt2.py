@@ -526,7 +526,7 @@ FAST_KINDS = {"second_order", "kl", "fixed", "oracle"}
 
 
 @pytest.mark.parametrize("policy", [p if p in FAST_KINDS else pytest.param(p, marks=pytest.mark.slow)
-                                    for p in REGISTRY])
+                                    for p in REGISTRY if not REGISTRY[p].needs_gate])
 def test_every_policy_batched_equals_one_at_a_time(gpt2, requests_16, policy):
     cls = REGISTRY[policy]
     tau = _spread_threshold(gpt2, requests_16, policy)
@@ -676,7 +676,7 @@ def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
     thresholds = {"kl": 1e-3, "minp_kl": 1e-4, "entropy_diff": 1e-2, "argmax_stability": 2, "confidence": 0.3,
                   "first_order": 1.0, "second_order": 0.5, "second_order_magnitude": 0.1, "cosine": 1e-3,
                   "learned": 0.883, "oracle": None, "fixed": 4}  # learned: mid-gap (0.8824-0.8836) of its risks here
-    assert set(thresholds) == set(REGISTRY)
+    assert set(thresholds) == {n for n, c in REGISTRY.items() if not c.needs_gate}  # no gate on GPT-2
     for name, tau in thresholds.items():
         cfg = ExitConfig(policy=name, threshold=tau, **knobs_for(name))
         batched = ExitEngine(ck.model, cfg).score(requests)

@@ -97,7 +97,7 @@ class ExitConfig:
 
     def bound_policies(self, groups: Sequence[Any]) -> list[ExitPolicy]:
         """One policy per loop group, its open max_steps fixed from the group's default depth."""
-        return [self.build_policy().bind(g.default_steps) for g in groups]
+        return [self.build_policy().bind(g.default_steps, g) for g in groups]
 
     def changed(self, role: str) -> list[str]:
         """The knobs of `role` set away from their defaults."""

@@ -4,8 +4,9 @@ from .cache import KVCache
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .gpt2 import LoopedGPT2, LoopedGPT2Config
 from .looped import LoopedLM, LoopGroup, Stage
+from .ouro import Ouro, OuroConfig
 from .raven import Raven, RavenConfig
 from .registry import ARCHITECTURES
 
 __all__ = ["ARCHITECTURES", "AttnContext", "Checkpoint", "KVCache", "LoopGroup", "LoopedGPT2", "LoopedGPT2Config",
-           "LoopedLM", "Raven", "RavenConfig", "Stage", "load_checkpoint", "save_checkpoint"]
+           "LoopedLM", "Ouro", "OuroConfig", "Raven", "RavenConfig", "Stage", "load_checkpoint", "save_checkpoint"]

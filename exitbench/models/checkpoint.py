@@ -122,6 +122,23 @@ class ConfigFile(_Strict):
     loop_steps: list[StrictInt] | None = None
     max_loop_steps: list[StrictInt] | None = None
     tie_word_embeddings: StrictBool = None
+    # Ouro (Hugging Face Qwen2's names, and its loop's).
+    num_key_value_heads: StrictInt = None
+    head_dim: StrictInt = None
+    num_hidden_layers: StrictInt = None
+    rms_norm_eps: Number = None
+    rope_theta: Number = None
+    rope_scaling: dict | None = None
+    max_position_embeddings: StrictInt = None
+    hidden_act: StrictStr = None
+    layer_types: list[StrictStr] | None = None
+    use_sliding_window: StrictBool = None
+    sliding_window: StrictInt | None = None
+    max_window_layers: StrictInt | None = None
+    attention_bias: StrictBool = None
+    total_ut_steps: StrictInt = None
+    max_ut_steps: StrictInt | None = None
+    early_exit_threshold: Number | None = None
     # Declared after vocab_size, so the validator below sees it.
     bos_token_id: TokenId | None = None
     eos_token_id: TokenId | None = None
@@ -325,7 +342,7 @@ def load_checkpoint(path: str | Path, dtype: str = AUTO, device: str = "cpu",
                                   f"flat index {index}); pass --allow-nonfinite to load it anyway")
     model.load_state_dict(tensors, strict=False, assign=True)
     if model.tied_head:
-        model.lm_head.weight = model.transformer.wte.weight
+        model.tie_head()
     model.reset_buffers()
     model = model.to(device).eval()
     return Checkpoint(model, layout.tokenizer, path, layout.config, name, layout.files)

@@ -6,13 +6,15 @@ from typing import Any
 from ..errors import CheckpointError
 from .gpt2 import LoopedGPT2
 from .looped import LoopedLM
+from .ouro import Ouro
 from .raven import Raven
 
-ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2}
+ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2,
+                                             Ouro.architecture: Ouro}
 # A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
 _MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture}
 _HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
-                   "GPT2LMHeadModel": LoopedGPT2.architecture}
+                   "GPT2LMHeadModel": LoopedGPT2.architecture, "OuroForCausalLM": Ouro.architecture}
 
 
 def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:

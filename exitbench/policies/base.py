@@ -61,6 +61,9 @@ class ExitPolicy:
     defined_from: ClassVar[int] = 1
     # Reads a fitted model from the file named by the exit_model knob (the learned rule).
     needs_exit_model: ClassVar[bool] = False
+    # Reads the model's trained exit gate (`LoopGroup.gate`), given at `bind`.
+    needs_gate: ClassVar[bool] = False
+    gate = None
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(POLICY_KNOBS))
@@ -106,11 +109,16 @@ class ExitPolicy:
         `relative` only a rule that reads step norms, the exit model only the learned rule."""
         return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model}.get(knob, True)
 
-    def bind(self, max_steps: int) -> "ExitPolicy":
-        """Fix max_steps from the loop group when the config left it open."""
+    def bind(self, max_steps: int, group: Any = None) -> "ExitPolicy":
+        """Fix max_steps from the loop group when the config left it open; a gate rule takes the group's gate."""
         if self.max_steps is None:
             self.max_steps = max_steps
             self._validate()
+        if self.needs_gate and group is not None:
+            if getattr(group, "gate", None) is None:
+                raise ExitbenchError(f"{self.name}: reads a trained exit gate, and loop group {group.name!r} of this "
+                                     "model has none (Ouro checkpoints have one); choose another policy")
+            self.gate = group.gate
         return self
 
     def knobs(self) -> dict[str, Any]:

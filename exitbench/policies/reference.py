@@ -1,6 +1,8 @@
 """The two reference points every exit policy is compared with: fixed depth, and the oracle bound."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -19,7 +21,7 @@ class Fixed(ExitPolicy):
     default_threshold = 32
     default_grid = (1, 2, 4, 8, 16, 32)
 
-    def bind(self, max_steps: int) -> "Fixed":
+    def bind(self, max_steps: int, group: Any = None) -> "Fixed":
         # r is the whole point of this policy: it sets the depth, whatever the group's default. Without
         # one, each loop group runs its own default depth (looped GPT-2 groups may differ).
         if not self.threshold_given:

@@ -18,7 +18,7 @@ from exitbench.models import AttnContext, LoopGroup, Stage
 from helpers.models import make_tiny_raven
 
 # Policies whose signal must pass *above* the threshold; every other rule exits below it.
-EXITS_ABOVE = {"confidence", "argmax_stability", "fixed"}
+EXITS_ABOVE = {"confidence", "argmax_stability", "fixed", "qexit", "gate"}
 INTEGER_THRESHOLD = {"argmax_stability", "fixed"}
 DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence"}
 RELATIVE = {"first_order", "second_order", "second_order_magnitude"}

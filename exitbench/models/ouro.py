@@ -1,0 +1,293 @@
+"""Ouro (LoopLM; Zhu et al. 2025, arXiv 2510.25741), ByteDance's looped LM with a trained exit gate, written
+from the paper and its published checkpoints' layout (ByteDance/Ouro-1.4B, -2.6B and their -Thinking variants).
+
+    h_0 = embed_tokens(ids)                                     no scaling, no prelude
+    h_t = norm(layers(h_{t-1}))                                  every decoder layer is the loop, t = 1 … T
+    logits_t = lm_head(h_t)                                      untied; reads no other token
+    λ_t = σ(early_exit_gate(h_t))                                the gate: stop after step t
+
+Each layer is a sandwich, h = x + N_in2(Attn(N_in x)), y = h + N_post2(MLP(N_post h)), with Qwen2's attention
+(no biases, rotate-half RoPE, multi-head or grouped-query). The module tree mirrors the published one, so
+`state_dict()` has its key names exactly and a download loads with no remote code.
+
+The exit distribution the gate defines, p_t = λ_t ∏_{j<t}(1 − λ_j) with the last step taking what is left, and
+its Q-exit (the first step whose cumulative probability reaches q) are exit rules over this signal:
+exitbench/policies/gate.py. Unlike Ouro's own code, which runs every token through all T steps and only picks
+which step's output it reads, the engine stops an exited token (later tokens read its entries at its exit step,
+Huginn's `latest` rule), so an exit saves compute.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError
+from .attention import AttnContext, apply_rope, cached_causal_attention, rope_table
+from .looped import LoopedLM, LoopGroup
+from .raven import RMSNorm
+
+
+@dataclass
+class OuroConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 65536
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    layer_types: list[str] | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    total_ut_steps: int = 4
+    # exitbench's own: the deepest loop a run may ask for. Ouro was trained at T = 4 and degrades past it (its
+    # paper, T = 5…8); deeper runs are allowed because measuring that is a question users ask.
+    max_ut_steps: int | None = None
+    early_exit_threshold: float | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    model_type = "ouro"
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.max_ut_steps is None and isinstance(self.total_ut_steps, int):
+            self.max_ut_steps = 2 * self.total_ut_steps
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "num_hidden_layers", "vocab_size", "max_position_embeddings", "total_ut_steps", "max_ut_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CheckpointError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"config num_attention_heads={self.num_attention_heads} must be a multiple of "
+                                  f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise CheckpointError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.max_ut_steps < self.total_ut_steps:
+            raise CheckpointError(f"config max_ut_steps={self.max_ut_steps} is below total_ut_steps="
+                                  f"{self.total_ut_steps}")
+        if self.hidden_act != "silu":
+            raise CheckpointError(f"config hidden_act={self.hidden_act!r}: Ouro's MLP is SiLU-gated; "
+                                  "only 'silu' is implemented")
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type",
+                                                                         self.rope_scaling.get("type")) != "default":
+            raise CheckpointError(f"config rope_scaling={self.rope_scaling!r}: only plain RoPE (rope_scaling null) "
+                                  "is implemented, which is what every published Ouro checkpoint uses")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise CheckpointError(f"config layer_types lists {len(self.layer_types)} layers but "
+                                      f"num_hidden_layers is {self.num_hidden_layers}")
+            other = sorted(set(self.layer_types) - {"full_attention"})
+            if other:
+                raise CheckpointError(f"config layer_types has {other[0]!r} layers: only full_attention is "
+                                      "implemented (the published Ouro checkpoints use it everywhere)")
+        elif self.use_sliding_window:
+            raise CheckpointError("config use_sliding_window=true: sliding-window attention is not implemented "
+                                  "(the published Ouro checkpoints set it false)")
+
+    # Names the rest of exitbench reads from every architecture's config.
+    @property
+    def n_embd(self) -> int:
+        return self.hidden_size
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "OuroConfig":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        for required in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+            if required not in kwargs:
+                raise CheckpointError(f"config.json lacks the field {required!r}, which an Ouro model needs")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if name in kwargs:
+                kwargs[name] = float(kwargs[name])
+        if raw.get("attention_bias"):
+            raise CheckpointError("config attention_bias=true: Ouro's attention has no biases; set it false")
+        return cls(**kwargs, extra=extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out.update({"model_type": self.model_type, "architectures": ["OuroForCausalLM"]})
+        extra = {k: v for k, v in self.extra.items() if k not in out}
+        return {**extra, **out}
+
+
+class OuroAttention(nn.Module):
+    """Qwen2's attention without biases: q/k/v/o projections, rotate-half RoPE, grouped-query heads. The cache
+    holds every query head's keys (a grouped model's are repeated before they are written), so the engine's
+    attention paths serve it unchanged; a grouped model's cache is n_heads / n_kv_heads times larger than it
+    needs to be."""
+
+    def __init__(self, c: OuroConfig, layer_id: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.layer_id = (c.num_attention_heads, c.num_key_value_heads,
+                                                                 c.head_dim, layer_id)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        rotation = ctx.rotation(rope) if ctx.positions is not None else None
+        q = apply_rope(q, rope, ctx.start, rotation, halves=True).transpose(1, 2)
+        k = apply_rope(k, rope, ctx.start, rotation, halves=True).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if self.n_kv != self.n_heads:
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
+        y = cached_causal_attention(q, k, v, ctx, self.layer_id)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, c: OuroConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroLayer(nn.Module):
+    """h = x + N_in2(Attn(N_in x)); y = h + N_post2(MLP(N_post h)): a norm on each side of each sublayer."""
+
+    def __init__(self, c: OuroConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = OuroAttention(c, layer_id)
+        self.input_layernorm_2 = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = OuroMLP(c)
+        self.post_attention_layernorm_2 = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        h = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, ctx))
+        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Ouro(LoopedLM):
+    architecture = OuroConfig.model_type
+    config_class = OuroConfig
+
+    def __init__(self, config: OuroConfig):
+        super().__init__()
+        self.config = c = config
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
+            layers=nn.ModuleList(OuroLayer(c, i) for i in range(c.num_hidden_layers)),
+            norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+            early_exit_gate=nn.Linear(c.hidden_size, 1),
+        ))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # (positions, head_dim/2, 2) cos/sin, recomputed, never stored (Ouro's checkpoints store none either).
+        self.register_buffer("rope", rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta),
+                             persistent=False)
+        self._stages = self._build_stages()
+
+    def reset_buffers(self) -> None:
+        c = self.config
+        self.rope = rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta).to(self.lm_head.weight.device)
+
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """Qwen2's init: N(0, std) for every matrix and the embedding, unit norms, zero gate bias."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                nn.init.ones_(p)
+            elif name.endswith("early_exit_gate.bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=generator)
+
+    @property
+    def tied_head(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def exit_grids(self) -> dict[str, tuple[float, ...]]:
+        """Ouro's steps do not contract within its 4 trained steps (a third party measured ‖Δh‖/‖h‖ ≈ 0.2 at the
+        last one), so the latent rules' grids, tuned on contracting models, would never fire. After the loop's
+        RMSNorm ‖h‖ ≈ sqrt(d) (unit norm weights), so the step-norm grids span 1% … 100% of that; cosine's
+        1 − cos spans 1e-4 … 0.5."""
+        scale = self.config.hidden_size ** 0.5
+        steps = tuple(float(f"{scale * 10 ** (i / 3 - 2):.3g}") for i in range(7))
+        return {"first_order": steps, "second_order": steps, "second_order_magnitude": steps,
+                "cosine": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.5)}
+
+    def tie_head(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- the stage view the engine uses ----------------------------------------------------------
+    def _step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        for layer in self.model.layers:
+            s = layer(s, self.rope, ctx)
+        return self.model.norm(s)  # after every step: both step t's output and step t+1's input
+
+    def _gate(self, s: torch.Tensor) -> torch.Tensor:
+        return self.model.early_exit_gate(s).squeeze(-1).float()
+
+    def _build_stages(self) -> list[LoopGroup]:
+        c, m = self.config, self.model
+        return [LoopGroup("layers", init=lambda x, noise: x, step=self._step, finish=lambda s: s,
+                          attn_layers=list(range(c.num_hidden_layers)), n_layers=c.num_hidden_layers,
+                          default_steps=c.total_ut_steps, max_steps=c.max_ut_steps,
+                          modules=[m.layers, m.norm], gate=self._gate, gate_modules=[m.early_exit_gate])]
+
+    def stages(self) -> list[LoopGroup]:
+        return self._stages
+
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.embed_tokens(ids)  # positions enter through RoPE, in attention
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x).float()  # the state is already normed (the loop's last `norm`)
+
+    def cache_geometry(self) -> tuple[int, int]:
+        return self.config.num_attention_heads, self.config.head_dim
+
+    def layer_split(self) -> dict[str, int]:
+        return {"loop": self.config.num_hidden_layers}
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        m = self.model
+        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+        parts = {"embedding": count(m.embed_tokens), "layers": count(m.layers), "norm": count(m.norm),
+                 "exit_gate": count(m.early_exit_gate)}
+        if not self.config.tie_word_embeddings:
+            parts["lm_head"] = count(self.lm_head)
+        return parts
