@@ -205,6 +205,8 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
                                        "drawn beside the first."),
           html: Optional[Path] = typer.Option(None, "--html", help="Also draw the exit map to this HTML file."),
           png: Optional[Path] = typer.Option(None, "--png", help="Also draw the exit map to this PNG file."),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the traces (token ids and "
+                                                  "text, exit steps, log-probs, signals per step) to this JSON file."),
           knobs: dict = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from .analysis import exitmap
@@ -212,11 +214,11 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     from .models.checkpoint import open_checkpoint
     from .runtime.files import writable_file
     from .studies.fit_exit import check_fitted_for
-    from .studies.trace import parse_vs, trace_prompt
+    from .studies.trace import parse_vs, trace_prompt, write_json
 
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     configs = [cfg, *parse_vs(vs, cfg)]
-    for path, flag, suffix in ((html, "--html", ".html"), (png, "--png", ".png")):
+    for path, flag, suffix in ((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json")):
         if path is not None and path.suffix != suffix:
             raise ExitbenchError(f"{flag} must name a {suffix} file, got {path}")
         if path is not None:
@@ -233,6 +235,8 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     for path, write in ((html, exitmap.write_html), (png, exitmap.write_png)):
         if path is not None:
             err_console.print(f"wrote {write(maps, path, title)}", highlight=False)
+    if json_out is not None:
+        err_console.print(f"wrote {write_json(reports, ck, json_out, cfg.seed)}", highlight=False)
 
 
 @app.command()

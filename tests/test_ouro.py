@@ -155,3 +155,27 @@ def test_what_ouro_does_not_implement_is_refused_in_one_line(change, message):
     base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
     with pytest.raises(CheckpointError, match=message):
         OuroConfig.from_dict({**base, **change})
+
+
+@pytest.mark.parametrize("checkpoint,policy", [(str(FIXTURES / "ouro-tiny"), "qexit"), ("tiny-raven", "second_order")])
+def test_trace_json_holds_ids_text_exits_and_signals(tmp_path, checkpoint, policy):
+    import json
+
+    from typer.testing import CliRunner
+
+    from exitbench.cli import app
+
+    out = tmp_path / "trace.json"
+    res = CliRunner().invoke(app, ["trace", "a=7 b=a", "-c", checkpoint, "-p", policy, "--generate", "3",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())  # strict JSON: steps never run are null, not NaN
+    (trace,) = doc["traces"]
+    assert doc["schema"] == "exitbench.trace" and {"seed", "versions", "machine"} <= set(doc["run"])
+    assert trace["mode"] == "generate" and len(trace["generated_ids"]) == len(trace["tokens"]) <= 3
+    assert [t["next_id"] for t in trace["tokens"]] == trace["generated_ids"]
+    for token in trace["tokens"]:
+        assert len(token["exit_steps"]) == len(trace["loop_groups"]) == len(token["signals"])
+        for k, signals in zip(token["exit_steps"], token["signals"]):
+            assert all(v is not None for v in signals[:k]) and all(v is None for v in signals[k:])
+        assert isinstance(token["logprob"], float) and isinstance(token["input"], str)

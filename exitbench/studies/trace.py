@@ -1,12 +1,17 @@
 """What the engine decides token by token on one prompt: the report behind `exitbench trace`."""
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ..engine import ExitConfig, ExitEngine
 from ..errors import ExitbenchError
 from ..models import Checkpoint
+from ..runtime.files import atomic_write
+from ..runtime.provenance import run_metadata
 
 
 def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int = 0) -> dict[str, Any]:
@@ -26,7 +31,8 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
         result = engine.score([(ids, 1)])[0]
         inputs = ids[:-1]
     pieces = tok.pieces(result.tokens, previous=inputs[0])  # with their spaces, so the exit map reads as text
-    rows = [{"input": tok.decode([i], skip_special_tokens=False), "next": tok.decode([t], skip_special_tokens=False),
+    rows = [{"input_id": i, "input": tok.decode([i], skip_special_tokens=False), "next_id": t,
+             "next": tok.decode([t], skip_special_tokens=False),
              "text": piece, "logprob": lp, "greedy": g, "exit_steps": r.exit_steps, "signals": r.signals}
             for i, t, piece, lp, g, r in zip(inputs, result.tokens, pieces, result.logprobs, result.greedy,
                                               result.records)]
@@ -34,8 +40,28 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
     context = tok.decode(ids if generate else ids[:1], skip_special_tokens=False)
     window = {"kv_window": config.kv_window} if config.kv_window else {}
     return {"policy": {**engine.policies[0].knobs(), **window}, "mode": "generate" if generate else "score",
-            "tokens": rows, "context": context,
+            "prompt": prompt, "prompt_ids": ids, "generated_ids": result.tokens if generate else [],
+            "generated": tok.decode(result.tokens) if generate else "",
+            "loop_groups": [g.name for g in ck.model.loop_groups()], "tokens": rows, "context": context,
             "mean_iterations": sum(result.iterations) / max(1, len(result.iterations))}
+
+
+def write_json(reports: list[dict[str, Any]], ck: Checkpoint, path: Path, seed: int) -> Path:
+    """The traces as one JSON file, atomically: per policy the prompt's and generated tokens' ids and text, and
+    per token its exit step in each loop group, log-probability and the rule's signal at every step (null
+    past its exit), with the run's provenance (seed, versions, git revision, machine)."""
+    def clean(x: Any) -> Any:  # NaN (steps a token never ran) is not JSON
+        if isinstance(x, float):
+            return None if math.isnan(x) else x
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        return x
+
+    doc = {"schema": "exitbench.trace", "version": 1, "checkpoint": str(ck.path), "architecture": ck.model.architecture,
+           "run": run_metadata(seed), "traces": clean(reports)}
+    return atomic_write(path, lambda f: json.dump(doc, f, indent=1))
 
 
 def parse_vs(specs: list[str], base: ExitConfig) -> list[ExitConfig]:
