@@ -230,7 +230,8 @@ class Run:
             if engine.config.warm_start else None
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
-                                record_signals=engine.config.record_signals, batch=rows, window=window)
+                                record_signals=engine.config.record_signals, batch=rows, window=window,
+                                select=engine.config.exit_mode == "select")
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
@@ -478,7 +479,10 @@ class Run:
         return s0
 
     def _record(self, token: Token) -> TokenRecord:
-        probes = [k if p.needs_logits else 0 for k, p in zip(token.exit_steps, self.engine.policies)]
+        # Under exit mode `select` every token ran (and probed) all K iterations: its FLOPs are those of K.
+        ran = [p.max_steps for p in self.engine.policies] if self.engine.config.exit_mode == "select" \
+            else token.exit_steps
+        probes = [k if p.needs_logits else 0 for k, p in zip(ran, self.engine.policies)]
         return TokenRecord(token.position, token.exit_steps, {},
-                           self.engine.flops.token(token.position + 1, token.exit_steps, probes),
+                           self.engine.flops.token(token.position + 1, ran, probes),
                            token.signals if self.engine.config.record_signals else None, token.nonfinite)

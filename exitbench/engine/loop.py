@@ -35,14 +35,19 @@ class Leaving:
 class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
-                 window: int | None = None):
+                 window: int | None = None, select: bool = False):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
+        # Exit mode `select` (Ouro's own semantics): every token runs all K iterations, writing every entry; the
+        # rule only chooses which iteration's state is the group's output. Nothing is saved, nothing carried.
+        self.select = select
         self.readout_steps, self.probe_is_final, self.record = readout_steps, probe_is_final, record_signals
         self.batch = batch
         self.K = policy.max_steps
         self.window = window
         # A retrospective rule (the oracle) decides after the whole trajectory: its record of it, apart.
-        self.hindsight = Hindsight(model, group, policy, window) if policy.retrospective else None
+        # (Under `select` the iterations past an exit are the token's own: no window entries to put back.)
+        self.hindsight = Hindsight(model, group, policy, None if select else window) if policy.retrospective \
+            else None
         self.vocab = model.output_size
         self.decodes = policy.needs_logits
         # Per place in the table: its token (None: free), iterations so far, hit streak, signals, first step.
@@ -142,7 +147,17 @@ class TokenLoop:
         if self.record:
             for trace, v in zip(self.trace, values):
                 trace.append(v)
-        return logits, policy.decide(self.k, values, self.streak)
+        leave = policy.decide(self.k, values, self.streak)
+        return (logits, self._select(leave, logits)) if self.select else (logits, leave)
+
+    def _select(self, leave: list[bool], logits: torch.Tensor | None) -> list[bool]:
+        """Exit mode `select`: a token the rule lets go keeps its state (and readout) of that iteration and runs
+        on; tokens leave at K only."""
+        final = logits is not None and self.probe_is_final
+        for j, (token, out) in enumerate(zip(self.tokens, leave)):
+            if out and token.selected is None:
+                token.selected = (self.k[j], self.s[j].clone(), logits[j].clone() if final else None)
+        return [k >= self.K for k in self.k]
 
     # ---- where tokens leave -----------------------------------------------------------------------------------
     def _leave(self, leave: list[bool], logits: torch.Tensor | None, cache: KVCache) -> Leaving:
@@ -152,6 +167,8 @@ class TokenLoop:
         steps = [self.k[j] for j in gone]
         states = self.s[gone]
         exit_logits = logits[gone] if logits is not None and self.probe_is_final else None
+        if self.select:
+            steps, states, exit_logits = self._selected(tokens, steps, states, exit_logits)
         if self.hindsight:
             steps, states, exit_logits = self.hindsight.settle(
                 {name: value[gone] for name, value in self.record_of.items()}, tokens, cache,
@@ -166,11 +183,25 @@ class TokenLoop:
             self.tokens[j] = None
         self.count -= len(gone)
         early = [(t, k) for t, k in zip(tokens, steps) if k < self.K]
-        if early and self.group.attn_layers:  # later tokens read an early exit's deepest entry (`latest`)
+        # later tokens read an early exit's deepest entry (`latest`); under `select` every entry was written
+        if early and self.group.attn_layers and not self.select:
             cache.carry_forward(self.group.attn_layers, [t.row for t, _ in early], [t.position for t, _ in early],
                                 [k - 1 for _, k in early])
         self._where = None
         return Leaving(tokens, states, exit_logits)
+
+    def _selected(self, tokens: list[Token], steps: list[int], states: torch.Tensor,
+                  logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """Exit mode `select`, tokens leaving at K: each one's chosen iteration, state and readout instead."""
+        steps, states = list(steps), states.clone()
+        logits = logits.clone() if logits is not None else None
+        for i, token in enumerate(tokens):
+            if token.selected is not None:
+                steps[i], states[i], chosen_logits = token.selected
+                if logits is not None and chosen_logits is not None:
+                    logits[i] = chosen_logits
+                token.selected = None
+        return steps, states, logits
 
     def _compact(self) -> None:
         """Drop the free places (a row with no next token left them) so steps run on tokens only."""

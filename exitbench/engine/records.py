@@ -3,6 +3,7 @@ per token its exits and costs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,9 @@ class Token:
     exit_steps: list[int] = field(default_factory=list)
     signals: list[list[float]] = field(default_factory=list)
     nonfinite: bool = False
+    # Exit mode `select`: the step the rule chose in the current loop group, and its state (1, d) and readout
+    # logits (V,), held while the token runs on to max_steps.
+    selected: tuple[int, Any, Any] | None = None
 
 
 @dataclass

@@ -48,10 +48,12 @@ def cell_id(key: dict[str, Any]) -> str:
 
 def series(policy: dict[str, Any]) -> str:
     """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
-    `-kvC` under a KV window (its own series, beside the same rule on the full cache)."""
+    `-kvC` under a KV window (its own series, beside the same rule on the full cache), `-select` in exit mode
+    select (every token runs every iteration; beside the physical exits)."""
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
-    return policy["policy"] + rel + window
+    mode = "-select" if policy.get("exit_mode") == "select" else ""
+    return policy["policy"] + rel + window + mode
 
 
 def filename(cell: dict[str, Any]) -> str:

@@ -52,6 +52,7 @@ class PolicyPart(_Part):
     min_steps: int = 1
     patience: Optional[int] = None
     kv_window: Optional[int] = None
+    exit_mode: Optional[str] = None
     exit_model: Optional[str] = None
     exit_model_sha256: Optional[str] = None
     baseline: bool = False
