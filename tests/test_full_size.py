@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from helpers.cli import exitbench_cmd, run_measured, subprocess_env
+from helpers.cli import full_size_env, run_exitbench_measured, subprocess_env
 from helpers.models import HUGINN_PARAMETERS
 from helpers.paths import REPO
 
@@ -48,18 +48,11 @@ def huginn_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    # Its own hash cache: the 7.8 GB fingerprint must not land in the user's ~/.cache. All cores: at this size
-    # the matrix products dominate, unlike the tiny models the other subprocess tests run.
-    env = subprocess_env(EXITBENCH_CACHE_DIR=str(tmp_path_factory.mktemp("hash-cache")))
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.pop(name)
-    return env
+    return full_size_env(tmp_path_factory.mktemp("hash-cache"))
 
 
 def exitbench(args: list[str], env, tmp_path, timeout: int = 900):
-    proc, peak = run_measured(exitbench_cmd(*args), tmp_path / "peak", env=env, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc, peak
+    return run_exitbench_measured(args, env, tmp_path, timeout)
 
 
 def test_info_reads_headers_only(huginn_dir, env, tmp_path):

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers.cli import exitbench_cmd, run_measured, subprocess_env
+from helpers.cli import full_size_env, run_exitbench_measured, subprocess_env
 from helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
@@ -48,16 +48,11 @@ def ouro_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    env = subprocess_env(EXITBENCH_CACHE_DIR=str(tmp_path_factory.mktemp("hash-cache")))
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.pop(name)
-    return env
+    return full_size_env(tmp_path_factory.mktemp("hash-cache"))
 
 
 def exitbench(args: list[str], env, tmp_path, timeout: int = 900):
-    proc, peak = run_measured(exitbench_cmd(*args), tmp_path / "peak", env=env, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc, peak
+    return run_exitbench_measured(args, env, tmp_path, timeout)
 
 
 def test_info_reads_headers_only(ouro_dir, env, tmp_path):

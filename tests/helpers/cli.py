@@ -97,3 +97,20 @@ def run_measured(cmd: list[str], peak_file, **kwargs):
     proc = subprocess.run([sys.executable, "-c", _MEASURE, str(peak_file), *cmd], capture_output=True, text=True,
                           **kwargs)
     return proc, int(open(peak_file).read())
+
+
+def full_size_env(cache_dir) -> dict[str, str]:
+    """The subprocess environment of the full-size tests: its own hash cache (a multi-GB fingerprint must not
+    land in the user's ~/.cache) and all cores (at this size the matrix products dominate, unlike the tiny models
+    the other subprocess tests run)."""
+    env = subprocess_env(EXITBENCH_CACHE_DIR=str(cache_dir))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(name)
+    return env
+
+
+def run_exitbench_measured(args: list[str], env: dict[str, str], tmp_path, timeout: int = 900):
+    """`exitbench ARGS` as a subprocess that must succeed: (completed process, its peak resident bytes)."""
+    proc, peak = run_measured(exitbench_cmd(*args), tmp_path / "peak", env=env, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc, peak
