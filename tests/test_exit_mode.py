@@ -98,5 +98,26 @@ def test_exit_mode_is_in_a_cell_key_only_when_select_and_names_its_own_series():
 
 
 def test_a_bad_exit_mode_is_one_line():
-    with pytest.raises(ExitbenchError, match="exit_mode must be 'physical' or 'select', got 'run_all'"):
+    with pytest.raises(ExitbenchError, match="exit_mode must be 'physical', 'select' or 'weighted', got 'run_all'"):
         ExitConfig("kl", exit_mode="run_all")
+
+
+@pytest.mark.parametrize("schedule", ["token_major", "depth_major"])
+def test_weighted_reads_the_logits_averaged_under_the_gate_distribution(ouro, schedule):
+    """Ouro's use_weighted_exit: Σ_t p_t · logits_t with p_t = λ_t ∏_{j<t}(1 − λ_j), p_T the rest: the reference's
+    own output (recorded with its early_exit_threshold unset, which otherwise silently wins)."""
+    ref = load_file(str(FIXTURES / "ouro-tiny-reference.safetensors"))
+    ids = ref["input_ids"]
+    mixture = torch.log_softmax(ref["weighted_logits"].double(), -1)
+    engine = ExitEngine(ouro, ExitConfig("fixed", exit_mode="weighted"), schedule=schedule)
+    for b, res in enumerate(engine.score([(row.tolist(), 1) for row in ids], batch_size=2)):
+        expected = mixture[b, :-1].gather(-1, ids[b, 1:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+        assert res.iterations == [4] * len(res.iterations)
+
+
+def test_weighted_needs_fixed_depth_and_a_gated_model():
+    with pytest.raises(ExitbenchError, match="exit_mode weighted .* use --policy fixed"):
+        ExitConfig("qexit", exit_mode="weighted")
+    with pytest.raises(ExitbenchError, match="exit_mode weighted averages .* no such group"):
+        ExitEngine(tiny(init_scale=1.0), ExitConfig("fixed", exit_mode="weighted"))

@@ -7,7 +7,8 @@ what the public `modeling_ouro.py` (Eagle4398/ouro-nixpkgs@16df09c, run in a scr
 transformers 4.57.1 and torch 2.13, eager attention, float32, never committed) computed on it: per-step logits
 and gate logits of 3 sequences of 12 tokens (its strict `load_state_dict` accepted the file's keys), the step
 its `exit_threshold=q` forward returned for q = 0.2, 0.5, 0.8 (found by matching its logits to a step's
-exactly), and 5 greedy tokens per prompt from a batch-1 loop of full forwards at its default depth. Its own
+exactly), its `use_weighted_exit` logits (with `early_exit_threshold` unset, since the shipped 1.0 silently
+overrides it), and 5 greedy tokens per prompt from a batch-1 loop of full forwards at its default depth. Its own
 cached `generate` crashed on a cached prompt pass (a known bug of that copy), so the greedy reference uses none.
 """
 from __future__ import annotations

@@ -70,7 +70,9 @@ class ExitConfig:
     exit_mode: str | None = field(default=None, metadata=knob(
         "physical (default): an exited token stops and later tokens read its entries at its exit, so exits save "
         "compute; select: every token runs every iteration and the exit only picks which one's output is read "
-        "(Ouro's own code and paper).", role="engine", when_set=True))
+        "(Ouro's own code and paper); weighted: every token runs every iteration and reads the logits averaged "
+        "under the exit distribution of the model's gate (Ouro's use_weighted_exit; --policy fixed).",
+        role="engine", when_set=True))
     # Set by whoever runs the config.
     record_signals: bool = field(default=False, metadata=knob(
         "Keep every token's signal at every iteration.", role="run", command_line=False))
@@ -84,8 +86,11 @@ class ExitConfig:
                 raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
                                      f"loop layer keeps (0: all of them), got {self.kv_window!r}")
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
-        if self.exit_mode not in (None, "physical", "select"):
-            raise ExitbenchError(f"exit_mode must be 'physical' or 'select', got {self.exit_mode!r}")
+        if self.exit_mode not in (None, "physical", "select", "weighted"):
+            raise ExitbenchError(f"exit_mode must be 'physical', 'select' or 'weighted', got {self.exit_mode!r}")
+        if self.exit_mode == "weighted" and self.policy != "fixed":
+            raise ExitbenchError(f"exit_mode weighted reads every step's logits under the gate's exit distribution, "
+                                 f"so no rule decides an exit: use --policy fixed (its depth is T), not {self.policy}")
         self.exit_mode = None if self.exit_mode == "physical" else self.exit_mode  # the default: the same cells
         parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
         # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:

@@ -72,6 +72,10 @@ class ExitEngine:
         if not self.groups:
             raise ExitbenchError(f"{model.architecture} model has no loop group: nothing to exit from")
         self.policies = self.config.bound_policies(self.groups)
+        if self.config.exit_mode == "weighted" and (len(self.groups) != 1 or self.groups[0].gate is None
+                                                    or model.stages()[-1] is not self.groups[0]):
+            raise ExitbenchError(f"exit_mode weighted averages the readouts of one loop group under its trained exit "
+                                 f"gate; this {model.architecture} model has no such group (Ouro's models do)")
         for g, p in zip(self.groups, self.policies):
             if p.max_steps > g.max_steps:
                 raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "
@@ -231,7 +235,8 @@ class Run:
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
-                                select=engine.config.exit_mode == "select")
+                                select=engine.config.exit_mode == "select",
+                                weighted=engine.config.exit_mode == "weighted")
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
@@ -480,9 +485,10 @@ class Run:
 
     def _record(self, token: Token) -> TokenRecord:
         # Under exit mode `select` every token ran (and probed) all K iterations: its FLOPs are those of K.
-        ran = [p.max_steps for p in self.engine.policies] if self.engine.config.exit_mode == "select" \
+        weighted = self.engine.config.exit_mode == "weighted"
+        ran = [p.max_steps for p in self.engine.policies] if self.engine.config.exit_mode in ("select", "weighted") \
             else token.exit_steps
-        probes = [k if p.needs_logits else 0 for k, p in zip(ran, self.engine.policies)]
+        probes = [k if p.needs_logits or weighted else 0 for k, p in zip(ran, self.engine.policies)]
         return TokenRecord(token.position, token.exit_steps, {},
                            self.engine.flops.token(token.position + 1, ran, probes),
                            token.signals if self.engine.config.record_signals else None, token.nonfinite)

@@ -35,11 +35,14 @@ class Leaving:
 class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
-                 window: int | None = None, select: bool = False):
+                 window: int | None = None, select: bool = False, weighted: bool = False):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
         # Exit mode `select` (Ouro's own semantics): every token runs all K iterations, writing every entry; the
         # rule only chooses which iteration's state is the group's output. Nothing is saved, nothing carried.
         self.select = select
+        # Exit mode `weighted` (Ouro's use_weighted_exit): every token runs all K iterations and its output is
+        # Σ_t p_t · logits_t under the exit distribution of the model's gate, the last step taking what is left.
+        self.weighted = weighted
         self.readout_steps, self.probe_is_final, self.record = readout_steps, probe_is_final, record_signals
         self.batch = batch
         self.K = policy.max_steps
@@ -69,6 +72,9 @@ class TokenLoop:
     def add(self, tokens: list[Token], x: torch.Tensor, s0: torch.Tensor) -> None:
         """Tokens start their loops at states s0 with group inputs x (both (m, 1, d)), in free places first."""
         memory = self.policy.start(s0[:, 0], self.vocab)
+        if self.weighted:  # the mixture so far and the probability mass not yet given to a step
+            memory = {**memory, "mixture": torch.zeros(len(tokens), self.vocab, device=s0.device),
+                      "remaining": torch.ones(len(tokens), device=s0.device)}
         record = self.hindsight.start(tokens, s0) if self.hindsight else {}
         free = [j for j, t in enumerate(self.tokens) if t is None][: len(tokens)]
         step = self.clock.steps_so_far(self.index)
@@ -129,6 +135,8 @@ class TokenLoop:
     def _probe(self, context: Callable[[], AttnContext]) -> tuple[torch.Tensor | None, list[bool]]:
         """Signals and the exit decision: which tokens leave after this iteration."""
         policy = self.policy
+        if self.weighted:
+            return self._mix(context()), [k >= self.K for k in self.k]
         if policy.signal_free:
             if self.record:
                 for trace, k in zip(self.trace, self.k):
@@ -149,6 +157,16 @@ class TokenLoop:
                 trace.append(v)
         leave = policy.decide(self.k, values, self.streak)
         return (logits, self._select(leave, logits)) if self.select else (logits, leave)
+
+    def _mix(self, ctx: AttnContext) -> torch.Tensor:
+        """Exit mode `weighted`: add this iteration's logits under its exit probability; the mixture so far."""
+        logits = self.model.readout(self.index, self.s, ctx, self.readout_steps)[:, 0].float()
+        lam = torch.sigmoid(self.group.gate(self.s[:, 0]))
+        last = torch.tensor([k >= self.K for k in self.k], device=lam.device)
+        p = torch.where(last, self.memory["remaining"], lam * self.memory["remaining"])
+        self.memory["remaining"] = self.memory["remaining"] * (1.0 - lam)
+        self.memory["mixture"] = self.memory["mixture"] + p.unsqueeze(1) * logits
+        return self.memory["mixture"]
 
     def _select(self, leave: list[bool], logits: torch.Tensor | None) -> list[bool]:
         """Exit mode `select`: a token the rule lets go keeps its state (and readout) of that iteration and runs

@@ -52,7 +52,7 @@ def series(policy: dict[str, Any]) -> str:
     select (every token runs every iteration; beside the physical exits)."""
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
-    mode = "-select" if policy.get("exit_mode") == "select" else ""
+    mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted") else ""
     return policy["policy"] + rel + window + mode
 
 
