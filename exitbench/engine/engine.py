@@ -440,7 +440,9 @@ class Run:
         top = logp.argmax(-1)
         targets = torch.tensor([-1 if t.target is None else t.target for t in tokens], device=logp.device)
         picked = logp.gather(1, torch.where(targets >= 0, targets, top).unsqueeze(1)).squeeze(1)
-        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(logits).all(-1)
+        # A row's sum is non-finite exactly when the row holds a NaN or an infinity (float32 logits would need a
+        # total magnitude past 3e38 to overflow): one reduction, not an elementwise mask over (n, vocabulary).
+        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(logits.sum(-1))
         host = torch.stack([top.double(), picked.double(), finite.double()], 1).tolist()
         self.clock.stop(started, "coda", [t.uid for t in tokens])
         for token, row_logp, (top_j, picked_j, finite_j) in zip(tokens, logp, host):

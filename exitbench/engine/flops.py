@@ -30,26 +30,35 @@ class FlopModel:
         depth = iter(readout_steps if readout_steps is not None else [g.default_steps for g in groups])
         self.readout_passes = [next(depth) if is_loop else 1 for is_loop, _, _ in self.parts]
 
-    def _cost(self, part: tuple[bool, float, int], context: int) -> float:
-        _, matmul, attn = part
-        return matmul + 4.0 * context * self.attn_width * attn
+        # Every cost is a + b · context (FLOPs are whole numbers below 2^53, so float sums of them are exact and
+        # their order does not matter): fixed per part, so a token's count is a few multiplications, not a
+        # walk over the stages (it runs once per scored token).
+        line = lambda part: (part[1], 4.0 * self.attn_width * part[2])  # noqa: E731
+        self.loops: list[tuple[float, float, float, float]] = []  # per loop group: its a, b; its readout's A, B
+        self.prelude = [0.0, 0.0]
+        self.coda = [self.head, 0.0]
+        seen_loop = False
+        for i, part in enumerate(self.parts):
+            a, b = line(part)
+            if part[0]:
+                later = list(zip(self.parts[i + 1:], self.readout_passes[i + 1:]))
+                rest_a = self.head + sum(n * line(p)[0] for p, n in later)
+                rest_b = sum(n * line(p)[1] for p, n in later)
+                self.loops.append((a, b, rest_a, rest_b))
+                seen_loop = True
+            else:
+                side = self.coda if seen_loop else self.prelude
+                side[0] += a
+                side[1] += b
 
     def token(self, context: int, exit_steps: list[int], probes: list[int]) -> dict[str, float]:
         """FLOPs of one token attending to `context` tokens, exiting each loop group at `exit_steps`, with
         `probes[g]` readouts (each runs every stage after group g, plus the head)."""
-        out = {"prelude": 0.0, "core": 0.0, "probe": 0.0, "coda": self.head}
-        g = 0
-        seen_loop = False
-        for i, part in enumerate(self.parts):
-            cost = self._cost(part, context)
-            if part[0]:
-                out["core"] += exit_steps[g] * cost
-                rest = sum(n * self._cost(p, context)
-                           for p, n in zip(self.parts[i + 1:], self.readout_passes[i + 1:])) + self.head
-                out["probe"] += probes[g] * rest
-                g += 1
-                seen_loop = True
-            else:
-                out["coda" if seen_loop else "prelude"] += cost
-        out["total"] = sum(out.values())
+        core = probe = 0.0
+        for (a, b, rest_a, rest_b), k, n in zip(self.loops, exit_steps, probes):
+            core += k * (a + b * context)
+            probe += n * (rest_a + rest_b * context)
+        out = {"prelude": self.prelude[0] + self.prelude[1] * context, "core": core, "probe": probe,
+               "coda": self.coda[0] + self.coda[1] * context}
+        out["total"] = out["prelude"] + out["core"] + out["probe"] + out["coda"]
         return out
