@@ -61,7 +61,7 @@ CASES = ["huginn-layout", "ouro"]
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("policy", [p for p in REGISTRY if p not in ("learned",)])
+@pytest.mark.parametrize("policy", list(REGISTRY))
 def test_select_runs_every_policy_batched_equal_to_one_at_a_time(case, policy, ouro):
     model = tiny(init_scale=1.0) if case == "huginn-layout" else ouro
     if REGISTRY[policy].needs_gate and not model.gated:
