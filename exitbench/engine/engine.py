@@ -232,6 +232,11 @@ class Run:
                                   device=self.model.device) if teacher_forced else None
         self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
             if engine.config.warm_start else None
+        # Per token's record: under exit modes select and weighted every token ran all K iterations, so its
+        # FLOPs are those of K; weighted reads out (probes) at every one of them.
+        mode = engine.config.exit_mode
+        self.ran_all = [p.max_steps for p in engine.policies] if mode in ("select", "weighted") else None
+        self.probed = [p.needs_logits or mode == "weighted" for p in engine.policies]
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
@@ -486,11 +491,8 @@ class Run:
         return s0
 
     def _record(self, token: Token) -> TokenRecord:
-        # Under exit mode `select` every token ran (and probed) all K iterations: its FLOPs are those of K.
-        weighted = self.engine.config.exit_mode == "weighted"
-        ran = [p.max_steps for p in self.engine.policies] if self.engine.config.exit_mode in ("select", "weighted") \
-            else token.exit_steps
-        probes = [k if p.needs_logits or weighted else 0 for k, p in zip(ran, self.engine.policies)]
+        ran = self.ran_all or token.exit_steps
+        probes = [k if probed else 0 for k, probed in zip(ran, self.probed)]
         return TokenRecord(token.position, token.exit_steps, {},
                            self.engine.flops.token(token.position + 1, ran, probes),
                            token.signals if self.engine.config.record_signals else None, token.nonfinite)

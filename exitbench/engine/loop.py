@@ -17,6 +17,7 @@ import torch
 
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
+from ..policies.gate import exit_mass
 from .hindsight import Hindsight
 from .records import Token
 from .timing import PhaseClock
@@ -163,8 +164,7 @@ class TokenLoop:
         logits = self.model.readout(self.index, self.s, ctx, self.readout_steps)[:, 0].float()
         lam = torch.sigmoid(self.group.gate(self.s[:, 0]))
         last = torch.tensor([k >= self.K for k in self.k], device=lam.device)
-        p = torch.where(last, self.memory["remaining"], lam * self.memory["remaining"])
-        self.memory["remaining"] = self.memory["remaining"] * (1.0 - lam)
+        p, self.memory["remaining"] = exit_mass(lam, self.memory["remaining"], last)
         self.memory["mixture"] = self.memory["mixture"] + p.unsqueeze(1) * logits
         return self.memory["mixture"]
 

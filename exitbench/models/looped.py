@@ -58,7 +58,6 @@ class LoopGroup:
     # A trained exit gate (Ouro's): the logit of stopping after an iteration, from the state it left, (n, d) →
     # (n,); it reads no other token. None: the model has none, and a gate rule refuses it.
     gate: Callable[[torch.Tensor], torch.Tensor] | None = None
-    gate_modules: list[nn.Module] = field(default_factory=list)
 
 
 def _compiled_step(step: Callable, sharing: int) -> Callable:

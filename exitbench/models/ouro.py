@@ -266,7 +266,7 @@ class Ouro(LoopedLM):
         return [LoopGroup("layers", init=lambda x, noise: x, step=self._step, finish=lambda s: s,
                           attn_layers=list(range(c.num_hidden_layers)), n_layers=c.num_hidden_layers,
                           default_steps=c.total_ut_steps, max_steps=c.max_ut_steps,
-                          modules=[m.layers, m.norm], gate=self._gate, gate_modules=[m.early_exit_gate])]
+                          modules=[m.layers, m.norm], gate=self._gate)]
 
     def stages(self) -> list[LoopGroup]:
         return self._stages

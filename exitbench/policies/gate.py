@@ -17,6 +17,15 @@ from .base import ExitPolicy, Memory, register
 PROBABILITY_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
+def exit_mass(lam: torch.Tensor, remaining: torch.Tensor, last: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the gate's exit distribution: (p_t, the mass left after t) from λ_t and the mass left before
+    it, p_t = λ_t · remaining, or all of it at the last step (`last`, per token). The reference's order of
+    operations, so a q that sits on a step's cumulative probability falls on the same side in both."""
+    p = lam * remaining if last is None else torch.where(last, remaining, lam * remaining)
+    return p, remaining * (1.0 - lam)
+
+
 class _GateRule(ExitPolicy):
     exits_below = False
     needs_gate = True
@@ -46,11 +55,8 @@ class QExit(_GateRule):
         return {"remaining": torch.ones(n, device=s0.device), "cdf": torch.zeros(n, device=s0.device)}
 
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        lam = self._lambda(s)
-        # The reference's order of operations (p = λ · remaining, then a running sum), so a q that sits on a
-        # step's cumulative probability falls on the same side in both.
-        memory["cdf"] = memory["cdf"] + lam * memory["remaining"]
-        memory["remaining"] = memory["remaining"] * (1.0 - lam)
+        p, memory["remaining"] = exit_mass(self._lambda(s), memory["remaining"])
+        memory["cdf"] = memory["cdf"] + p  # a running sum, as the reference's cumsum
         return memory["cdf"]
 
 
