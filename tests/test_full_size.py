@@ -12,15 +12,11 @@ its process), measured by helpers.cli.run_measured.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers.cli import full_size_env, run_exitbench_measured, subprocess_env
+from helpers.cli import full_size_env, run_exitbench_measured, written_full_size
 from helpers.models import HUGINN_PARAMETERS
-from helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -32,18 +28,7 @@ DISK_NEEDED = 9e9
 
 @pytest.fixture(scope="module")
 def huginn_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("huginn-size")
-    free = shutil.disk_usage(root).free
-    if free < DISK_NEEDED:
-        pytest.skip(f"a full-size checkpoint needs {DISK_NEEDED / 1e9:.0f} GB free under {root}; {free / 1e9:.1f} "
-                    "GB are")
-    out = root / "ck"
-    try:
-        subprocess.run([sys.executable, str(REPO / "bench" / "make_huginn_size.py"), str(out)], check=True,
-                       timeout=1800, env=subprocess_env())
-        yield out
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from written_full_size(tmp_path_factory, "huginn-size", "make_huginn_size.py", [], DISK_NEEDED, 1800)
 
 
 @pytest.fixture(scope="module")

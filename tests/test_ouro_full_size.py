@@ -13,14 +13,10 @@ in bytes.)
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers.cli import full_size_env, run_exitbench_measured, subprocess_env
-from helpers.paths import REPO
+from helpers.cli import full_size_env, run_exitbench_measured, written_full_size
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +29,8 @@ DISK_NEEDED = 4e9
 
 @pytest.fixture(scope="module")
 def ouro_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ouro-size")
-    free = shutil.disk_usage(root).free
-    if free < DISK_NEEDED:
-        pytest.skip(f"a full-size Ouro needs {DISK_NEEDED / 1e9:.0f} GB free under {root}; {free / 1e9:.1f} GB are")
-    out = root / "ck"
-    try:
-        subprocess.run([sys.executable, str(REPO / "bench" / "make_ouro_size.py"), str(out), "--size", "1.4b"],
-                       check=True, timeout=900, env=subprocess_env())
-        yield out
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from written_full_size(tmp_path_factory, "ouro-size", "make_ouro_size.py", ["--size", "1.4b"],
+                                 DISK_NEEDED, 900)
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,26 @@ def run_exitbench_measured(args: list[str], env: dict[str, str], tmp_path, timeo
     proc, peak = run_measured(exitbench_cmd(*args), tmp_path / "peak", env=env, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc, peak
+
+
+def written_full_size(tmp_path_factory, name: str, script: str, args: list[str], disk_needed: float, timeout: int):
+    """A generator for a module fixture: a checkpoint `bench/SCRIPT` writes (it skips when the disk lacks
+    `disk_needed` bytes), yielded, then deleted with its folder."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from helpers.paths import REPO
+
+    root = tmp_path_factory.mktemp(name)
+    free = shutil.disk_usage(root).free
+    if free < disk_needed:
+        pytest.skip(f"{name} needs {disk_needed / 1e9:.0f} GB free under {root}; {free / 1e9:.1f} GB are")
+    out = root / "ck"
+    try:
+        subprocess.run([sys.executable, str(REPO / "bench" / script), str(out), *args], check=True, timeout=timeout,
+                       env=subprocess_env())
+        yield out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
