@@ -101,15 +101,13 @@ def make_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, shards: int = 2, seed: int = 0,
-          log=print) -> Path:
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    keys = layout(size)
+def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtype: torch.dtype, shards: int,
+                  log=print) -> int:
+    """`make(key, shape)` for every key into `shards` safetensors files of about equal bytes (a tensor goes to
+    the shard holding its middle byte), named as save_pretrained names them, with an index when there are
+    several; one shard in memory at a time. Returns the bytes written."""
     nbytes = {k: math.prod(s) * dtype.itemsize for k, s in keys}
     total = sum(nbytes.values())
-    g = torch.Generator().manual_seed(seed)
     weight_map, shard, index, done = {}, {}, 1, 0
 
     def flush() -> None:
@@ -123,12 +121,24 @@ def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, sh
     for key, shape in keys:
         if shard and index < shards and done + nbytes[key] / 2 > total * index / shards:
             flush()
-        shard[key] = make_tensor(key, shape, dtype, g, size == "tiny")
+        shard[key] = make(key, shape)
         done += nbytes[key]
     flush()
     if shards > 1:
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+    return total
+
+
+def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, shards: int = 2, seed: int = 0,
+          log=print) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    keys = layout(size)
+    g = torch.Generator().manual_seed(seed)
+    total = write_weights(out, keys, lambda key, shape: make_tensor(key, shape, dtype, g, size == "tiny"), dtype,
+                          shards, log)
     make_tokenizer(SIZES[size]["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(config_json(size, dtype), indent=2, sort_keys=True) + "\n")
     log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")

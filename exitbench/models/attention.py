@@ -7,6 +7,7 @@ still-active rows of a batch and must read and write the KV entry of one loop it
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,11 +75,28 @@ class AttnContext:
         return ctx if iteration is None else ctx.at_iteration(iteration)
 
 
-def rope_table(head_dim: int, length: int, base: float) -> torch.Tensor:
-    """(length, head_dim/2, 2) table of (cos, sin), Huginn's `freqs_cis` without its singleton dims."""
+def rope_table(head_dim: int, length: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """(length, head_dim/2, 2) table of (cos, sin), Huginn's `freqs_cis` without its singleton dims; with
+    `scaling` (a config's `rope_scaling`, rope_type llama3), the frequencies Llama 3.x rescales."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.x's long-context RoPE: wavelengths longer than original/low_freq_factor are stretched by
+    `factor`, those shorter than original/high_freq_factor are kept, and the band between is interpolated
+    linearly in original/wavelength. In float32, as Hugging Face computes it, so the tables agree bit for bit."""
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, blended, stretched)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
@@ -102,6 +120,22 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
     even, odd = pairs[..., 0], pairs[..., 1]
     out = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
     return out.flatten(-2).to(x.dtype)
+
+
+def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, ctx: AttnContext,
+                     layer_id: int, halves: bool) -> torch.Tensor:
+    """Heads q (B, T, H, D) and k, v (B, T, H_kv, D): RoPE on q and k (`halves`: rotate-half pairs), grouped
+    keys and values repeated to every query head, then causal attention through the cache; (B, T, H · D).
+    The repeat comes before the cache, so the engine's attention paths serve grouped models unchanged, at a
+    cache H / H_kv times larger than it needs to be."""
+    B, T = q.shape[:2]
+    rotation = ctx.rotation(rope) if ctx.positions is not None else None
+    q = apply_rope(q, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
+    k = apply_rope(k, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
+    v = v.transpose(1, 2)
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return cached_causal_attention(q, k, v, ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
 
 
 @torch.compiler.disable

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 from ..runtime.validation import parse
 from .looped import LoopedLM
+from .raven.config import stale_token_ids
 from .registry import architecture_of
 from .shards import DTYPE_NAMES, TensorEntry, read_tensors, scan
 from .tokenizer import TOKENIZER_FILE, Tokenizer
@@ -112,6 +113,12 @@ class ConfigFile(_Strict):
     mean_backprop_depth: StrictInt = None
     max_recurrence: StrictInt | None = None
     init_scale: Number = None
+    # The retrofitted conversions' Raven fields (raven/config.py; the rest share Ouro's Hugging Face names).
+    init_values: dict | None = None
+    initial_state_mode: StrictStr = None
+    # Read only to refuse: a soft-capped (Gemma-2) sandwich is not Huginn's (raven/variants.py).
+    attn_logit_softcapping: Number | None = None
+    final_logit_softcapping: Number | None = None
     # Looped GPT-2 (Hugging Face GPT2Config's names).
     n_layer: StrictInt = None
     n_head: StrictInt = None
@@ -196,6 +203,11 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} must hold a JSON object")
+    # A retrofitted Raven's config keeps Huginn-0125's special ids beside its own smaller vocabulary; they are
+    # dropped here (the tokenizer files name the real ones), so every later reader sees a config that holds.
+    stale = stale_token_ids(config)
+    if stale:
+        config = {k: v for k, v in config.items() if k not in stale}
     # Typed once, here, where the file comes in: every reader after this (registry, the architectures'
     # from_dict, the tokenizer, info) may take a field's type for granted. The dict itself is returned as it
     # was, so a valid config loads exactly as it did before the schema.
@@ -276,9 +288,9 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
     path = Path(path).expanduser()
     config = read_config(path)
     model_cls = architecture_of(config)
-    model_config = model_cls.config_class.from_dict(config)
     shards = weight_files(path)
     stored = scan(path, shards, INDEX_FILE)
+    model_config = model_cls.read_config(config, set(stored), str(path))
     found = model_cls.adapt_checkpoint(stored, model_config)
     # The module tree is built before keys can be compared, and each layer is Python objects even on the meta
     # device (20,000 layers: 40 s and 1 GB for `info`; a million exhaust memory). Every layer stores at least
@@ -295,7 +307,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
         if key not in found:
             raise CheckpointError(f"checkpoint {path} lacks key {key} (expected {len(expected)} keys)")
         if tuple(found[key].shape) != shape:
-            raise CheckpointError(f"key {key} has shape {tuple(found[key].shape)} but config.json implies {shape}")
+            raise CheckpointError(f"key {key} has shape {tuple(found[key].shape)} but config.json implies {shape}"
+                                  f"{model.shape_hint()}")
         _check_dtype(path, key, found[key], model_tensors[key].dtype)
     unexpected = sorted(set(found) - set(expected))
     if unexpected:

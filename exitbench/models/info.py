@@ -17,6 +17,7 @@ def describe(layout: CheckpointLayout, dtype: str = AUTO) -> dict[str, Any]:
     return {
         "source": source_label(layout.path),
         "architecture": model.architecture,
+        **({"variant": model.describe_variant()} if model.describe_variant() else {}),
         "parameters": model.num_parameters(),
         "parameter_breakdown": model.parameter_breakdown(),
         "layers": model.layer_split(),

@@ -149,6 +149,21 @@ class LoopedLM(nn.Module):
         """Make lm_head share the token embedding's weight (after a load assigned both)."""
         self.lm_head.weight = self.transformer.wte.weight
 
+    def describe_variant(self) -> dict | None:
+        """For an architecture whose checkpoints come in several block layouts: which one this is and what
+        told it (`info`); None for one with a single layout."""
+        return None
+
+    def shape_hint(self) -> str:
+        """What a shape-mismatch error adds: the config values the expected shapes were computed from."""
+        return ""
+
+    @classmethod
+    def read_config(cls, raw: dict, keys: set[str], where: str):
+        """This architecture's config from config.json (`raw`), given the keys the checkpoint's files hold
+        (an architecture whose files, not its config, say which blocks it has reads them)."""
+        return cls.config_class.from_dict(raw)
+
     @classmethod
     def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         """Map a checkpoint's tensors as published onto this module tree's keys (default: as they are)."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from .attention import AttnContext, apply_rope, cached_causal_attention, rope_table
+from .attention import AttnContext, rope_table, rotary_attention
 from .looped import LoopedLM, LoopGroup
 from .raven import RMSNorm
 
@@ -143,10 +143,9 @@ class OuroConfig:
 
 
 class OuroAttention(nn.Module):
-    """Qwen2's attention without biases: q/k/v/o projections, rotate-half RoPE, grouped-query heads. The cache
-    holds every query head's keys (a grouped model's are repeated before they are written), so the engine's
-    attention paths serve it unchanged; a grouped model's cache is n_heads / n_kv_heads times larger than it
-    needs to be."""
+    """Qwen2's attention without biases: q/k/v/o projections, rotate-half RoPE, grouped-query heads
+    (attention.rotary_attention: repeated before the cache, so a grouped model's cache is n_heads /
+    n_kv_heads times larger than it needs to be)."""
 
     def __init__(self, c: OuroConfig, layer_id: int):
         super().__init__()
@@ -162,14 +161,7 @@ class OuroAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-        rotation = ctx.rotation(rope) if ctx.positions is not None else None
-        q = apply_rope(q, rope, ctx.start, rotation, halves=True).transpose(1, 2)
-        k = apply_rope(k, rope, ctx.start, rotation, halves=True).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if self.n_kv != self.n_heads:
-            k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
-        y = cached_causal_attention(q, k, v, ctx, self.layer_id)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(rotary_attention(q, k, v, rope, ctx, self.layer_id, halves=True))
 
 
 class OuroMLP(nn.Module):

@@ -12,6 +12,28 @@ from ..errors import CheckpointError, ExitbenchError
 TOKENIZER_FILE = "tokenizer.json"
 
 
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def _tokenizer_config_tokens(path: Path) -> dict[str, str]:
+    """The special tokens tokenizer_config.json names by text ("<s>", or {"content": "<s>", ...}), by role."""
+    file = path / TOKENIZER_CONFIG_FILE
+    if not file.exists():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
+    out = {}
+    for name in ("bos", "eos", "pad"):
+        value = raw.get(f"{name}_token") if isinstance(raw, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, bos_token_id: int | None = None, eos_token_id: int | None = None,
                  pad_token_id: int | None = None):
@@ -27,7 +49,17 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
             raise CheckpointError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
-        ids = {name: config.get(f"{name}_token_id") for name in ("bos", "eos", "pad")}
+        # config.json's ids come first; one it does not name, the tokenizer's own config may (Hugging Face
+        # tokenizers name their special tokens by text in tokenizer_config.json).
+        named = _tokenizer_config_tokens(Path(path))
+        ids = {}
+        for name in ("bos", "eos", "pad"):
+            ids[name] = config.get(f"{name}_token_id")
+            if ids[name] is None and name in named:
+                ids[name] = backend.token_to_id(named[name])
+                if ids[name] is None:
+                    raise CheckpointError(f"{Path(path) / TOKENIZER_CONFIG_FILE}: {name}_token {named[name]!r} is "
+                                          f"not a token of {file}; name one the tokenizer has")
         for name, token_id in ids.items():
             # config.json's schema has checked the ids against the model's vocab_size; the tokenizer may be
             # smaller (or have holes), and an id it cannot decode is an <eos> generation never sees.
