@@ -22,6 +22,7 @@ at full size (bench/RESULTS.md) and for the slow test that holds load and info t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -109,11 +110,13 @@ def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.G
 
 def byte_level_bpe(size: int, leading: list[str] = ()) -> Tokenizer:
     """Byte-level BPE of `size` entries: `leading` tokens first, the 256 byte symbols, then made-up two-symbol
-    merges. Encodes any text (every byte has a symbol)."""
+    merges, and past the 65,536 of those (OLMo-2's 100k) three-symbol ones. Encodes any text (every byte has
+    a symbol)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {s: i for i, s in enumerate([*leading, *alphabet])}
     merges = []
-    pairs = ((a, b) for a in alphabet for b in alphabet)
+    pairs = itertools.chain(((a, b) for a in alphabet for b in alphabet),
+                            ((a + b, c) for a in alphabet for b in alphabet for c in alphabet))
     while len(vocab) < size:
         a, b = next(pairs)
         vocab[a + b] = len(vocab)

@@ -144,6 +144,14 @@ def test_a_kv_window_as_deep_as_the_loop_is_the_full_cache(case):
     assert ck.model.cache_slots(window=2) == {0: 1, 1: 1, 2: 2, 3: 2, 4: 1, 5: 1}
 
 
+def test_the_cache_keeps_each_key_group_once(case):
+    """Grouped heads are repeated to the query heads after the cache, so it holds 2 heads here, not 4 (the
+    parity tests above run through it); FLOPs still count every query head's scores."""
+    kind, ck, _ = case
+    assert ck.model.new_cache(2, 10).n_heads == 2 and ck.model.cache_geometry() == (2, 8)
+    assert ck.model.attention_width == 4 * 8
+
+
 def test_an_embed_init_state_starts_the_loop_from_the_prelude(tmp_path):
     config = json.loads((fixture("olmo") / "config.json").read_text())
     out = tmp_path / "embed-init"

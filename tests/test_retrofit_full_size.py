@@ -54,9 +54,9 @@ def test_info_reads_headers_only(tinyllama, env, tmp_path):
     assert report["tokenizer"]["vocab_size"] == 32000 and report["context"] == 2048
     assert report["tokenizer"]["special_tokens"]["bos"] == {"id": 1, "token": "<s>"}
     # The window counts iterations of this checkpoint's 8-layer core: 8 × 2 loop slots and 8 plain layers,
-    # each slot every query head's keys (grouped heads repeated: 32 × 64 wide).
+    # each slot the 4 key/value groups once (4 × 64 wide, not the 32 query heads).
     assert report["plan"]["kv_layout"]["slots_per_loop_layer"] == [2]
-    assert report["plan"]["kv_cache"] == 2 * (8 * 2 + 8) * 16 * 1000 * 2048 * 2
+    assert report["plan"]["kv_cache"] == 2 * (8 * 2 + 8) * 16 * 1000 * 256 * 2
     assert peak < INFO_BOUND, f"info peaked at {peak / 1e9:.2f} GB"
 
 

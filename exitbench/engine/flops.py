@@ -18,8 +18,7 @@ def _linear_flops(modules: list[nn.Module]) -> float:
 
 class FlopModel:
     def __init__(self, model: LoopedLM, readout_steps: list[int] | None = None):
-        n_heads, head_dim = model.cache_geometry()
-        self.attn_width = n_heads * head_dim
+        self.attn_width = model.attention_width
         self.head = _linear_flops(model.head_modules())
         # Per stage: (is_loop, matmul flops per pass, attention layers per pass)
         self.parts = [(isinstance(s, LoopGroup), _linear_flops(s.modules), len(s.attn_layers))

@@ -57,9 +57,12 @@ def depth_major_blocker(engine: Any) -> str | None:
 
 
 def gather_bytes(model: LoopedLM, rows: int, capacity: int, dtype: torch.dtype | None = None) -> int:
-    """What one position of each of `rows` rows adds to a wave's key and value gather over `capacity`."""
+    """What one position of each of `rows` rows adds to a wave's key and value gather over `capacity`: the
+    cached heads, and under grouped-query attention their copies repeated to every query head as well."""
     heads, head_dim = model.cache_geometry()
-    return rows * capacity * heads * head_dim * 2 * (dtype or model.dtype).itemsize
+    query_heads = model.attention_width // head_dim
+    read = heads + (query_heads if query_heads != heads else 0)
+    return rows * capacity * read * head_dim * 2 * (dtype or model.dtype).itemsize
 
 
 def block_positions(model: LoopedLM, rows: int, capacity: int, dtype: torch.dtype | None = None) -> int:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .cache import expand_groups
+
 if TYPE_CHECKING:
     from .cache import KVCache, TokenIndex
 
@@ -124,24 +126,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
 
 def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, ctx: AttnContext,
                      layer_id: int, halves: bool) -> torch.Tensor:
-    """Heads q (B, T, H, D) and k, v (B, T, H_kv, D): RoPE on q and k (`halves`: rotate-half pairs), grouped
-    keys and values repeated to every query head, then causal attention through the cache; (B, T, H · D).
-    The repeat comes before the cache, so the engine's attention paths serve grouped models unchanged, at a
-    cache H / H_kv times larger than it needs to be."""
+    """Heads q (B, T, H, D) and k, v (B, T, H_kv, D): RoPE on q and k (`halves`: rotate-half pairs), then
+    causal attention through the cache; (B, T, H · D). The cache holds the H_kv grouped heads as they are."""
     B, T = q.shape[:2]
     rotation = ctx.rotation(rope) if ctx.positions is not None else None
     q = apply_rope(q, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
     k = apply_rope(k, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
-    v = v.transpose(1, 2)
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return cached_causal_attention(q, k, v, ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
+    return cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
 
 
 @torch.compiler.disable
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
-    """Causal attention of q, k, v (B, H, T, D), through the cache when there is one.
+    """Causal attention of q (B, H, T, D) and k, v (B, H_kv, T, D), through the cache when there is one.
 
     The cache stores this layer's keys at loop iteration ctx.iteration and returns every earlier position's keys
     of that iteration, so one function serves plain layers and loop iterations of any architecture.
@@ -154,10 +151,11 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if ctx.index is not None and ctx.index.by_row is not None:
         return ctx.cache.attend_by_row(layer_id, ctx.index, q, k, v)
     if ctx.index is not None:
-        k, v = ctx.cache.update_tokens(layer_id, ctx.index, k, v)
+        k, v = expand_groups(q, *ctx.cache.update_tokens(layer_id, ctx.index, k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.index.mask)
     if ctx.cache is not None:
         k, v = ctx.cache.update(layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
+    k, v = expand_groups(q, k, v)
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v)
     if k.shape[2] == T:

@@ -33,6 +33,15 @@ import torch
 import torch.nn.functional as F
 
 
+def expand_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys and values (…, H_kv, L, D) repeated to q's H heads (query head h reads group
+    h // (H / H_kv), Hugging Face's repeat_kv), after the cache, so the cache stores each group once."""
+    if k.shape[-3] == q.shape[-3]:
+        return k, v
+    n = q.shape[-3] // k.shape[-3]
+    return k.repeat_interleave(n, dim=-3), v.repeat_interleave(n, dim=-3)
+
+
 @dataclass
 class TokenIndex:
     """Where the tokens of one step write and read, as rows of a layer's flat (slots·batch·capacity) view:
@@ -185,6 +194,7 @@ class KVCache:
             keys = self.k[layer][slot, row, :n_keys].transpose(0, 1).unsqueeze(0)     # (1, H, L, D)
             values = self.v[layer][slot, row, :n_keys].transpose(0, 1).unsqueeze(0)
             queries = q.index_select(0, idx).transpose(0, 2)                           # (1, H, m, D)
+            keys, values = expand_groups(queries, keys, values)
             got = F.scaled_dot_product_attention(queries, keys, values, attn_mask=sees)
             out.index_copy_(0, idx, got.transpose(0, 2))
         return out

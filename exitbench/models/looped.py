@@ -116,8 +116,14 @@ class LoopedLM(nn.Module):
         return self.lm_head.out_features
 
     def cache_geometry(self) -> tuple[int, int]:
-        """(n_heads, head_dim) of every attention layer."""
-        return self.config.n_heads, self.config.head_dim
+        """(heads, head_dim) of every attention layer's cached keys: the key/value heads, fewer than the query
+        heads under grouped-query attention."""
+        return getattr(self.config, "num_key_value_heads", None) or self.config.n_heads, self.config.head_dim
+
+    @property
+    def attention_width(self) -> int:
+        """Query heads × head_dim: what each attended key costs in scores and weighted values (FLOP counts)."""
+        return self.config.n_heads * self.config.head_dim
 
     def layer_split(self) -> dict[str, int]:
         """Layers per stage, for reports."""

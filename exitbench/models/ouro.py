@@ -269,8 +269,6 @@ class Ouro(LoopedLM):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x).float()  # the state is already normed (the loop's last `norm`)
 
-    def cache_geometry(self) -> tuple[int, int]:
-        return self.config.num_attention_heads, self.config.head_dim
 
     def layer_split(self) -> dict[str, int]:
         return {"loop": self.config.num_hidden_layers}
