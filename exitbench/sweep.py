@@ -139,9 +139,12 @@ def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...
 
 def model_record(ck: Checkpoint) -> dict[str, Any]:
     from .models.embedded import source_label
+    from .models.hub import hub_source
 
     ident = checkpoint_identity(ck.path)
-    return {"path": str(ck.path), "source": source_label(ck.path), "architecture": ck.model.architecture,
+    hub = hub_source(ck.path)  # the repo and resolved commit; the key keeps the content fingerprint
+    return {"path": str(ck.path), "source": source_label(ck.path), **({"hub": hub} if hub else {}),
+            "architecture": ck.model.architecture,
             "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
             "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {})}
 

@@ -336,8 +336,11 @@ def test_constructor_exit_knobs():
 def test_constructor_rejects_unknown_model_args():
     with pytest.raises(ExitbenchError, match="treshold"):
         ExitbenchLM(treshold=16)
-    with pytest.raises(ExitbenchError, match="pretrained"):
-        get_model("exitbench").create_from_arg_string("pretrained=gpt2,policy=fixed")
+    with pytest.raises(ExitbenchError, match="pretrainde"):
+        get_model("exitbench").create_from_arg_string("pretrainde=tiny-raven,policy=fixed")
+    # lm-eval's usual name for the checkpoint is one (tests/test_hub.py: with a hub id)
+    lm = get_model("exitbench").create_from_arg_string("pretrained=tiny-raven,policy=fixed")
+    assert lm.ck.path.name == "tiny-raven"
 
 
 def test_registered_in_lm_eval_with_cli_style_args():

@@ -32,6 +32,7 @@ from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
+from ..models.hub import hub_source
 from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least, parse
@@ -46,6 +47,7 @@ class ModelArgs(BaseModel):
     numbers numbers), so that `allow_nonfinite=no` is refused rather than read as true."""
     model_config = ConfigDict(strict=True)
     checkpoint: Optional[str] = None
+    pretrained: Optional[str] = None
     dtype: str = "auto"
     batch_size: Union[int, str] = 1
     max_batch_size: Optional[int] = None
@@ -62,13 +64,19 @@ class ExitbenchLM(LM):
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
                  schedule: str = "auto", exit_config: ExitConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 **exit_knobs: Any):
+                 pretrained: str | None = None, **exit_knobs: Any):
         """The one constructor. lm-eval builds the model from its model arguments (its own
         `create_from_arg_string`): a checkpoint by path or embedded name, and any of ExitConfig's fields
         (policy, threshold, min_steps, …). A sweep hands it a Checkpoint it loaded once for all its cells, and
         each cell's ExitConfig (`exit_config`, instead of knobs). `schedule`: how the engine runs teacher-forced
-        requests (exitbench.engine.ExitEngine; auto: depth-major wherever exact), a speed choice only."""
+        requests (exitbench.engine.ExitEngine; auto: depth-major wherever exact), a speed choice only.
+        `pretrained` is lm-eval's usual name for `checkpoint` (a directory, an embedded name or a hub id)."""
         super().__init__()
+        if pretrained is not None:
+            if checkpoint is not None and checkpoint != pretrained:
+                raise ExitbenchError(f"model arguments name checkpoint={checkpoint} and pretrained={pretrained}; "
+                                     "they are one argument, give one")
+            checkpoint = pretrained
         loaded = isinstance(checkpoint, Checkpoint)
         if not loaded:
             parse(ModelArgs, {"checkpoint": checkpoint, "dtype": dtype, "batch_size": batch_size,
@@ -366,7 +374,9 @@ class ExitbenchLM(LM):
 
     # ---- reporting ---------------------------------------------------------------------------------
     def get_model_info(self) -> dict[str, Any]:
-        return {"exitbench": {"checkpoint": str(self.ck.path), "architecture": self.ck.model.architecture,
+        hub = hub_source(self.ck.path)
+        return {"exitbench": {"checkpoint": str(self.ck.path), **({"hub": hub} if hub else {}),
+                              "architecture": self.ck.model.architecture,
                               "exit": self.exit_config.to_dict(), "batch_size": self.batch_size,
                               "add_bos_token": self.add_bos_token}}
 

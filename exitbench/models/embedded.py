@@ -4,13 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .hub import fetch, hub_source, parse_hub_id
 
 DEFAULT = "tiny-raven"
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 def source_label(path: Path) -> str:
-    """How reports name a checkpoint: `embedded:NAME` for one shipped in the package, else its path."""
+    """How reports name a checkpoint: `embedded:NAME` for one shipped in the package, `hub:ORG/NAME@COMMIT`
+    for a hub cache snapshot, else its path."""
+    hub = hub_source(path)
+    if hub is not None:
+        return f"hub:{hub['repo']}@{hub['commit'][:12]}"
     try:
         return f"embedded:{Path(path).resolve().relative_to(EMBEDDED_DIR)}"
     except ValueError:
@@ -24,7 +29,8 @@ def embedded_names() -> list[str]:
 
 
 def resolve(checkpoint: str | Path | None) -> Path:
-    """A directory for `checkpoint`: a path, the name of an embedded checkpoint, or None for the default."""
+    """A directory for `checkpoint`: a path, the name of an embedded checkpoint, a hub id `org/name[@revision]`
+    (its snapshot in the hub cache, models/hub.py), or None for the default."""
     if checkpoint is None:
         checkpoint = DEFAULT
     elif Path(checkpoint).exists():
@@ -34,6 +40,9 @@ def resolve(checkpoint: str | Path | None) -> Path:
     if checkpoint == DEFAULT:
         raise CheckpointError(f"the embedded checkpoint {DEFAULT} is missing from {EMBEDDED_DIR}; "
                               "reinstall exitbench or pass --checkpoint DIR")
+    hub_id = parse_hub_id(str(checkpoint))
+    if hub_id is not None:
+        return fetch(*hub_id)
     return Path(checkpoint)
 
 

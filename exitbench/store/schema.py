@@ -24,6 +24,8 @@ class ModelPart(_Part):
     dtype: str
     path: Optional[str] = None
     source: Optional[str] = None
+    # A checkpoint named by hub id: its repo and the commit the revision resolved to (models/hub.py).
+    hub: Optional[dict[str, str]] = None
 
 
 class TaskPart(_Part):
