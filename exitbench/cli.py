@@ -271,11 +271,22 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                     "exactly into OUT/verify and print replay vs exact."),
         verify_cells: Optional[str] = typer.Option(None, "--verify-cells", help="With --verify: more cells to "
                                                    "rerun exactly, as policy:threshold pairs (kl:1e-3,…)."),
+        apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="Render prompts with the "
+                                                 "tokenizer's chat template, as lm-eval's --apply_chat_template."),
+        chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Which of several named chat "
+                                                    "templates (implies --apply-chat-template)."),
+        system_instruction: Optional[str] = typer.Option(None, "--system-instruction", help="A system prompt "
+                                                         "before every request (lm-eval's --system_instruction)."),
+        fewshot_as_multiturn: Optional[bool] = typer.Option(None, "--fewshot-as-multiturn/--no-fewshot-as-multiturn",
+                                                            help="Few-shot examples as chat turns [lm-eval's default]."),
+        gen_kwargs: Optional[str] = typer.Option(None, "--gen-kwargs", help="Generation settings k=v,… over each "
+                                                 "task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512."),
         compile_step: bool = CompileOpt, knobs: dict = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
     from .analysis.tables import replay_table, reuse_note, summary_table
+    from .harness.prompting import Prompting
     from .harness.task_set import resolve_tasks
     from .models.checkpoint import open_checkpoint
     from .models.embedded import resolve
@@ -291,7 +302,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
-                      add_bos_token=add_bos_token, replay=replay)
+                      add_bos_token=add_bos_token, replay=replay,
+                      prompting=Prompting(chat_template or apply_chat_template, system_instruction,
+                                          fewshot_as_multiturn, gen_kwargs))
     check_mode(cfg, verify, verify_cells)
     at_least("--batch-size", batch_size)
     if num_fewshot is not None:
@@ -303,6 +316,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
+    cfg.prompting.check_for(ck.path)
     configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(),  # bad thresholds fail
                    ck.model.gated)  # before the fingerprint
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))

@@ -18,6 +18,7 @@ import torch
 from . import __version__
 from .engine import ExitConfig
 from .errors import ExitbenchError
+from .harness.prompting import Prompting
 from .harness.task_set import TaskSet
 from .models import Checkpoint
 from .policies import REGISTRY, ExitPolicy, check_policy_name
@@ -45,6 +46,7 @@ class SweepConfig:
     add_bos_token: bool | None = None
     quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
     replay: bool = False  # cells computed from one recording pass (exitbench.replay), keyed apart from exact ones
+    prompting: Prompting = field(default_factory=Prompting)  # chat template, system instruction, gen_kwargs
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -209,7 +211,9 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     mode = {"mode": "replay"} if cfg.replay else {}
     # A compiled step changes timings (and float rounding); named only when on, so other cells keep their ids.
     compiled = {"compiled": True} if model.get("compiled") else {}
-    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, "task": task,
+    # Prompt settings (chat template, system instruction, …) only when set, so other cells keep their ids.
+    prompt = {"prompt": cfg.prompting.key_dict()} if cfg.prompting.key_dict() else {}
+    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, **prompt, "task": task,
             "task_fingerprint": task_fingerprint,
             "limit": key_limit(cfg.limit, n_docs), "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
@@ -241,7 +245,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                 model=lm, tasks=[tasks.specs[i] for i in indices], task_manager=tasks.manager, limit=cfg.limit,
                 num_fewshot=cfg.num_fewshot, log_samples=cfg.log_samples, bootstrap_iters=cfg.bootstrap_iters,
                 random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
-                fewshot_random_seed=cfg.seed, verbosity="ERROR")
+                fewshot_random_seed=cfg.seed, verbosity="ERROR", **cfg.prompting.evaluate_kwargs())
     except ExitbenchError:
         raise
     except (ConnectionError, OSError, ValueError) as exc:

@@ -9,7 +9,7 @@ bad options refused before compute, one cell per computation, and lm-eval's own 
   is computed;
 - a limit that takes every document of a task keys the cell of no limit; a smaller one keys its own;
 - a run that shows its own progress prints none of lm-eval's tqdm bars;
-- `exitbench lm-eval run --apply_chat_template` says in one line that the model has no chat template yet.
+- `exitbench lm-eval run --apply_chat_template` on a checkpoint without a chat template says so in one line.
 """
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ def test_apply_chat_template_is_one_line(capfd):
 
 def test_the_model_itself_says_it_has_no_chat_template():
     """Called from Python (simple_evaluate(apply_chat_template=True)) the model's answer is the same line, not
-    lm-eval's NotImplementedError."""
+    lm-eval's NotImplementedError (tiny-raven's tokenizer has no template; tests/test_chat.py has one that does)."""
     from exitbench.models.checkpoint import open_checkpoint
     from exitbench.engine import ExitConfig
     from exitbench.harness.model import ExitbenchLM

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExitbenchError
-from .model import NO_CHAT_TEMPLATE
 from .task_set import SHIPPED_TASKS
 
 MODEL = "exitbench"
@@ -102,9 +101,14 @@ def _check_exitbench_run(args: argparse.Namespace, config: dict[str, Any]) -> No
                 raise ExitbenchError(f"--model_args {key}={value} and --{key} {given} disagree; give {key} once")
             setattr(args, key, value)
     args.model_args = model_args or None
-    if _given(args, config, "apply_chat_template"):
-        raise ExitbenchError(NO_CHAT_TEMPLATE)
     check_model_args(model_args)
+    template = _given(args, config, "apply_chat_template")
+    if template:  # before lm-eval starts: a checkpoint without a template fails here, in one line
+        from ..models.embedded import resolve
+        from .chat import ChatTemplate
+
+        named = (model_args or {}).get("checkpoint") or (model_args or {}).get("pretrained")
+        ChatTemplate(resolve(named), None if template is True else str(template))
     check_device(_given(args, config, "device"))
     if _given(args, config, "device") is None:
         # lm-eval's own default is cuda:0 even on a machine without CUDA; exitbench's is "auto".

@@ -37,9 +37,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least, parse
 from ..store import cells
-
-NO_CHAT_TEMPLATE = ("--apply_chat_template: the exitbench model has no chat template yet; run without it (prompts "
-                    "are then scored as plain text)")
+from .chat import ChatTemplate
 
 
 class ModelArgs(BaseModel):
@@ -380,10 +378,21 @@ class ExitbenchLM(LM):
                               "exit": self.exit_config.to_dict(), "batch_size": self.batch_size,
                               "add_bos_token": self.add_bos_token}}
 
+    # ---- chat templates (lm-eval's --apply_chat_template, --system_instruction, --fewshot_as_multiturn) ----
     @property
     def tokenizer_name(self) -> str:
-        return str(self.ck.path)
+        # lm-eval keys its request cache on this; hf's is the tokenizer's name with "/" made "__"
+        return str(self.ck.path).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template lm-eval records (and its hash): chat_template True for the tokenizer's own (or its
+        "default"), a name to pick one of several; False or None: none."""
+        if chat_template is False or chat_template is None:
+            return None
+        self._chat = ChatTemplate(self.ck.path, None if chat_template is True else str(chat_template))
+        return self._chat.template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        # lm-eval's default raises NotImplementedError mid-run; this says what is missing, on one line
-        raise ExitbenchError(NO_CHAT_TEMPLATE)
+        if getattr(self, "_chat", None) is None:
+            self._chat = ChatTemplate(self.ck.path)
+        return self._chat.render(chat_history, add_generation_prompt)

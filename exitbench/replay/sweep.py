@@ -69,6 +69,9 @@ def check_replayable(cfg: SweepConfig) -> None:
         raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
                              "torchrun, or run without --replay")
     check_recordable(cfg.exit, "run")
+    if cfg.prompting.key_dict():
+        raise ExitbenchError("--replay does not take --apply-chat-template, --system-instruction, "
+                             "--fewshot-as-multiturn or --gen-kwargs yet; run those cells exactly (without --replay)")
 
 
 def _load_tasks(tasks: TaskSet, indices: list[int], cfg: SweepConfig) -> dict:
