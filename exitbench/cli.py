@@ -281,7 +281,9 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                                             help="Few-shot examples as chat turns [lm-eval's default]."),
         gen_kwargs: Optional[str] = typer.Option(None, "--gen-kwargs", help="Generation settings k=v,… over each "
                                                  "task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512."),
-        compile_step: bool = CompileOpt, knobs: dict = None):
+        preset: Optional[str] = typer.Option(None, "--preset", help="A family's published protocol (`exitbench "
+                                             "presets`): task, shots, template, dtype, depths; flags override it."),
+        compile_step: bool = CompileOpt, knobs: dict = None, ctx: typer.Context = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
@@ -298,13 +300,27 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .studies.fit_exit import check_fitted_for
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, summary_rows
 
+    chosen = None
+    if preset is not None:
+        from . import presets
+
+        chosen = presets.load(preset)
+        options = presets.apply(chosen, dict(tasks=tasks, num_fewshot=num_fewshot, policy=policy, dtype=dtype,
+                                             apply_chat_template=apply_chat_template, baselines=baselines,
+                                             system_instruction=system_instruction, add_bos_token=add_bos_token,
+                                             fewshot_as_multiturn=fewshot_as_multiturn, checkpoint=checkpoint),
+                                given_on_command_line(ctx))
+        tasks, num_fewshot, policy, dtype = options["tasks"], options["num_fewshot"], options["policy"], options["dtype"]
+        apply_chat_template, baselines = options["apply_chat_template"], options["baselines"]
+        system_instruction, add_bos_token = options["system_instruction"], options["add_bos_token"]
+        fewshot_as_multiturn, checkpoint = options["fewshot_as_multiturn"], options["checkpoint"]
     cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
                       thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
                       limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
                       add_bos_token=add_bos_token, replay=replay,
                       prompting=Prompting(chat_template or apply_chat_template, system_instruction,
-                                          fewshot_as_multiturn, gen_kwargs))
+                                          fewshot_as_multiturn, gen_kwargs), preset=chosen)
     check_mode(cfg, verify, verify_cells)
     at_least("--batch-size", batch_size)
     if num_fewshot is not None:
@@ -335,6 +351,27 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     finish_distributed()
 
 
+@app.command("presets")
+@one_line_errors
+def presets_command(as_json: bool = typer.Option(False, "--json", help="Print them as JSON.")):
+    """The published evaluation protocols `run --preset NAME` takes, with where their numbers come from."""
+    from . import presets
+    from .analysis.tables import presets_table
+
+    found = [presets.load(name) for name in presets.names()]
+    if as_json:
+        print(json.dumps([p.model_dump() for p in found], indent=2))
+        return
+    console.print(presets_table(found))
+
+
+def given_on_command_line(ctx: typer.Context) -> set[str]:
+    """The parameters of a command the user typed (not defaults): what a preset must not override. (By the
+    source's name: typer runs its own copy of click, whose ParameterSource is not click's.)"""
+    return {p.name for p in ctx.command.params
+            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
+
+
 @app.command()
 @one_line_errors
 def pareto(directories: list[Path] = typer.Argument(..., help="Result directories (searched recursively)."),
@@ -346,7 +383,8 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
            model: Optional[str] = ModelOpt):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
     from .analysis import pareto as par
-    from .analysis.tables import pareto_tables
+    from .analysis.tables import pareto_tables, published_table
+    from .presets import published_rows
     from .runtime.files import writable_file
 
     par.check_table(table)
@@ -375,6 +413,22 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     if mixed:
         err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
                           "(a rerun reused older cells); rerun into a fresh --out to compare wall-clock",
+                          highlight=False)
+    published = published_rows(cell_list)
+    if published and fmt == "rich":
+        console.print(published_table(published))
+    elif published and fmt == "md":
+        from tabulate import tabulate
+
+        shown = [{k: v for k, v in r.items() if k not in ("source", "same_model")} for r in published]
+        print("\n" + tabulate(shown, headers="keys", tablefmt="github", floatfmt=".2f"))
+    others = sorted({r["published_for"] for r in published if not r["same_model"]})
+    if others:
+        err_console.print(f"note: the published numbers are for {', '.join(others)}; these cells ran "
+                          f"{par.model_label(cell_list[0])}, so the rows show the protocol's plumbing, not a "
+                          "reproduction", highlight=False)
+    if published and any(r["limit"] is not None for r in published):
+        err_console.print("note: some measured numbers use --limit; the published ones use every document",
                           highlight=False)
     if plot is not None:
         par.plot(cell_list, plot, cost)

@@ -47,6 +47,7 @@ class SweepConfig:
     quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
     replay: bool = False  # cells computed from one recording pass (exitbench.replay), keyed apart from exact ones
     prompting: Prompting = field(default_factory=Prompting)  # chat template, system instruction, gen_kwargs
+    preset: Any = None  # the presets.Preset the options came from: its published numbers go into each cell
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -262,8 +263,14 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
             unique.setdefault((s["task_name"], s["doc_id"], s["idx"]), s)
     if stats_out is not None:
         stats_out += unique.values()
-    return task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
+    made = task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
                       list(unique.values()), started, cfg.log_samples, elapsed)
+    if cfg.preset is not None:  # not in the key: the preset only set options, and those are keyed
+        from .presets import record
+
+        for cell, _ in made:
+            cell["preset"] = record(cfg.preset, cell["task"]["name"])
+    return made
 
 
 def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:

@@ -274,7 +274,7 @@ def test_max_gen_toks_is_respected(random18):
 
 def test_generate_rejects_sampling(raven):
     lm = adapter(raven, ExitConfig("fixed", threshold=R))
-    with pytest.raises(ExitbenchError, match="greedily"):
+    with pytest.raises(ExitbenchError, match="decodes greedily .* pass --gen-kwargs do_sample=false"):
         lm.generate_until([req("generate_until", ("f=3", {"until": [], "do_sample": True}))])
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ExitbenchError
+from ..presets import published_rows
 from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from . import exitmap, pareto
@@ -310,6 +311,9 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
                 f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
     overview += [f'<p class="note">{html.escape(n)}</p>' for n in notes]
     sections.append(("overview", "Overview", overview))
+    published = published_rows(cell_list)
+    if published:  # first: does this setup reproduce the paper, before any exit frontier is trusted
+        sections.append(("published", "Published vs measured", published_parts(published)))
 
     frontier = []
     for axis, title in COST_TITLES.items():
@@ -357,6 +361,21 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{html.escape(title)}</title><style>{STYLE}{exitmap.STYLE}</style></head>\n"
             f"<body><h1>{html.escape(title)}</h1><nav>{nav}</nav>\n{body}\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def published_parts(rows: list[dict[str, Any]]) -> list[str]:
+    """A preset run's fixed-depth cells beside the paper's numbers, with where those come from."""
+    parts = ["<p>Fixed-depth cells of a run made with a preset, in percent, beside the numbers its paper reports "
+             "for the same task, metric and depth: compare these before trusting an exit frontier.</p>",
+             table(["preset", "task", "metric", "r", "published", "measured", "limit"],
+                   [[r["preset"], r["task"], r["metric"], r["depth"], r["published"], r["measured"],
+                     "all" if r["limit"] is None else r["limit"]] for r in rows], numeric={3, 4, 5})]
+    for source in sorted({r["source"] for r in rows}):
+        parts.append(f'<p class="note">published: {html.escape(source)}</p>')
+    for repo in sorted({r["published_for"] for r in rows if not r["same_model"]}):
+        parts.append(f'<p class="note">The published numbers are for {html.escape(repo)}; this run used another '
+                     "model, so the rows show the protocol's plumbing, not a reproduction.</p>")
+    return parts
 
 
 def geometry_parts(directory: Path) -> list[str]:

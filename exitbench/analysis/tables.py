@@ -237,3 +237,29 @@ def plan_table(plan: dict[str, Any]) -> Table:
                       f"{w['block_positions']:,} positions iterate together; their key gather {gb(w['gather_bytes'])}")
     table.add_row("total", gb(plan["total"]), "")
     return table
+
+
+def published_table(rows: list[dict[str, Any]]) -> Table:
+    """Fixed-depth cells of a preset's run beside the numbers its paper reports (presets.published_rows)."""
+    t = Table(title="published vs measured (fixed depth, percent)")
+    for col in ("preset", "task", "metric", "r", "published", "measured", "limit"):
+        t.add_column(col, justify="right" if col in ("r", "published", "measured") else "left")
+    for r in rows:
+        measured = "—" if r["measured"] is None else f"{r['measured']:.2f}"
+        t.add_row(r["preset"], r["task"], r["metric"], str(r["depth"]), f"{r['published']:.2f}", measured,
+                  "all" if r["limit"] is None else f"{r['limit']:g}")
+    return t
+
+
+def presets_table(presets: list) -> Table:
+    t = Table(title="presets (exitbench run --preset NAME)")
+    for col in ("name", "checkpoint", "tasks", "shots", "prompt", "dtype", "depths", "published in"):
+        t.add_column(col, no_wrap=col in ("name", "checkpoint"))
+    for p in presets:
+        prompt = ", ".join(x for x in ("chat template" if p.apply_chat_template else "",
+                                       "multi-turn" if p.fewshot_as_multiturn else "",
+                                       "system prompt" if p.system_instruction else "",
+                                       "BOS" if p.add_bos_token else "") if x) or "plain"
+        t.add_row(p.name, p.checkpoint, ", ".join(p.tasks), "" if p.num_fewshot is None else str(p.num_fewshot),
+                  prompt, p.dtype, ",".join(map(str, p.baselines)), p.source)
+    return t

@@ -322,7 +322,9 @@ class ExitbenchLM(LM):
             context, gen_kwargs = requests[i].args
             gen_kwargs = dict(gen_kwargs or {})
             if gen_kwargs.get("do_sample"):
-                raise ExitbenchError("exitbench decodes greedily; the task asks for do_sample=true")
+                raise ExitbenchError(f"task {requests[i].task_name} asks for do_sample=true, but exitbench decodes "
+                                     "greedily (do_sample=false: each token's exit is measured on the argmax path); "
+                                     "pass --gen-kwargs do_sample=false to run it greedily")
             until = gen_kwargs.get("until") or []
             untils.append([until] if isinstance(until, str) else list(until))
             n_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))

@@ -69,6 +69,8 @@ def check_replayable(cfg: SweepConfig) -> None:
         raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
                              "torchrun, or run without --replay")
     check_recordable(cfg.exit, "run")
+    if cfg.preset is not None:
+        raise ExitbenchError("--preset reproduces published fixed-depth numbers exactly; run it without --replay")
     if cfg.prompting.key_dict():
         raise ExitbenchError("--replay does not take --apply-chat-template, --system-instruction, "
                              "--fewshot-as-multiturn or --gen-kwargs yet; run those cells exactly (without --replay)")

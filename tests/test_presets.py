@@ -1,0 +1,73 @@
+"""Presets: the shipped protocols load and list, `run --preset` takes its options from one (flags override it),
+and `pareto` / `report` put the published numbers beside the measured fixed-depth cells."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exitbench import presets
+from exitbench.cli import app
+from exitbench.errors import ExitbenchError
+
+from helpers.cli import assert_one_line_error, explain, runner
+from helpers.paths import GSM8K_DIR
+
+
+def test_every_shipped_preset_loads_and_carries_published_numbers_with_a_source():
+    names = presets.names()
+    assert {"huginn-0125-gsm8k-cot", "huginn-0125-zero-shot", "ouro-1.4b-mmlu", "recurrent-tinyllama-gsm8k"} <= set(names)
+    for name in names:
+        p = presets.load(name)
+        assert p.source and p.numbers() and set(p.numbers()) <= set(p.tasks)
+        for by_metric in p.numbers().values():
+            for by_depth in by_metric.values():
+                assert set(by_depth) <= set(p.baselines) and all(0 <= v <= 100 for v in by_depth.values())
+    huginn = presets.load("huginn-0125-gsm8k-cot")
+    assert huginn.apply_chat_template and huginn.fewshot_as_multiturn and huginn.num_fewshot == 8
+    assert huginn.numbers()["gsm8k_cot"]["exact_match,flexible-extract"][32] == 42.08
+    res = runner.invoke(app, ["presets", "--json"])
+    assert res.exit_code == 0 and [p["name"] for p in json.loads(res.stdout)] == names
+
+
+def test_flags_on_the_command_line_override_the_preset():
+    p = presets.load("huginn-0125-gsm8k-cot")
+    options = {"tasks": "chains", "baselines": "4", "checkpoint": "tiny-raven", "policy": ["kl"],
+               "num_fewshot": None, "apply_chat_template": False, "system_instruction": None,
+               "fewshot_as_multiturn": None, "add_bos_token": None, "dtype": "auto"}
+    out = presets.apply(p, options, given={"checkpoint", "policy"})
+    assert out["checkpoint"] == "tiny-raven" and out["policy"] == ["kl"]  # given: kept
+    assert out["tasks"] == "gsm8k_cot" and out["baselines"] == "1,32" and out["apply_chat_template"] is True
+    assert presets.apply(p, options, given=set())["policy"] == ["fixed"]  # the published numbers first
+
+
+def test_an_unknown_preset_and_a_replayed_one_are_one_line():
+    assert_one_line_error(runner.invoke(app, ["run", "--preset", "huginn-9999"]), ["huginn-9999", "exitbench presets"])
+    assert_one_line_error(runner.invoke(app, ["run", "--preset", "ouro-1.4b-mmlu", "-c", "tiny-raven", "--replay"]),
+                          ["--preset", "without --replay"])
+    with pytest.raises(ExitbenchError, match="unknown preset"):
+        presets.load("../README")
+
+
+def test_a_preset_run_puts_the_papers_numbers_beside_its_cells(tmp_path):
+    """On the embedded model the preset runs the plumbing (its task, shots, BOS rule, dtype) and the tables
+    say the published numbers are for the real checkpoint."""
+    out = tmp_path / "preset"
+    res = runner.invoke(app, ["run", "--preset", "recurrent-tinyllama-gsm8k", "-c", "tiny-raven", "--data-dir",
+                              str(GSM8K_DIR), "--limit", "1", "--baselines", "1", "--gen-kwargs", "max_gen_toks=4",
+                              "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, explain(res)
+    (cell,) = [json.loads(f.read_text()) for f in out.glob("*.json")]
+    assert cell["task"]["name"] == "gsm8k_cot" and cell["key"]["num_fewshot"] == 1
+    assert cell["key"]["add_bos_token"] is True and cell["key"]["dtype"] == "float32"
+    assert cell["preset"]["name"] == "recurrent-tinyllama-gsm8k"
+    assert cell["preset"]["published"]["exact_match,flexible-extract"]["1"] == 18.9
+    res = runner.invoke(app, ["pareto", str(out)])
+    assert res.exit_code == 0, explain(res)
+    assert "published vs measured" in res.stdout and "18.90" in res.stdout
+    assert "published numbers are for smcleish/Recurrent-TinyLlama-3T-train-recurrence-4" in " ".join(
+        res.stderr.split())
+    res = runner.invoke(app, ["report", str(out)])
+    assert res.exit_code == 0, explain(res)
+    page = (out / "report.html").read_text()
+    assert "Published vs measured" in page and "McLeish et al. 2025" in page
