@@ -111,3 +111,12 @@ def test_exitbench_run_keys_on_the_prompt_settings(saved, tmp_path):
                               f"pretrained={saved.ck_dir},policy=fixed,threshold=1", "--tasks", "chains", "--limit",
                               "2", "--apply_chat_template", "--system_instruction", SYSTEM])
     assert res.exit_code == 0, explain(res)
+
+
+def test_a_template_file_beside_the_tokenizer_is_read(saved, tmp_path):
+    """transformers ≥ 4.43 writes the template to chat_template.jinja rather than into tokenizer_config.json."""
+    (tmp_path / "tokenizer.json").write_bytes((saved.ck_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
+    rendered = ChatTemplate(tmp_path).render([{"role": "user", "content": "the cat"}])
+    assert rendered == "<bos>user said the cat. assistant said"
