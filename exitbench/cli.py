@@ -342,8 +342,13 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     note = reuse_note(prepared.plan.reused(), out)
     if rank0 and note:
         err_console.print(note, highlight=False)
-    with SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0, quiet=quiet) as progress:
-        outcome = execute(ck, task_set, cfg, out, prepared, progress)
+    try:
+        with SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0, quiet=quiet) as progress:
+            outcome = execute(ck, task_set, cfg, out, prepared, progress)
+    except KeyboardInterrupt:
+        if rank0:
+            err_console.print(interrupted_note(out, [key for _, _, key in prepared.plan.cells]), highlight=False)
+        raise typer.Exit(130) from None
     if rank0:
         console.print(summary_table(summary_rows(outcome.cells), title=f"{len(outcome.cells)} cells in {out}"))
     if outcome.verified is not None:
@@ -363,6 +368,17 @@ def presets_command(as_json: bool = typer.Option(False, "--json", help="Print th
         print(json.dumps([p.model_dump() for p in found], indent=2))
         return
     console.print(presets_table(found))
+
+
+def interrupted_note(out: Path, keys: list[dict]) -> str:
+    """What Ctrl-C leaves: how many of the sweep's cells are on disk (each written whole, atomically), and how
+    the rest is run."""
+    from .store import cells, disk
+
+    ids = [cells.cell_id(key) for key in keys]
+    kept = len(disk.written(out, ids))
+    return (f"interrupted: {kept} of the sweep's {len(ids)} cells are finished and kept in {out}; rerun the same "
+            "command to resume (finished cells are reused, the rest run)")
 
 
 def given_on_command_line(ctx: typer.Context) -> set[str]:

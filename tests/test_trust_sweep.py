@@ -330,3 +330,25 @@ def test_the_model_itself_says_it_has_no_chat_template():
     lm = ExitbenchLM.from_checkpoint(open_checkpoint(None), ExitConfig("fixed", threshold=4))
     with pytest.raises(ExitbenchError, match="no chat template"):
         lm.apply_chat_template([{"role": "user", "content": "a=1 q=a"}])
+
+
+# ---- 7. Ctrl-C ----------------------------------------------------------------------------------------------------
+
+def test_ctrl_c_says_what_is_kept_and_that_a_rerun_resumes(tmp_path, monkeypatch):
+    """Interrupted mid-sweep, `run` says how many of its cells are on disk and that the same command resumes,
+    and exits 130 (the shell's code for SIGINT), not silently."""
+    import exitbench.runner
+
+    runner = CliRunner()
+    args = ["run", "--tasks", "chains_lambada", "--limit", "2", "--baselines", "4", "--out", str(tmp_path), "--quiet"]
+    first = runner.invoke(app, [*args, "-p", "second_order", "--thresholds", "0.1"])
+    assert first.exit_code == 0, explain(first)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exitbench.runner, "execute", interrupted)
+    res = runner.invoke(app, [*args, "-p", "second_order", "--thresholds", "0.1,0.2"])
+    assert res.exit_code == 130, explain(res)
+    assert "interrupted: 2 of the sweep's 3 cells are finished and kept in" in " ".join(res.stderr.split())
+    assert "rerun the same command to resume" in " ".join(res.stderr.split())
