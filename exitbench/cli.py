@@ -356,6 +356,27 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     finish_distributed()
 
 
+@app.command()
+@one_line_errors
+def export(directories: list[Path] = typer.Argument(..., help="Result directories (searched recursively)."),
+           fmt: str = typer.Option("csv", "--format", help="csv or json."),
+           out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to FILE [stdout].")):
+    """Every result cell as one row of plain columns (model, task, metric, quality, policy, threshold, mean
+    iterations, ms/token, …): a tidy table for pandas, R or a spreadsheet."""
+    from .analysis.export import tidy, write
+    from .runtime.files import atomic_write, writable_file
+
+    if out is not None:
+        writable_file(out, "--out")
+    text = write(tidy(directories), fmt)
+    if out is None:
+        print(text, end="" if text.endswith("\n") else "\n")
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda f: f.write(text))
+    err_console.print(f"wrote {out}", highlight=False)
+
+
 @app.command("presets")
 @one_line_errors
 def presets_command(as_json: bool = typer.Option(False, "--json", help="Print them as JSON.")):

@@ -1,0 +1,66 @@
+"""One tidy table of result cells: a row per cell, plain columns (no "task · metric" compound keys), for
+pandas, R or a spreadsheet. Every cell under the directories is a row, of every model and both modes; a
+script filters on the columns."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ExitbenchError
+from ..store import cells
+
+COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
+           "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
+           "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
+           "ms_per_token", "probe_share", "flops_per_token", "batch_size", "device", "run_id", "git_revision",
+           "started", "preset", "file"]
+
+
+def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
+    policy, wall = cell["policy"], cell.get("wall_clock", {})
+    per_token = wall.get("per_token_s")
+    return {
+        "cell_id": cell["cell_id"], "mode": cell.get("mode", "exact"),
+        "model": cell["model"].get("source") or cell["model"].get("path"), "fingerprint": cell["model"]["fingerprint"],
+        "architecture": cell["model"]["architecture"], "dtype": cell["model"]["dtype"],
+        "task": cell["task"]["name"], "n_shot": cell["task"].get("n_shot"), "limit": cell["task"].get("limit"),
+        "metric": cell["quality"]["metric"], "quality": cell["quality"]["value"],
+        "stderr": cell["quality"].get("stderr"), "higher_is_better": cell["quality"]["higher_is_better"],
+        "policy": policy["policy"], "series": cells.series(policy), "threshold": policy.get("threshold"),
+        "exit_mode": policy.get("exit_mode") or "physical", "min_steps": policy.get("min_steps"),
+        "max_steps": policy.get("max_steps"), "patience": policy.get("patience"), "relative": policy.get("relative"),
+        "kv_window": policy.get("kv_window"), "mean_iterations": cell["iterations"].get("mean"),
+        "p90_iterations": cell["iterations"].get("p90"),
+        "ms_per_token": None if per_token is None else 1000 * per_token, "probe_share": wall.get("probe_share"),
+        "flops_per_token": cell.get("flops", {}).get("per_token"), "batch_size": cell["run"].get("batch_size"),
+        "device": cell["run"].get("device"), "run_id": cell["run"].get("run_id"),
+        "git_revision": cell["run"].get("git_revision"), "started": cell["run"].get("started"),
+        "preset": (cell.get("preset") or {}).get("name"), "file": str(path),
+    }
+
+
+def tidy(directories: list[Path]) -> list[dict[str, Any]]:
+    """A row per result cell under `directories` (recursively; files that are not cells are left out)."""
+    paths = sorted({p for d in directories for p in Path(d).rglob("*.json")})
+    found, _ = cells.scan(paths)
+    if not found:
+        raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}")
+    return sorted((row(path, cell) for path, cell in found),
+                  key=lambda r: (r["model"] or "", r["task"], r["metric"], r["series"], r["threshold"] or 0, r["mode"]))
+
+
+def write(rows: list[dict[str, Any]], fmt: str) -> str:
+    if fmt == "json":
+        import json
+
+        return json.dumps(rows, indent=2)
+    if fmt != "csv":
+        raise ExitbenchError(f"--format must be csv or json; got {fmt!r}")
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
