@@ -213,7 +213,8 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     # A compiled step changes timings (and float rounding); named only when on, so other cells keep their ids.
     compiled = {"compiled": True} if model.get("compiled") else {}
     # Prompt settings (chat template, system instruction, …) only when set, so other cells keep their ids.
-    prompt = {"prompt": cfg.prompting.key_dict()} if cfg.prompting.key_dict() else {}
+    prompt = cfg.prompting.key_dict()
+    prompt = {"prompt": prompt} if prompt else {}
     return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, **prompt, "task": task,
             "task_fingerprint": task_fingerprint,
             "limit": key_limit(cfg.limit, n_docs), "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),

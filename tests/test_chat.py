@@ -13,7 +13,7 @@ import json
 import lm_eval
 import pytest
 from lm_eval.models.huggingface import HFLM
-from test_lm_eval_parity import LOGLIK_TOL, save_both
+from test_lm_eval_parity import CORPUS, LOGLIK_TOL, save_both
 
 from exitbench.errors import ExitbenchError
 from exitbench.harness.chat import ChatTemplate
@@ -33,14 +33,7 @@ CHAINS_TEXT = ["f=3 X=0 c=X G=3 V=c t=4 g=f l=t y=l i=V h=i T=h m=g", "0 1 2 3 4
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    import test_lm_eval_parity as parity
-
-    corpus = parity.CORPUS
-    parity.CORPUS = corpus + CHAINS_TEXT * 4
-    try:
-        s = save_both("bos_template", tmp_path_factory.mktemp("chat"))
-    finally:
-        parity.CORPUS = corpus
+    s = save_both("bos_template", tmp_path_factory.mktemp("chat"), CORPUS + CHAINS_TEXT * 4)
     hf_config = json.loads((s.hf_dir / "tokenizer_config.json").read_text())
     (s.hf_dir / "tokenizer_config.json").write_text(json.dumps({**hf_config, "chat_template": TEMPLATE}))
     (s.ck_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",

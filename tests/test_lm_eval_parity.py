@@ -54,13 +54,13 @@ GENERATE = [("the cat sat", {"until": ["."], "max_gen_toks": 8, "do_sample": Fal
             (f"{BOS}the dog", {"until": ["."], "max_gen_toks": 5, "do_sample": False})]
 
 
-def fit_backend() -> HFTokenizer:
+def fit_backend(corpus: list[str] = CORPUS) -> HFTokenizer:
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     # GPT-2's byte-level scheme, but only the corpus's own characters in the alphabet: every token then decodes
     # to whole characters, so a random model's generations are real text.
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=120, special_tokens=[BOS, EOS],
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=[BOS, EOS],
                                                             show_progress=False))
     return backend
 
@@ -85,10 +85,10 @@ class Saved(NamedTuple):
     hf_dir: Path  # the same weights and tokenizer.json as lm-eval's hf model loads them
 
 
-def save_both(variant: str, root: Path) -> Saved:
-    """One random GPT-2 under one tokenizer variant, saved both ways."""
+def save_both(variant: str, root: Path, corpus: list[str] = CORPUS) -> Saved:
+    """One random GPT-2 under one tokenizer variant (its BPE fitted on `corpus`), saved both ways."""
     template, bos = VARIANTS[variant]
-    backend = fit_backend()
+    backend = fit_backend(corpus)
     eos = backend.token_to_id(EOS)
     tok = Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     if template:

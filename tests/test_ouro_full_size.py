@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from helpers.cli import full_size_env, run_exitbench_measured, written_full_size
+from helpers.cli import full_size_env, written_full_size
+from helpers.cli import run_exitbench_measured as exitbench  # (args, env, tmp_path): the process and its peak
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +38,6 @@ def ouro_dir(tmp_path_factory):
 def env(tmp_path_factory):
     return full_size_env(tmp_path_factory.mktemp("hash-cache"))
 
-
-def exitbench(args: list[str], env, tmp_path, timeout: int = 900):
-    return run_exitbench_measured(args, env, tmp_path, timeout)
 
 
 def test_info_reads_headers_only(ouro_dir, env, tmp_path):

@@ -15,7 +15,8 @@ import json
 
 import pytest
 
-from helpers.cli import full_size_env, run_exitbench_measured, written_full_size
+from helpers.cli import full_size_env, written_full_size
+from helpers.cli import run_exitbench_measured as exitbench  # (args, env, tmp_path): the process and its peak
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +37,6 @@ def tinyllama(tmp_path_factory):
 def env(tmp_path_factory):
     return full_size_env(tmp_path_factory.mktemp("hash-cache"))
 
-
-def exitbench(args: list[str], env, tmp_path, timeout: int = 900):
-    return run_exitbench_measured(args, env, tmp_path, timeout)
 
 
 def test_info_reads_headers_only(tinyllama, env, tmp_path):

@@ -105,10 +105,10 @@ def _check_exitbench_run(args: argparse.Namespace, config: dict[str, Any]) -> No
     template = _given(args, config, "apply_chat_template")
     if template:  # before lm-eval starts: a checkpoint without a template fails here, in one line
         from ..models.embedded import resolve
-        from .chat import ChatTemplate
+        from .prompting import Prompting
 
         named = (model_args or {}).get("checkpoint") or (model_args or {}).get("pretrained")
-        ChatTemplate(resolve(named), None if template is True else str(template))
+        Prompting(template if template is True else str(template)).check_for(resolve(named))
     check_device(_given(args, config, "device"))
     if _given(args, config, "device") is None:
         # lm-eval's own default is cuda:0 even on a machine without CUDA; exitbench's is "auto".

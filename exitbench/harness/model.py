@@ -127,6 +127,7 @@ class ExitbenchLM(LM):
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
+        self._chat: ChatTemplate | None = None  # built when lm-eval first asks for the chat template
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:
@@ -395,6 +396,6 @@ class ExitbenchLM(LM):
         return self._chat.template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if getattr(self, "_chat", None) is None:
+        if self._chat is None:
             self._chat = ChatTemplate(self.ck.path)
         return self._chat.render(chat_history, add_generation_prompt)

@@ -14,10 +14,11 @@ def describe(layout: CheckpointLayout, dtype: str = AUTO) -> dict[str, Any]:
     groups = model.loop_groups()
     tok = layout.tokenizer
     run_dtype = layout.resolve_dtype(dtype)
+    variant = model.describe_variant()
     return {
         "source": source_label(layout.path),
         "architecture": model.architecture,
-        **({"variant": model.describe_variant()} if model.describe_variant() else {}),
+        **({"variant": variant} if variant else {}),
         "parameters": model.num_parameters(),
         "parameter_breakdown": model.parameter_breakdown(),
         "layers": model.layer_split(),

@@ -105,32 +105,33 @@ class SandwichBlock(nn.Module):
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
-class PreNormBlock(nn.Module):
-    """x̂ = x + Attn(n1 x); out = x̂ + MLP(n2 x̂): a Llama decoder layer under Huginn's names (`norm_1` is
-    Llama's input_layernorm, `norm_2` its post_attention_layernorm)."""
+class _TwoNormBlock(nn.Module):
+    """The retrofitted blocks' modules: two RMSNorms, attention (with q/k norm where `qk_norm`), the MLP."""
+
+    qk_norm = False
 
     def __init__(self, c: "RavenConfig", layer_id: int, rotate_half: bool = True):
         super().__init__()
         self.norm_1 = RMSNorm(c.n_embd, c.norm_eps)
-        self.attn = attention(c, layer_id, rotate_half)
+        self.attn = attention(c, layer_id, rotate_half, qk_norm=self.qk_norm)
         self.norm_2 = RMSNorm(c.n_embd, c.norm_eps)
         self.mlp = GatedMLP(c.n_embd, c.intermediate_size)
+
+
+class PreNormBlock(_TwoNormBlock):
+    """x̂ = x + Attn(n1 x); out = x̂ + MLP(n2 x̂): a Llama decoder layer under Huginn's names (`norm_1` is
+    Llama's input_layernorm, `norm_2` its post_attention_layernorm)."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = x + self.attn(self.norm_1(x), rope, ctx)
         return x + self.mlp(self.norm_2(x))
 
 
-class PostNormBlock(nn.Module):
+class PostNormBlock(_TwoNormBlock):
     """x̂ = x + n1(Attn(x)); out = x̂ + n2(MLP(x̂)), q and k RMSNormed: an OLMo-2 decoder layer under Huginn's
     names (`norm_1` is OLMo's post_attention_layernorm, `norm_2` its post_feedforward_layernorm)."""
 
-    def __init__(self, c: "RavenConfig", layer_id: int, rotate_half: bool = True):
-        super().__init__()
-        self.norm_1 = RMSNorm(c.n_embd, c.norm_eps)
-        self.attn = attention(c, layer_id, rotate_half, qk_norm=True)
-        self.norm_2 = RMSNorm(c.n_embd, c.norm_eps)
-        self.mlp = GatedMLP(c.n_embd, c.intermediate_size)
+    qk_norm = True
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = x + self.norm_1(self.attn(x, rope, ctx))
