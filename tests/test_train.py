@@ -214,3 +214,46 @@ def test_cli_text_training_errors_are_one_line(tmp_path, gsm8k_dir):
                                    "--gsm8k-dir", str(gsm8k_dir)])
     assert res.exit_code == 2 and "train.jsonl:1" in res.stderr
     assert not any((tmp_path / n).exists() for n in "xyz")
+
+
+OURO_TINY = dict(n_embd=32, n_heads=2, intermediate_size=64, max_hop=4, n_chains=2, ut_steps=4, max_recurrence=8,
+                 batch_size=8, steps=4, gate_steps=3, warmup=2)
+
+
+def ouro_cfg(out, **kw) -> TrainConfig:
+    return TrainConfig.for_arch(str(out), "ouro", **{**OURO_TINY, **kw})
+
+
+def test_ouro_two_stages_keep_the_stage_one_gate_and_change_only_the_gate(tmp_path):
+    out = train(ouro_cfg(tmp_path / "run"))
+    final, first = load_checkpoint(out), load_checkpoint(out / "stage-1")
+    assert final.model.architecture == "ouro" and final.model.gated
+    assert final.provenance["training"]["steps_done"] == 7 and final.provenance["training"]["stage"] == 2
+    assert first.provenance["training"]["steps_done"] == 4 and first.provenance["training"]["stage"] == 1
+    changed = {name for name, p in final.model.state_dict().items()
+               if not torch.equal(p, first.model.state_dict()[name])}
+    # Stage II trains the gate alone: the LM is stage I's to the bit.
+    assert changed == {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
+    assert final.model.config.total_ut_steps == 4 and final.model.config.tie_word_embeddings
+    ids = torch.tensor([[synthetic.BOS] + final.tokenizer.encode("a=3 b=a")])
+    assert torch.isfinite(final.model(ids, 4)).all()
+
+
+def test_ouro_training_is_deterministic_for_a_seed(tmp_path):
+    a = load_checkpoint(train(ouro_cfg(tmp_path / "a"))).model.state_dict()
+    b = load_checkpoint(train(ouro_cfg(tmp_path / "b"))).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = load_checkpoint(train(ouro_cfg(tmp_path / "c", seed=1))).model.state_dict()
+    assert not torch.equal(a["model.early_exit_gate.weight"], c["model.early_exit_gate.weight"])
+
+
+@pytest.mark.parametrize("override,needle", [
+    (dict(ut_steps=0), "--ut-steps"),
+    (dict(max_recurrence=3), "--max-recurrence"),
+    (dict(entropy_beta=-0.1), "--entropy-beta"),
+    (dict(gate_lr=0.0), "--gate-lr"),
+])
+def test_bad_ouro_options_fail_before_writing(tmp_path, override, needle):
+    with pytest.raises(ExitbenchError, match=needle.replace("-", r"\-")):
+        train(ouro_cfg(tmp_path / "run", **override))
+    assert not (tmp_path / "run").exists()

@@ -13,12 +13,13 @@ import torch
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..training import synthetic
+from ..training.train import CHAINS_ARCHS
 
 
 def synthetic_training(ck: Checkpoint) -> dict[str, Any] | None:
     """The training config of a checkpoint `exitbench train` made on a synthetic task (None for text models)."""
     training = ck.provenance.get("training", {}).get("train_config")
-    if not training or training.get("arch", "huginn_raven") != "huginn_raven" or not training.get("task"):
+    if not training or training.get("arch", "huginn_raven") not in CHAINS_ARCHS or not training.get("task"):
         return None
     return training
 

@@ -1,13 +1,17 @@
 """`exitbench train`: a looped model from scratch, the way recurrent-depth models are trained.
 
-Two recipes share one loop:
+Three recipes share one loop:
 - `huginn_raven` on the synthetic chains task (the embedded tiny-raven). What makes the iterations matter on a
   model this small (measured in the README, "The embedded default"): no attention outside the core, one token per statement, a
   target at every statement, and a hop curriculum that raises the chain length once the current level is learned.
 - `looped_gpt2` on natural text (the embedded tiny-looped-gpt2), as the two-scale paper trained on FineWeb: GSM8K's
   training split, a byte-level BPE fitted to it, next-token loss on random windows.
+- `ouro` on the chains task (the embedded tiny-ouro): every layer in the loop, the final norm after each step,
+  an exit gate, and Ouro's two stages (gate_objectives.py): `steps` of stage I (LM and gate on the loss
+  expected under the gate's exit distribution, minus β × its entropy) at a fixed T, then `gate_steps` of stage II
+  (the gate alone). The stage-I checkpoint is kept as OUT/stage-1, the "untrained gate" Ouro compares against.
 
-Recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ),
+For the first two, recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ),
 with gradients only through the last `backprop_depth` iterations of each group.
 
 Everything random is drawn from generators keyed by (seed, step), so a run is deterministic for a seed and a
@@ -30,23 +34,30 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..errors import ExitbenchError
-from ..models import LoopedGPT2, LoopedGPT2Config, LoopedLM, Raven, RavenConfig, save_checkpoint
+from ..models import LoopedGPT2, LoopedGPT2Config, LoopedLM, Ouro, OuroConfig, Raven, RavenConfig, save_checkpoint
+from ..models.attention import AttnContext
 from ..runtime.provenance import run_metadata
-from . import synthetic, textcorpus
+from . import gate_objectives, synthetic, textcorpus
 
 TRAINING_DIR = "training"
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 # Fields that may differ when a run is resumed: how long to go on, how often to save.
 RESUMABLE = {"steps", "time_budget", "save_every", "out", "resume", "threads"}
+STAGE_ONE_DIR = "stage-1"
+OURO_BRANCH_SCALE = 0.1  # OuroRecipe.build_model says why
 
 
-ARCHS = ("huginn_raven", "looped_gpt2")
+ARCHS = ("huginn_raven", "looped_gpt2", "ouro")
+CHAINS_ARCHS = ("huginn_raven", "ouro")  # trained on the synthetic chains task
 # Where the two recipes differ in their defaults; everything else is shared.
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "huginn_raven": {},
     "looped_gpt2": {"mean_recurrence": 4, "max_recurrence": 12, "backprop_depth": 12, "batch_size": 32,
                     "lr": 1e-3, "warmup": 100, "recurrence_sigma": 0.5},
+    # Ouro trains at one fixed depth T (ut_steps) with gradients through every step; max_recurrence is only
+    # how deep a run may go (twice T, as the Ouro loader's default).
+    "ouro": {"max_recurrence": 24, "batch_size": 32},
 }
 
 
@@ -72,6 +83,13 @@ class TrainConfig:
     vocab_size: int = 2048
     gsm8k_dir: str | None = None
     mean_recurrence: int = 16
+    # ouro: the trained depth T, stage I's entropy weight β, stage II's length, learning rate and label shape.
+    ut_steps: int = 12
+    entropy_beta: float = 0.1
+    gate_steps: int = 300
+    gate_lr: float = 1e-3
+    gate_k: float = 50.0
+    gate_gamma: float = 0.005
     max_recurrence: int = 32
     backprop_depth: int = 8
     recurrence_sigma: float = 0.5
@@ -118,7 +136,7 @@ class TrainConfig:
                 raise ExitbenchError(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(self, name)}")
         if self.n_embd % self.n_heads or (self.n_embd // self.n_heads) % 2:
             raise ExitbenchError(f"--n-embd {self.n_embd} must split into --n-heads {self.n_heads} even-sized heads")
-        if self.max_recurrence < self.mean_recurrence:
+        if self.arch != "ouro" and self.max_recurrence < self.mean_recurrence:
             raise ExitbenchError(f"--max-recurrence {self.max_recurrence} is below --mean-recurrence "
                                  f"{self.mean_recurrence}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -129,7 +147,18 @@ class TrainConfig:
             raise ExitbenchError(f"--save-every must be a positive number of steps, got {self.save_every}")
         if not 0 < self.level_up_accuracy <= 1:
             raise ExitbenchError(f"--level-up-accuracy must be in (0, 1], got {self.level_up_accuracy}")
-        if self.arch == "huginn_raven":
+        if self.arch == "ouro":
+            if self.ut_steps <= 0 or self.gate_steps < 0:
+                raise ExitbenchError(f"--ut-steps must be positive and --gate-steps ≥ 0, got {self.ut_steps} and "
+                                     f"{self.gate_steps}")
+            if self.max_recurrence < self.ut_steps:
+                raise ExitbenchError(f"--max-recurrence {self.max_recurrence} is below --ut-steps {self.ut_steps}")
+            for name in ("entropy_beta", "gate_k", "gate_gamma"):
+                if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                    raise ExitbenchError(f"--{name.replace('_', '-')} must be a number ≥ 0, got {getattr(self, name)}")
+            if not (self.gate_lr > 0 and math.isfinite(self.gate_lr)):
+                raise ExitbenchError(f"--gate-lr must be a positive number, got {self.gate_lr}")
+        if self.arch in CHAINS_ARCHS:
             synthetic.make_task(self.task, n_chains=self.n_chains, length=self.max_hop)
         else:
             for name in ("n_layer", "context", "vocab_size"):
@@ -165,6 +194,20 @@ class TrainConfig:
             mean_backprop_depth=self.backprop_depth, max_recurrence=self.max_recurrence,
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id)
+
+    def ouro_config(self, tokenizer: synthetic.Tokenizer) -> OuroConfig:
+        # Tied head: the statement vocabulary is ~3,200 tokens, and an untied head would double the model.
+        return OuroConfig(
+            hidden_size=self.n_embd, intermediate_size=self.intermediate_size, num_attention_heads=self.n_heads,
+            num_hidden_layers=self.core_layers, vocab_size=tokenizer.vocab_size, max_position_embeddings=256,
+            rope_theta=10000.0, tie_word_embeddings=True, total_ut_steps=self.ut_steps,
+            max_ut_steps=self.max_recurrence, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run: Ouro's stage II comes after its `steps` of stage I."""
+        return self.steps + (self.gate_steps if self.arch == "ouro" else 0)
 
     def gpt2_config(self, tokenizer) -> LoopedGPT2Config:
         groups = self.groups
@@ -209,9 +252,14 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _decayed(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices, not on norms, biases or the (tied) token embedding."""
+    return p.dim() >= 2 and "wte" not in name and "embed_tokens" not in name
+
+
 def _optimizer(model: LoopedLM, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "wte" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "wte" not in n)]
+    decay = [p for n, p in model.named_parameters() if _decayed(n, p)]
+    rest = [p for n, p in model.named_parameters() if not _decayed(n, p)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
 
@@ -224,6 +272,7 @@ class TrainState:
     elapsed: float = 0.0
     tokens: int = 0
     loss: float = float("nan")
+    gate: dict[str, float] = dataclasses.field(default_factory=dict)  # ouro: the stage and its objective's parts
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
@@ -285,7 +334,30 @@ def _load_training_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer)
     return TrainState(**json.loads((directory / STATE_FILE).read_text())["state"])
 
 
-class ChainsRecipe:
+class SampledDepth:
+    """Huginn's training: one depth per loop group and batch from the log-normal Poisson sampler, truncated
+    backprop, the next-token loss at the last iterate."""
+
+    cfg: TrainConfig
+
+    def lr_at(self, step: int) -> float:
+        return _lr_at(self.cfg, step)
+
+    def loss(self, model: LoopedLM, inputs: torch.Tensor, targets: torch.Tensor, state: TrainState
+             ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        cfg = self.cfg
+        # One depth per loop group; the single-group Raven draws exactly what it always drew (stream 1).
+        draws = [sample_recurrence(_step_rng(cfg.seed, state.step, 1 + 2 * g), cfg.mean_recurrence,
+                                   cfg.backprop_depth, cfg.recurrence_sigma, cfg.max_recurrence)
+                 for g in range(len(model.loop_groups()))]
+        steps = [a + b for a, b in draws]
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
+        logits = model(inputs, steps, backprop_depth=[b for _, b in draws], generator=gen)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=synthetic.IGNORE)
+        return loss, logits, steps
+
+
+class ChainsRecipe(SampledDepth):
     """Raven on the synthetic chains task, with the hop curriculum."""
 
     def __init__(self, cfg: TrainConfig):
@@ -320,7 +392,7 @@ class ChainsRecipe:
             state.level_accuracy = 0.0
 
 
-class TextRecipe:
+class TextRecipe(SampledDepth):
     """Looped GPT-2 on GSM8K's training text: next-token loss on random windows."""
 
     def __init__(self, cfg: TrainConfig):
@@ -343,12 +415,89 @@ class TextRecipe:
         pass
 
 
-def make_recipe(cfg: TrainConfig) -> ChainsRecipe | TextRecipe:
-    return ChainsRecipe(cfg) if cfg.arch == "huginn_raven" else TextRecipe(cfg)
+class OuroRecipe(ChainsRecipe):
+    """Ouro on the chains task: all T steps every batch, every step's logits and gate, Ouro's two stages.
+
+    The hop curriculum is the chains recipe's, judged at the last step. Stage II (steps ≥ cfg.steps) runs the
+    LM without gradients and trains only the gate; parameters without a gradient are left alone by AdamW, so
+    the LM is exactly stage I's.
+    """
+
+    def build_model(self, generator: torch.Generator) -> Ouro:
+        """Ouro's layout, with an init that lets the token survive the first step. Ouro adds every sublayer
+        through a norm of unit weight, so with Qwen's N(0, 0.02) embedding the state after step 1 holds ~2% of
+        the token it started from, and the loop never learned a second lookup (measured: hop 3 at chance for
+        700 steps). Here the embedding and both branch norms start at the same scale (0.1), so the token and the
+        two updates enter step 1 equally and later steps add to the state instead of replacing it."""
+        cfg = self.cfg
+        model = Ouro(cfg.ouro_config(self.tokenizer))
+        model.init_weights(generator)
+        with torch.no_grad():
+            table = model.model.embed_tokens.weight
+            table[:] = synthetic.factored_embedding(self.tokenizer, cfg.n_embd, OURO_BRANCH_SCALE, generator)
+            for layer in model.model.layers:
+                layer.input_layernorm_2.weight.fill_(OURO_BRANCH_SCALE)
+                layer.post_attention_layernorm_2.weight.fill_(OURO_BRANCH_SCALE)
+        return model
+
+    def stage(self, step: int) -> int:
+        return 1 if step < self.cfg.steps else 2
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        if self.stage(step) == 1:
+            return _lr_at(cfg, step)
+        progress = (step - cfg.steps) / max(1, cfg.gate_steps)
+        return cfg.gate_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def unroll(self, model: Ouro, inputs: torch.Tensor, targets: torch.Tensor, states: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At the trained depth T: every step's loss on the scored tokens (T, N), the gate's logits there
+        (T, N) or, with `states`, the states themselves (T, N, d), and the last step's logits (B, L, V). Only the (N,) vectors are kept per step: a stack of
+        every step's (B, L, V) logits would be most of the memory traffic."""
+        group, ctx, h = model.loop_groups()[0], AttnContext(), model.embed(inputs)
+        keep = targets.flatten() != synthetic.IGNORE
+        losses, gates = [], []
+        for t in range(self.cfg.ut_steps):
+            h = group.step(h, None, ctx.at_iteration(t))
+            logits = model.head(h)
+            losses.append(gate_objectives.token_losses(logits, targets, synthetic.IGNORE))
+            gates.append(group.gate(h).flatten()[keep] if not states else h.flatten(0, 1)[keep])
+        return torch.stack(losses), torch.stack(gates), logits
+
+    def loss(self, model: Ouro, inputs: torch.Tensor, targets: torch.Tensor, state: TrainState
+             ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        cfg = self.cfg
+        stage = self.stage(state.step)
+        for name, p in model.named_parameters():
+            p.requires_grad_(stage == 1 or name.startswith("model.early_exit_gate."))
+        if stage == 1:
+            losses, gate_logits, logits = self.unroll(model, inputs, targets)
+            loss, stats = gate_objectives.stage_one_loss(losses, torch.sigmoid(gate_logits), cfg.entropy_beta)
+        else:
+            with torch.no_grad():
+                losses, states, logits = self.unroll(model, inputs, targets, states=True)
+            loss, stats = gate_objectives.stage_two_loss(losses, model.loop_groups()[0].gate(states),
+                                                         cfg.gate_k, cfg.gate_gamma)
+        state.gate = {"stage": stage, **{k: round(v, 4) for k, v in stats.items()}}
+        return loss, logits, [cfg.ut_steps]
+
+    def after_step(self, state: TrainState, logits, targets, hops, steps) -> None:
+        if self.stage(state.step - 1) == 1:  # the curriculum is stage I's; stage II sees the final level
+            super().after_step(state, logits, targets, hops, steps)
+
+
+def make_recipe(cfg: TrainConfig) -> SampledDepth:
+    return {"huginn_raven": ChainsRecipe, "looped_gpt2": TextRecipe, "ouro": OuroRecipe}[cfg.arch](cfg)
 
 
 def status(state: TrainState, cfg: TrainConfig) -> str:
     """What a progress line shows beside the loss."""
+    if cfg.arch == "ouro":
+        stage = state.gate.get("stage", 1)
+        part = (f"exit {state.gate.get('mean_exit', float('nan')):.1f}" if stage == 1 else
+                f"continue {state.gate.get('continue_prob', float('nan')):.2f}/{state.gate.get('continue_label', float('nan')):.2f}")
+        return f"stage {stage} hop {state.level}/{cfg.max_hop} {part}"
     return f"hop {state.level}/{cfg.max_hop}" if cfg.arch == "huginn_raven" else f"ppl {math.exp(min(state.loss, 50)):.1f}"
 
 
@@ -363,7 +512,6 @@ def train(cfg: TrainConfig, command: str | None = None,
     recipe = make_recipe(cfg)
     tokenizer = recipe.tokenizer
     model = recipe.build_model(torch.Generator().manual_seed(cfg.seed))
-    n_groups = len(model.loop_groups())
     model.train()
     opt = _optimizer(model, cfg)
     state = TrainState(level=min(cfg.start_hop, cfg.max_hop))
@@ -372,21 +520,13 @@ def train(cfg: TrainConfig, command: str | None = None,
     started = time.perf_counter() - state.elapsed
     ema_loss = None
 
-    while state.step < cfg.steps:
+    while state.step < cfg.total_steps:
         if cfg.time_budget is not None and time.perf_counter() - started >= cfg.time_budget:
             break
         inputs, targets, hops = recipe.batch(state)
-        # One depth per loop group; the single-group Raven draws exactly what it always drew (stream 1).
-        draws = [sample_recurrence(_step_rng(cfg.seed, state.step, 1 + 2 * g), cfg.mean_recurrence,
-                                   cfg.backprop_depth, cfg.recurrence_sigma, cfg.max_recurrence)
-                 for g in range(n_groups)]
-        steps = [a + b for a, b in draws]
-        grad = [b for _, b in draws]
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
         for group in opt.param_groups:
-            group["lr"] = _lr_at(cfg, state.step)
-        logits = model(inputs, steps, backprop_depth=grad, generator=gen)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=synthetic.IGNORE)
+            group["lr"] = recipe.lr_at(state.step)
+        loss, logits, steps = recipe.loss(model, inputs, targets, state)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -395,9 +535,13 @@ def train(cfg: TrainConfig, command: str | None = None,
         state.step += 1
         state.tokens += inputs.numel()
         state.elapsed = time.perf_counter() - started
+        if cfg.arch == "ouro" and state.step == cfg.steps + 1:
+            ema_loss = None  # stage II's loss is the gate's cross-entropy, not the LM's
         ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
         state.loss = ema_loss
         recipe.after_step(state, logits, targets, hops, steps)
+        if cfg.arch == "ouro" and state.step == cfg.steps:
+            _checkpoint(model, tokenizer, out / STAGE_ONE_DIR, cfg, state, command)
         if on_step:
             on_step(state)
         if cfg.save_every and state.step % cfg.save_every == 0:
@@ -425,5 +569,8 @@ def _checkpoint(model: LoopedLM, tokenizer, path: Path, cfg: TrainConfig, state:
         "curriculum": state.history,
         "final_loss": state.loss,
     }
+    if cfg.arch == "ouro":
+        training["stage"] = 1 if state.step <= cfg.steps else 2
+        training["gate_objective"] = state.gate
     extra = {"exitbench": {"training": training, "run": run_metadata(seed=cfg.seed)}}
     save_checkpoint(model, path, tokenizer, extra_config=extra, overwrite=True)
