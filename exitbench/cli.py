@@ -97,7 +97,9 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          seed: int = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states."),
          memory_plan: bool = typer.Option(False, "--plan", help="Also print the memory a run needs: weights, KV "
                                           "cache (one slot per iteration per loop layer) and activations."),
-         batch_size: int = typer.Option(1, "--batch-size", help="--plan: rows run together."),
+         batch_size: int = typer.Option(16, "--batch-size", help="--plan: rows run together (run's default)."),
+         device: Optional[str] = typer.Option(None, help="--plan: the device whose free memory the total is "
+                                              "compared with (auto, cpu, cuda, cuda:N, mps; default as run's)."),
          context: Optional[int] = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and "
                                                "generated tokens [the model's context]."),
          max_steps: Optional[int] = typer.Option(None, "--max-steps", help="--plan: iterations per loop group "
@@ -115,8 +117,12 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     if memory_plan:
         from .engine.memory import plan
 
+        from .runtime.devices import available_memory, resolve_device
+
         report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
                               layout.model.config.block_size if context is None else context, max_steps, kv_window)
+        where = resolve_device(device)
+        report["plan"].update(device=where, available=available_memory(where))
     if depth:
         from .studies.depth import depth_report
 
@@ -137,6 +143,11 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
         from .analysis.tables import plan_table
 
         console.print(plan_table(report["plan"]))
+        p = report["plan"]
+        if p["available"] is not None and p["total"] > p["available"]:
+            err_console.print(f"warning: the plan needs {p['total'] / 1e9:.2f} GB but {p['device']} has "
+                              f"{p['available'] / 1e9:.2f} GB free; lower --batch-size, --context or --max-steps, "
+                              "or pass a --kv-window", highlight=False)
     if depth:
         from .analysis.tables import depth_tables
 
@@ -147,7 +158,8 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
 @app.command()
 @one_line_errors
 def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the new checkpoint."),
-          arch: str = typer.Option("huginn_raven", help="huginn_raven (synthetic chains) or looped_gpt2 (GSM8K text)."),
+          arch: str = typer.Option("huginn_raven", help="huginn_raven or ouro (synthetic chains), looped_gpt2 "
+                                   "(GSM8K text)."),
           task: str = typer.Option("chains", help="huginn_raven: synthetic training task."),
           n_chains: int = typer.Option(4, "--chains", help="huginn_raven: interleaved chains per program."),
           max_hop: int = typer.Option(12, help="huginn_raven: chain length, the hardest difficulty level."),
@@ -155,7 +167,8 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
           n_heads: int = typer.Option(4, help="Attention heads."),
           intermediate_size: int = typer.Option(256, help="huginn_raven: gated MLP inner size."),
           prelude_layers: int = typer.Option(0, help="huginn_raven: prelude layers (attention there lets the loop idle)."),
-          core_layers: int = typer.Option(1, help="huginn_raven: layers in the recurrent core."),
+          core_layers: int = typer.Option(1, help="huginn_raven: layers in the recurrent core; ouro: layers in the "
+                                          "loop (all of them)."),
           coda_layers: int = typer.Option(0, help="huginn_raven: coda layers."),
           n_layer: int = typer.Option(6, help="looped_gpt2: layers."),
           loop_groups: str = typer.Option("1;2,3;4", help="looped_gpt2: loop groups, ';' between groups, ',' "
@@ -168,6 +181,12 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
                                                         "[huginn_raven 16, looped_gpt2 4]."),
           max_recurrence: Optional[int] = typer.Option(None, help="Deepest r the checkpoint is meant to run [32, 12]."),
           backprop_depth: Optional[int] = typer.Option(None, help="Iterations that keep gradients [8, 12]."),
+          ut_steps: int = typer.Option(12, help="ouro: the trained depth T (every step is scored)."),
+          entropy_beta: float = typer.Option(0.1, help="ouro: stage I's weight on the exit distribution's entropy."),
+          gate_steps: int = typer.Option(300, help="ouro: stage II steps (the gate alone), after --steps of stage I."),
+          gate_lr: float = typer.Option(1e-3, help="ouro: stage II's peak learning rate."),
+          gate_k: float = typer.Option(50.0, help="ouro: stage II label sharpness k in σ(k (I − γ))."),
+          gate_gamma: float = typer.Option(0.005, help="ouro: stage II's loss improvement γ worth another step."),
           batch_size: Optional[int] = typer.Option(None, help="Sequences per step [64, 32]."),
           lr: Optional[float] = typer.Option(None, help="Peak learning rate, AdamW with cosine decay [2e-3, 1e-3]."),
           steps: int = typer.Option(2000, help="Optimizer steps."),
@@ -176,7 +195,8 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
           seed: int = typer.Option(0, help="Seed: same seed, same checkpoint."),
           threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
           resume: bool = typer.Option(False, help="Continue the run saved in --out.")):
-    """Train a looped model from scratch: Raven on synthetic chains, or looped GPT-2 on GSM8K text (CPU-sized)."""
+    """Train a looped model from scratch: Raven or Ouro on synthetic chains, or looped GPT-2 on GSM8K text
+    (CPU-sized)."""
     from .runtime.progress import training_progress
     from .training.train import TrainConfig, status
     from .training.train import train as run_training
@@ -187,8 +207,9 @@ def train(out: Path = typer.Option(..., "--out", "-o", help="Directory for the n
         coda_layers=coda_layers, n_layer=n_layer, loop_groups=loop_groups, context=context, vocab_size=vocab_size,
         gsm8k_dir=gsm8k_dir, mean_recurrence=mean_recurrence, max_recurrence=max_recurrence,
         backprop_depth=backprop_depth, batch_size=batch_size, lr=lr, steps=steps, time_budget=time_budget,
-        save_every=save_every, seed=seed, threads=threads, resume=resume)
-    with training_progress(console, cfg.steps, lambda state: status(state, cfg)) as on_step:
+        save_every=save_every, seed=seed, threads=threads, resume=resume, ut_steps=ut_steps,
+        entropy_beta=entropy_beta, gate_steps=gate_steps, gate_lr=gate_lr, gate_k=gate_k, gate_gamma=gate_gamma)
+    with training_progress(console, cfg.total_steps, lambda state: status(state, cfg)) as on_step:
         path = run_training(cfg, on_step=on_step)
     console.print(f"saved {path}")
 
@@ -350,7 +371,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
             err_console.print(interrupted_note(out, [key for _, _, key in prepared.plan.cells]), highlight=False)
         raise typer.Exit(130) from None
     if rank0:
-        console.print(summary_table(summary_rows(outcome.cells), title=f"{len(outcome.cells)} cells in {out}"))
+        reused = {c["cell_id"] for c in prepared.plan.reused()}
+        console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {out}"))
     if outcome.verified is not None:
         console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({out / 'verify'})"))
     finish_distributed()
@@ -436,6 +458,9 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
             console.print(t)
     else:
         print(par.format_tables(rep, fmt, table))
+    split = par.split_note(par.groups(cell_list))
+    if split:
+        err_console.print(f"note: {split}", highlight=False)
     replayed = par.replay_points(rep)
     if replayed:
         err_console.print(f"note: frontiers of {', '.join(replayed)} rest on replay cells (marked ᴿ; wall-clock "
@@ -479,6 +504,9 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
            out: Optional[Path] = typer.Option(None, "--out", "-o", help="The HTML file [RESULTS_DIR/report.html]."),
            docs: int = typer.Option(3, "--docs", help="Exit maps per task: the documents where policies disagree "
                                     "most."),
+           compare_with: list[Path] = typer.Option([], "--compare", help="Another model's result directory to "
+                                                   "draw beside this one (repeatable; default: the ones "
+                                                   "RESULTS_DIR/report.yaml lists under 'compare')."),
            model: Optional[str] = ModelOpt):
     """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
     from .analysis.report import write
@@ -489,7 +517,7 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
     out = writable_file(out or Path(directory) / "report.html", "--out")
     if out.suffix not in (".html", ".htm"):
         raise ExitbenchError(f"--out must name an .html file, got {out}")
-    path = write(directory, out, docs, on_skip=_skip_note, model=model)
+    path = write(directory, out, docs, on_skip=_skip_note, model=model, compare_with=compare_with)
     err_console.print(f"wrote {path}", highlight=False)
 
 

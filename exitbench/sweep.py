@@ -451,16 +451,19 @@ def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
             progress.cell_finished(label)
 
 
-def summary_rows(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per cell, ordered task → baselines first → policy → threshold (the order quality moves in)."""
+def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """One row per cell, ordered task → baselines first → policy → threshold (the order quality moves in).
+    `origin` says which rows this run did not measure exactly: cells reused from an earlier run (their
+    cell ids in `reused`) and cells computed by replay."""
     rows = []
     for c in cell_list:
         p = c["policy"]
+        origin = [w for w, yes in (("reused", c["cell_id"] in reused), ("replay", c.get("mode") == "replay")) if yes]
         rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"], "policy": p["policy"]
                      + (" (rel)" if p.get("relative") else ""), "threshold": p["threshold"],
                      "quality": c["quality"]["value"], "mean_iterations": c["iterations"]["mean"],
                      "per_group": c["iterations"].get("per_group_mean") or [],
                      "ms_per_token": 1e3 * (c["wall_clock"]["per_token_s"] or 0.0),
-                     "probe_share": c["wall_clock"]["probe_share"]})
+                     "probe_share": c["wall_clock"]["probe_share"], "origin": ", ".join(origin) or "measured"})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))
 

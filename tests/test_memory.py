@@ -75,10 +75,16 @@ def test_info_plan_cli(tiny_checkpoint):
     assert res.exit_code == 0, res.output
     p = json.loads(res.stdout)["plan"]
     assert (p["batch_size"], p["context"], p["max_steps"], p["dtype"]) == (4, 50, [6], "float32")
+    assert p["device"] == "cpu" and p["available"] > p["total"]
     assert p["kv_cache"] == 2 * (4 * 6 + 4) * 4 * 50 * 32 * 4
     res = runner.invoke(app, ["info", "-c", str(tiny_checkpoint), "--plan", "--dtype", "bfloat16"])
     assert res.exit_code == 0, res.output
-    assert "memory plan: batch 1, context 128, max steps 4, bfloat16" in res.stdout
+    # The plan's default batch is run's (16), and it says whether the total fits what the device has free.
+    assert "memory plan: batch 16, context 128, max steps 4, bfloat16" in res.stdout
+    assert "free on cpu" in res.stdout and "fits" in res.stdout
+    res = runner.invoke(app, ["info", "-c", str(tiny_checkpoint), "--plan", "--batch-size", str(10 ** 9)])
+    assert res.exit_code == 0 and "does NOT fit" in res.stdout
+    assert "warning: the plan needs" in res.stderr and "lower --batch-size" in res.stderr
     assert "KV cache" in res.stdout and "4 loop layers × 4 slots + 4 plain layers × 1 slot" in res.stdout
     assert_one_line_error(runner.invoke(app, ["info", "-c", str(tiny_checkpoint), "--plan", "--context", "0"]),
                           ["--context", "128"])

@@ -11,7 +11,12 @@ from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 
-from helpers.cells import ACC, PPL
+from helpers.cells import ACC, PPL, write_cells
+
+
+def one_group(cell_list):
+    (points,) = pareto.groups(cell_list).values()
+    return points
 
 
 def by_policy(points):
@@ -19,7 +24,7 @@ def by_policy(points):
 
 
 def test_frontier_higher_is_better():
-    pts = pareto.groups(ACC)[("t", "acc")]
+    pts = one_group(ACC)
     assert by_policy(pareto.frontier(pts, "iterations", True)) == [
         ("fixed", 4), ("oracle", 0.01)]
     # By wall-clock the oracle is slow, so the cheap adaptive points come back.
@@ -28,14 +33,14 @@ def test_frontier_higher_is_better():
 
 
 def test_frontier_lower_is_better():
-    pts = pareto.groups(PPL)[("u", "ppl")]
+    pts = one_group(PPL)
     assert by_policy(pareto.frontier(pts, "iterations", False)) == [("fixed", 1), ("oracle", 0.01)]
     assert by_policy(pareto.frontier(pts, "wall_clock", False)) == [
         ("fixed", 1), ("first_order", 1.0), ("first_order", 0.1), ("fixed", 16)]
 
 
 def test_matched_quality_rows_and_speedups():
-    rows = pareto.matched_quality(pareto.groups(ACC)[("t", "acc")])
+    rows = pareto.matched_quality(one_group(ACC))
     exact = {r["policy"]: r for r in rows if r["tolerance"] == 0.0}
     assert set(exact) == {"fixed", "kl", "oracle"}
     assert exact["kl"]["threshold"] == 1e-3 and exact["kl"]["mean_iterations"] == 6
@@ -48,7 +53,7 @@ def test_matched_quality_rows_and_speedups():
 
 
 def test_matched_quality_lower_is_better():
-    rows = pareto.matched_quality(pareto.groups(PPL)[("u", "ppl")])
+    rows = pareto.matched_quality(one_group(PPL))
     assert {r["policy"] for r in rows if r["tolerance"] == 0.0} == {"fixed", "oracle"}
     half = {r["policy"]: r for r in rows if r["tolerance"] == 0.005}
     assert half["first_order"]["threshold"] == 0.1 and half["first_order"]["speedup"] == pytest.approx(2.0)
@@ -104,3 +109,32 @@ def test_per_policy_frontiers():
     assert [(p["threshold"]) for p in per["kl"]] == [1e-2, 1e-3]       # 5 → 0.80, 6 → 0.90: both kept
     assert [(p["threshold"]) for p in per["second_order"]] == [0.1]      # τ=1 costs more for less
     assert [p["policy"] for p in rep["frontiers"]["iterations"]] == ["fixed", "oracle"]
+
+
+def test_cells_of_different_setups_never_share_a_frontier(tmp_path):
+    """A --limit 100 sweep and a batch-size-1 sweep written beside the main one: three frontiers, each named by
+    what tells it apart, and a note saying so (the README's commands once mixed them into 30-52× speed-ups)."""
+    import copy
+
+    def variant(cell_list, **key):
+        out = copy.deepcopy(cell_list)
+        for c in out:
+            c["key"].update(key)
+            c["cell_id"] = pareto.cells.cell_id(c["key"])
+        return out
+
+    mixed = ACC + variant(ACC, limit=100) + variant(ACC, batch_size=1)
+    grouped = pareto.groups(mixed)
+    assert len(grouped) == 3 and all(len(pts) == len(ACC) for pts in grouped.values())
+    names = sorted(pareto.group_names(grouped).values())
+    assert names == ["t · acc · limit 100 · batch none", "t · acc · limit none · batch 1",
+                     "t · acc · limit none · batch none"]
+    assert "limit" in pareto.split_note(grouped) and "batch" in pareto.split_note(grouped)
+    assert pareto.split_note(pareto.groups(ACC)) is None
+    assert sorted(pareto.report(mixed)) == names
+    # What a check compares ignores how it was timed: batch size alone does not split there.
+    assert len(pareto.groups(mixed, pareto.MEASURED)) == 2
+    write_cells(tmp_path / "cells", mixed)
+    res = CliRunner().invoke(app, ["pareto", str(tmp_path / "cells"), "--format", "md"])
+    assert res.exit_code == 0, res.output
+    assert "separate frontiers" in res.output and "limit 100" in res.output

@@ -172,8 +172,10 @@ def test_a_changed_checkpoint_recomputes_its_cells(edit, raven_copy, tmp_path, c
     args = ["run", *SMALL, "--checkpoint", str(raven_copy), "--out", str(out)]
     assert invoke(args, capfd)[0] == 0
     first = _computed_ids(out)
-    code, lines, _ = invoke(args, capfd)
+    code, lines, stdout = invoke(args, capfd)
     assert code == 0 and any("reusing 2 cell(s)" in line for line in lines), lines
+    # The summary marks each row this run did not measure.
+    assert sum("reused" in line for line in stdout.splitlines() if "│" in line) == 2, stdout
     assert _computed_ids(out) == first  # unchanged checkpoint: resumed, nothing new
     EDITS[edit](raven_copy)
     assert invoke(args, capfd)[0] == 0

@@ -111,9 +111,9 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
     def add(what: str, cell_label: str, base_value: Any, run_value: Any) -> None:
         regressions.append({"what": what, "cell": cell_label, "baseline": base_value, "run": run_value})
 
-    full_run = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(run_cells).items()
+    full_run = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(run_cells, pareto.MEASURED).items()
                 if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
-    full_base = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(base_cells).items()
+    full_base = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(base_cells, pareto.MEASURED).items()
                  if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
     compared = missing = 0
     for base in sorted(base_cells, key=label):
@@ -131,7 +131,7 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
         if b_it is not None and r_it is not None and r_it > b_it * (1 + tol.iterations):
             add("mean iterations", name, b_it, r_it)
         if tol.wall is not None:
-            group = (base["task"]["name"], base["quality"]["metric"])
+            group = (base["task"]["name"], base["quality"]["metric"], pareto.setup(base, pareto.MEASURED))
             if group in full_run and group in full_base:
                 b_t, r_t = _relative_time(base, full_base[group]), _relative_time(cell, full_run[group])
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
@@ -180,8 +180,9 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict
     """Frontier regressions, and how many (ε, policy) frontier points of the baseline were checked."""
     out = []
     points = 0
-    run_groups = pareto.groups(run_cells)
-    for group, base_points in pareto.groups(base_cells).items():
+    # A check compares what was measured; the run may time it on another device or batch size.
+    run_groups = pareto.groups(run_cells, pareto.MEASURED)
+    for group, base_points in pareto.groups(base_cells, pareto.MEASURED).items():
         if group not in run_groups or not any(p.cell["policy"]["policy"] == "fixed" for p in run_groups[group]):
             continue  # the missing cells are reported one by one
         # Both against the baseline's full-depth quality: a run whose full depth improved is not penalised

@@ -11,6 +11,7 @@ point within ε, its iterations, its wall-clock speed-up over full depth, and it
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -130,14 +131,72 @@ def _names_model(name: str, fingerprint: str, model: dict[str, Any]) -> bool:
         or source == f"embedded:{name}"
 
 
-def groups(cell_list: list[dict[str, Any]]) -> dict[tuple[str, str], list[Point]]:
-    """Points per (task, metric); a cell without a quality number (a non-finite metric) is no point."""
-    out: dict[tuple[str, str], list[Point]] = {}
+# What makes two cells' numbers comparable beyond task and metric. Cells that differ in one of these never share
+# a frontier: a --limit 100 sweep beside a 600-document one, torchrun shards beside one process, batch size 1
+# beside 16 (per-token wall-clock follows the batch's deepest token), select beside physical exits. Replay and
+# exact cells of one setup do share one: replay exists to stand in for exact, and its cells are marked.
+MEASURED = (("limit", lambda k: k.get("limit")), ("few-shot", lambda k: k.get("num_fewshot")),
+            ("task data", lambda k: k.get("task_fingerprint")), ("dtype", lambda k: k.get("dtype")),
+            ("exit mode", lambda k: k.get("exit", {}).get("exit_mode") or "physical"),
+            ("window", lambda k: k.get("exit", {}).get("kv_window")),
+            ("prefill", lambda k: k.get("exit", {}).get("prefill")),
+            ("prompt", lambda k: json.dumps(k["prompt"], sort_keys=True) if k.get("prompt") else None))
+# Only the timings differ with these (answers never change with batch size or sharding).
+TIMED = (("device", lambda k: k.get("device")), ("batch", lambda k: k.get("batch_size")),
+         ("ranks", lambda k: k.get("world_size", 1)))
+SETUP = MEASURED + TIMED
+
+Group = tuple  # (task, metric, ((setup field, value), …))
+
+
+def setup(cell: dict[str, Any], fields=SETUP) -> tuple[tuple[str, Any], ...]:
+    key = cell.get("key", {})
+    return tuple((name, read(key)) for name, read in fields)
+
+
+def groups(cell_list: list[dict[str, Any]], fields=SETUP) -> dict[Group, list[Point]]:
+    """Points per (task, metric, setup); a cell without a quality number (a non-finite metric) is no point."""
+    out: dict[Group, list[Point]] = {}
     for c in cell_list:
         if c["quality"]["value"] is None:
             continue
-        out.setdefault((c["task"]["name"], c["quality"]["metric"]), []).append(Point(c))
+        out.setdefault((c["task"]["name"], c["quality"]["metric"], setup(c, fields)), []).append(Point(c))
     return out
+
+
+def group_names(keys) -> dict[Group, str]:
+    """`task · metric`, and where one task and metric holds several setups, the fields that tell them apart
+    (`chains · exact_match,none · limit 100 · batch 1`)."""
+    by_task: dict[tuple[str, str], list[Group]] = {}
+    for key in keys:
+        by_task.setdefault(key[:2], []).append(key)
+    names = {}
+    for (task, metric), members in by_task.items():
+        varying = [i for i in range(len(members[0][2])) if len({m[2][i][1] for m in members}) > 1]
+        for m in members:
+            parts = [f"{m[2][i][0]} {_short(m[2][i][1])}" for i in varying]
+            names[m] = " · ".join([task, metric, *parts])
+    return names
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "none"
+    text = str(value)
+    return text if len(text) <= 24 else text[:21] + "…"
+
+
+def split_note(keys) -> str | None:
+    """A line saying which task/metric pairs were split into setups, and by what."""
+    names = group_names(keys)
+    split = {k[:2] for k in keys if names[k] != f"{k[0]} · {k[1]}"}
+    if not split:
+        return None
+    fields = sorted({part.rsplit(" ", 1)[0] for k in keys if k[:2] in split
+                     for part in names[k].split(" · ")[2:]})
+    return (f"cells of {', '.join(f'{t} · {m}' for t, m in sorted(split))} were measured under different setups "
+            f"({', '.join(fields)}) and are kept in separate frontiers; write each experiment to its own --out "
+            "to keep them apart")
 
 
 def better(a: float, b: float, higher: bool) -> bool:
@@ -232,7 +291,9 @@ def mixed_runs(rep: dict[str, Any]) -> list[str]:
 
 def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
-    for (task, metric), points in sorted(groups(cell_list).items()):
+    grouped = groups(cell_list)
+    names = group_names(grouped)
+    for key, points in sorted(grouped.items(), key=lambda kv: names[kv[0]]):
         higher = points[0].cell["quality"]["higher_is_better"]
         entry = {"higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
                  "matched_quality": matched_quality(points)}
@@ -245,7 +306,7 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
             entry["frontiers"][axis] = as_rows(frontier(points, axis, higher), axis)
             entry["policy_frontiers"][axis] = {name: as_rows(frontier(pts, axis, higher), axis)
                                                for name, pts in sorted(by_policy.items())}
-        out[f"{task} · {metric}"] = entry
+        out[names[key]] = entry
     return out
 
 
@@ -257,13 +318,30 @@ def check_table(table: str | None) -> None:
         raise ExitbenchError(f"--table must be one of {', '.join(TABLES)}; got {table!r}")
 
 
+def collapse_tolerances(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Matched-quality rows with one row per policy and pick: a cell that is the policy's cheapest at several ε
+    is one row whose `tolerance` is the smallest of them and `max_tolerance` the largest (a table listing it
+    once per ε repeats the same numbers)."""
+    out: list[dict[str, Any]] = []
+    last: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: r["tolerance"]):
+        same = last.get(row["policy"])
+        if same is not None and all(same[k] == row[k] for k in ("threshold", "mode", "quality", "mean_iterations")):
+            same["max_tolerance"] = row["tolerance"]
+            continue
+        last[row["policy"]] = merged = {"tolerance": row["tolerance"], "max_tolerance": row["tolerance"], **row}
+        out.append(merged)
+    return sorted(out, key=lambda r: (r["tolerance"], r["mean_iterations"]))
+
+
 def table_rows(rep: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Flat rows for output: frontier points (per group and cost axis) and matched-quality rows."""
+    """Flat rows for output: frontier points (per group and cost axis) and matched-quality rows, each pick
+    once (`collapse_tolerances`)."""
     front, matched = [], []
     for group, entry in rep.items():
         for axis, pts in entry["frontiers"].items():
             front += [{"group": group, "axis": axis, **p} for p in pts]
-        matched += [{"group": group, **row} for row in entry["matched_quality"]]
+        matched += [{"group": group, **row} for row in collapse_tolerances(entry["matched_quality"])]
     return front, matched
 
 
@@ -328,9 +406,11 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grouped = sorted(groups(cell_list).items())
+    by_key = groups(cell_list)
+    names = group_names(by_key)
+    grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
-    for ax, ((task, metric), points) in zip(axes[0], grouped):
+    for ax, ((task, metric, _), points) in zip(axes[0], grouped):
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[Point]] = {}
         for p in points:
@@ -346,7 +426,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         front = frontier(points, axis, higher)
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
                 label="frontier")
-        ax.set_title(f"{task}")
+        ax.set_title(names[(task, metric, _)].replace(f" · {metric}", ""))
         ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
                        "flops": "FLOPs per token"}[axis])
         ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")

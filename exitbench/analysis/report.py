@@ -25,7 +25,7 @@ from ..errors import ExitbenchError
 from ..presets import published_rows
 from ..runtime.files import atomic_write
 from ..store.disk import samples_path
-from . import exitmap, pareto
+from . import compare, exitmap, pareto
 
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
 COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token",
@@ -294,23 +294,30 @@ document.querySelectorAll('table.sortable th').forEach(function (th, i) {
 
 
 def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
-          model: str | None = None) -> str:
-    """The report page of the result cells under `directory` (of one model: `pareto.select_model`), as HTML."""
+          model: str | None = None, compare_with: list[Path] | None = None) -> str:
+    """The report page of the result cells under `directory` (of one model: `pareto.select_model`), as HTML;
+    opening with other models' frontiers beside this one's when `compare_with` (or DIR/report.yaml) names
+    their sweeps."""
     directory = Path(directory)
+    others = compare.compare_dirs(directory, compare_with)
     found = pareto.load_paths([directory], on_skip, model)
     cell_list = [c for _, c in found]
     paths = {c["cell_id"]: p for p, c in found}
     rep = pareto.report(cell_list)
-    grouped = sorted(pareto.groups(cell_list).items())
+    by_key = pareto.groups(cell_list)
+    names = pareto.group_names(by_key)
+    grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     sections: list[tuple[str, str, list[str]]] = []
 
-    notes = [n for n in (mode_note(cell_list),) if n]
+    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key)) if n]
     tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
     policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
     overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "
                 f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
     overview += [f'<p class="note">{html.escape(n)}</p>' for n in notes]
     sections.append(("overview", "Overview", overview))
+    if others:
+        sections.append(("models", "Models compared", comparison_parts(cell_list, others, directory)))
     published = published_rows(cell_list)
     if published:  # first: does this setup reproduce the paper, before any exit frontier is trusted
         sections.append(("published", "Published vs measured", published_parts(published)))
@@ -335,9 +342,11 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
         *matched]))
 
     hists, maps = [], []
-    for (task, metric), points in grouped:
-        ops = operating_points(points, rep[f"{task} · {metric}"]["matched_quality"])
-        hists.append(f'<img alt="iteration histograms, {html.escape(task)}" src="{png_uri(histogram_figure(task, ops))}">')
+    for key, points in grouped:
+        task = key[0]
+        ops = operating_points(points, rep[names[key]]["matched_quality"])
+        hists.append(f'<img alt="iteration histograms, {html.escape(names[key])}" '
+                     f'src="{png_uri(histogram_figure(names[key], ops))}">')
         blocks, note = doc_maps(ops, paths, docs)
         maps.append(f'<h3 class="task" data-task="{html.escape(task)}">{html.escape(task)}</h3>')
         if note:
@@ -361,6 +370,26 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{html.escape(title)}</title><style>{STYLE}{exitmap.STYLE}</style></head>\n"
             f"<body><h1>{html.escape(title)}</h1><nav>{nav}</nav>\n{body}\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def comparison_parts(cell_list: list[dict[str, Any]], others: list[Path], directory: Path) -> list[str]:
+    names, per_model = compare.models(directory, cell_list, others)
+    shared = compare.shared_groups(per_model)
+    if not shared:
+        return [f'<p class="note">the sweeps of {html.escape(", ".join(names))} share no task measured the same '
+                "way (documents, few-shot, exit mode, …): nothing to draw on one axis</p>"]
+    parts = [f"<p>{html.escape(', '.join(names))}: each model's frontier of quality against mean iterations per "
+             "token (solid) and its fixed depths (dashed), on the tasks all of them ran the same way; then each "
+             f"policy's cheapest cell within {100 * compare.TOLERANCE:g}% of its own model's full depth.</p>"]
+    for key, points in shared.items():
+        parts.append(f'<img alt="frontiers of {html.escape(", ".join(names))} on {html.escape(key[0])}" '
+                     f'src="{png_uri(compare.draw(key, names, points))}">')
+        rows = [r for name, pts in zip(names, points) for r in compare.summary_rows(name, pts)]
+        parts.append(table(["model", "policy", "τ", "quality", "full depth", "mean iters", "iters / oracle"],
+                           [[r["model"], r["policy"], r["threshold"], r["quality"], r["full_depth_quality"],
+                             r["mean_iterations"], r["iterations_over_oracle"]] for r in rows],
+                           numeric={2, 3, 4, 5, 6}))
+    return parts
 
 
 def published_parts(rows: list[dict[str, Any]]) -> list[str]:
@@ -397,6 +426,6 @@ def geometry_parts(directory: Path) -> list[str]:
 
 
 def write(directory: Path, out: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
-          model: str | None = None) -> Path:
-    page = build(directory, docs, on_skip, model)
+          model: str | None = None, compare_with: list[Path] | None = None) -> Path:
+    page = build(directory, docs, on_skip, model, compare_with)
     return atomic_write(Path(out), lambda fh: fh.write(page))

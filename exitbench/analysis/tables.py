@@ -10,7 +10,8 @@ from rich.table import Table
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col, justify in [("task", "left"), ("metric", "left"), ("policy", "left"), ("τ", "right"),
-                         ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"), ("probe", "right")]:
+                         ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"), ("probe", "right"),
+                         ("cell", "left")]:
         table.add_column(col, justify=justify)
     for r in rows:
         iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
@@ -18,7 +19,7 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
             iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
         quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
         table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", quality, iters,
-                      f"{r['ms_per_token']:.3f}", f"{100 * r['probe_share']:.1f}%")
+                      f"{r['ms_per_token']:.3f}", f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured"))
     return table
 
 
@@ -65,8 +66,12 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
         t = Table(title=f"{group}: matched quality (ε relative to full depth)")
         for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
-        for r in entry["matched_quality"]:
-            t.add_row(f"{100 * r['tolerance']:g}%", _marked(r), f"{r['threshold']:g}", f"{r['quality']:.4g}",
+        from .pareto import collapse_tolerances
+
+        for r in collapse_tolerances(entry["matched_quality"]):
+            eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
+                                                 else "")
+            t.add_row(f"{eps}%", _marked(r), f"{r['threshold']:g}", f"{r['quality']:.4g}",
                       f"{r['mean_iterations']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}×",
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
         out.append(t)
@@ -236,6 +241,9 @@ def plan_table(plan: dict[str, Any]) -> Table:
         table.add_row("scoring wave", f"{w['tokens']:,} tokens", f"depth-major: {plan['batch_size']} rows × "
                       f"{w['block_positions']:,} positions iterate together; their key gather {gb(w['gather_bytes'])}")
     table.add_row("total", gb(plan["total"]), "")
+    if plan.get("available") is not None:
+        fits = "fits" if plan["total"] <= plan["available"] else "does NOT fit"
+        table.add_row(f"free on {plan['device']}", gb(plan["available"]), f"{fits} ({plan['total'] / plan['available']:.1%} of it)")
     return table
 
 

@@ -61,7 +61,7 @@ def chosen(cell_list: list[dict[str, Any]], named: list[tuple[str, float]]) -> l
     """Each policy's frontier cells per task (quality vs mean iterations), and the named ones; not the cells
     exact by construction (fixed depth on one loop group, scored)."""
     picked: dict[str, dict] = {}
-    for (_, _), points in pareto.groups(cell_list).items():
+    for points in pareto.groups(cell_list).values():
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[pareto.Point]] = {}
         for p in points:

@@ -33,3 +33,23 @@ def resolve_device(name: str | None) -> str:
             raise ExitbenchError("--device mps: this machine has no MPS device; use --device cpu")
         return name
     raise ExitbenchError(f"unknown --device {name!r}; choose one of {', '.join(KINDS)}")
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes free for a run on `device` now: CUDA's free memory, the system's MemAvailable for the CPU (what
+    the kernel could hand out without swapping), None where neither can be read (MPS)."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
