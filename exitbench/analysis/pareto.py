@@ -12,6 +12,7 @@ point within ε, its iterations, its wall-clock speed-up over full depth, and it
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -405,6 +406,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     by_key = groups(cell_list)
     names = group_names(by_key)
@@ -413,6 +415,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     for ax, ((task, metric, _), points) in zip(axes[0], grouped):
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[Point]] = {}
+        labelled: set[tuple[float, float]] = set()
         for p in points:
             if p.cost(axis) is not None:
                 by_policy.setdefault(p.policy, []).append(p)
@@ -421,15 +424,32 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             style = dict(color="black", linestyle="--", marker="s") if name == "fixed" else dict(marker="o")
             label = "fixed depth" if name == "fixed" else name
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
-            for p in pts:
-                ax.annotate(f"{p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.7)
         front = frontier(points, axis, higher)
+        # Thresholds are labelled on the overall frontier only, one label per neighbourhood: every policy's
+        # points pile up at full quality, where labels on all of them overprint each other.
+        lo, hi = min(p.quality for p in points), max(p.quality for p in points)
+        for p in front:
+            x = math.log10(p.cost(axis)) if axis != "iterations" and p.cost(axis) > 0 else p.cost(axis)
+            spot = (round(x / (0.08 if axis != "iterations" else 0.6)), round((p.quality - lo) / ((hi - lo) or 1) * 25))
+            if spot not in labelled:
+                labelled.add(spot)
+                ax.annotate(f"{p.policy} {p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.8,
+                            xytext=(3, -8), textcoords="offset points")
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
                 label="frontier")
         ax.set_title(names[(task, metric, _)].replace(f" · {metric}", ""))
         ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
                        "flops": "FLOPs per token"}[axis])
         ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        # Seconds and FLOPs span orders of magnitude across policies (kl decodes at every step), and so does a
+        # perplexity between depth 1 and full depth: on linear axes everything else sits in one corner.
+        if axis != "iterations":
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overprint
+            ax.set_xlabel(ax.get_xlabel() + " (log)")
+        if not higher and all(p.quality > 0 for p in points):
+            ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

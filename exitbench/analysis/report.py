@@ -151,7 +151,7 @@ def histogram_figure(task: str, points: dict[str, pareto.Point]):
     names = list(points)
     cols = min(4, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 1.9 * rows + 0.4), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 2.1 * rows + 0.4), squeeze=False, sharex=True)
     deepest = max(int(k) for p in points.values() for k in p.cell["iterations"].get("histogram", {}) or {"1": 0})
     for ax, name in zip(axes.flat, names):
         it = points[name].cell["iterations"]
@@ -159,8 +159,9 @@ def histogram_figure(task: str, points: dict[str, pareto.Point]):
         total = sum(hist.values()) or 1
         ax.bar(list(hist), [v / total for v in hist.values()], width=0.85, color="#2c7fb8")
         mean = it.get("mean")
+        # Two short lines: one long line per panel ran into its neighbours' titles.
         ax.set_title(f"{exitmap.policy_label(points[name].cell['policy'])}"
-                     + (f" · mean {mean:.2f}" if mean is not None else ""), fontsize=8)
+                     + (f"\nmean {mean:.2f}" if mean is not None else ""), fontsize=7, linespacing=1.1)
         ax.set_xlim(0.3, deepest + 0.7)
         ax.tick_params(labelsize=7)
         ax.grid(axis="y", alpha=0.3)
@@ -170,9 +171,9 @@ def histogram_figure(task: str, points: dict[str, pareto.Point]):
     fig.supylabel("share of tokens", fontsize=8)
     fig.suptitle(f"{task}: iterations per token at each policy's operating point", fontsize=9)
     # Fixed margins (inches) rather than tight_layout, which measures every tick label and is most of the cost.
-    height = 1.9 * rows + 0.4
-    fig.subplots_adjust(left=0.7 / (3.1 * cols), right=0.98, bottom=0.55 / height, top=1 - 0.45 / height,
-                        hspace=0.55, wspace=0.25)
+    height = 2.1 * rows + 0.4
+    fig.subplots_adjust(left=0.7 / (3.1 * cols), right=0.98, bottom=0.55 / height, top=1 - 0.6 / height,
+                        hspace=0.75, wspace=0.25)
     return fig
 
 

@@ -102,15 +102,21 @@ def plot_pca(report: dict[str, Any], path: Path) -> Path:
     names = [g["name"] for g in entry["groups"]]
     fig, axes = plt.subplots(1, len(paths), figsize=(3.4 * len(paths), 3.4), squeeze=False)
     colors = plt.get_cmap("tab10")
-    for ax, token in zip(axes[0], paths):
+    for i, (ax, token) in enumerate(zip(axes[0], paths)):
         for g, points in enumerate(token["groups"]):
             xs, ys = [p[0] for p in points], [p[1] for p in points]
             ax.plot(xs, ys, "-o", ms=2.5, lw=1, color=colors(g), label=names[g])
             ax.plot(xs[0], ys[0], "s", ms=6, color=colors(g), mfc="none")
         ev = token["explained_variance"]
-        ax.set_title(f"PC1/PC2 explain {sum(ev):.0%}", fontsize=9)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set_title(f"token {i + 1}: PC1 + PC2 = {sum(ev):.0%} of variance", fontsize=8)
+        # Axes in the state's own units (distances along the two PCs), so panels and steps can be compared.
+        ax.set_xlabel(f"PC1 ({ev[0]:.0%})", fontsize=8)
+        ax.set_ylabel(f"PC2 ({ev[1]:.0%})", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.25)
+        for k, (x, y) in enumerate(token["groups"][-1]):
+            if k in (1, len(token["groups"][-1]) - 1):  # where the last group's iterates start and end
+                ax.annotate(f"k={k}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"state trajectories, 2-D PCA ({_series_label(entry)}; square = group start)", fontsize=10)
     fig.tight_layout()
