@@ -5,6 +5,7 @@ import functools
 import inspect
 import json
 import math
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -116,7 +117,6 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     report = describe(layout, check_dtype_name(dtype))
     if memory_plan:
         from .engine.memory import plan
-
         from .runtime.devices import available_memory, resolve_device
 
         report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
@@ -248,7 +248,14 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     check_fitted_for(ck, cfg.fitted_exit_model)
     if compile_step:
         ck.model.compile_loops()
-    reports = [trace_prompt(ck, prompt, c, generate) for c in configs]
+    reports = []
+    for c in configs:  # a deep model's trace takes minutes: say what runs, and how long it took
+        started = time.perf_counter()
+        tau = "" if c.threshold is None else f" τ={c.threshold:g}"
+        err_console.print(f"tracing {c.policy}{tau} …", highlight=False)
+        reports.append(trace_prompt(ck, prompt, c, generate))
+        err_console.print(f"  {len(reports[-1]['tokens'])} tokens in {time.perf_counter() - started:.1f} s",
+                          highlight=False)
     for rep in reports:
         console.print(trace_table(rep))
     maps = [exitmap.from_trace(rep) for rep in reports]

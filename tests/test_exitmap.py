@@ -18,6 +18,9 @@ def test_trace_draws_every_token_of_each_policy(tmp_path, tiny_checkpoint):
     res = runner.invoke(app, ["trace", PROMPT, "-c", str(tiny_checkpoint), "--policy", "second_order",
                               "--threshold", "0.1", "--vs", "kl:1e-3", "--html", str(html), "--png", str(png)])
     assert res.exit_code == 0, explain(res)
+    # Each policy's trace says what runs and how long it took (a deep model's is minutes).
+    assert "tracing second_order τ=0.1" in res.stderr and "tracing kl τ=0.001" in res.stderr
+    assert res.stderr.count(" tokens in ") == 2
     page = html.read_text()
     # Scoring predicts every token after BOS: ten tokens, one row per policy.
     assert re.findall(r'data-tokens="(\d+)"', page) == ["10", "10"]

@@ -386,3 +386,13 @@ def test_a_file_that_changes_while_hashed_is_an_error_not_an_identity(tmp_path, 
     monkeypatch.setattr(identity, "_hash_file", still_being_copied)
     with pytest.raises(ExitbenchError, match="shard.safetensors changed while it was being hashed"):
         file_digest(f)
+
+
+def test_a_large_first_hash_says_what_it_is_doing(tiny_checkpoint, hash_calls, cache_dir, monkeypatch, capsys):
+    """A multi-GB checkpoint's first hash is a silent minute otherwise; a cached one stays silent."""
+    settle(tiny_checkpoint)
+    monkeypatch.setattr(identity, "_ANNOUNCE_BYTES", 1)
+    checkpoint_identity(tiny_checkpoint)
+    assert "hashing" in capsys.readouterr().err
+    checkpoint_identity(tiny_checkpoint)
+    assert "hashing" not in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,10 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
     # The sweep's own configs, not ones rebuilt from the keys: a key names the learned rule's exit model by its
     # sha256, and the config holds the model it was keyed from.
     configs = {cells.cell_id(config.key_dict()): config for _, config, _ in sweep.cells}
-    for cid, replayed in todo.items():
+    if replayer.progress:
+        replayer.progress.note(f"verifying {len(todo)} frontier configs exactly (each runs every token's loop)")
+    started = time.perf_counter()
+    for i, (cid, replayed) in enumerate(todo.items(), 1):
         config = configs[cid]
         task_idx = [index[c["task"]["name"]] for c in replayed]
         keys = [cell_key(sweep.model, tasks.names[t], tasks.fingerprints[tasks.names[t]], config, exact_cfg,
@@ -105,6 +109,9 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
         for (cell, _), rc in zip(exact, replayed):
             disk.write(where, cells.strict(cell), None)
             rows.append(compare(rc, cell, lm.request_stats, exact_stats))
+        if progress:
+            progress.note(f"[verify {i}/{len(todo)}] {config.policy} τ={config.threshold:g} exact, "
+                          f"{time.perf_counter() - started:.0f} s so far")
     report = {"schema": SCHEMA, "directory": str(out), "rows": sorted(rows, key=lambda r: (r["task"], r["policy"],
                                                                                            r["threshold"]))}
     text = json.dumps(report, indent=1, default=cells.jsonable)

@@ -99,6 +99,11 @@ class SweepProgress:
             done = int(self.progress.tasks[self.grid].completed)
             self.console.print(f"[{done}/{int(self.progress.tasks[self.grid].total)}] {label}", highlight=False)
 
+    def note(self, text: str) -> None:
+        """A line of its own off a terminal (on one the bars say it): work the cell count does not cover."""
+        if self.enabled and not self.quiet and not self.live:
+            self.console.print(text, highlight=False)
+
     def requests(self, done: int, total: int) -> None:
         self.progress.update(self.inner, completed=done, total=max(total, 1), description="requests")
 

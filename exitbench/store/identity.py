@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -206,6 +207,9 @@ def _signature(st: os.stat_result) -> dict[str, int]:
             "ino": st.st_ino, "dev": st.st_dev}
 
 
+_ANNOUNCE_BYTES = 1 << 30
+
+
 def _digests(paths: list[Path], use_cache: bool) -> dict[Path, str]:
     stats = {p: _stat(p) for p in paths}
     cache = _HashCache.load(cache_path()) if use_cache else None
@@ -219,6 +223,10 @@ def _digests(paths: list[Path], use_cache: bool) -> dict[Path, str]:
             todo.setdefault(real, []).append(p)
     if todo:
         reals = list(todo)
+        size = sum(stats[todo[r][0]][1].st_size for r in reals)
+        if size >= _ANNOUNCE_BYTES:  # a multi-GB checkpoint's first hash takes a minute or more: say why it waits
+            print(f"hashing {len(reals)} file(s), {size / 1e9:.1f} GB, for the cells' identity (once: the digests are "
+                  f"cached in {cache_path() if use_cache else 'no cache'})", file=sys.stderr, flush=True)
         workers = min(len(reals), _MAX_WORKERS, os.cpu_count() or 1)
         if workers > 1:
             with ThreadPoolExecutor(workers) as pool:
