@@ -99,3 +99,28 @@ def test_cli_bad_input_is_one_line(tmp_path):
                           ["--out", ".html"])
     assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "sweep"), "--docs", "-1"]), ["--docs"])
     assert not (tmp_path / "sweep" / "report.html").exists()
+
+
+def _as_model(cell_list, fingerprint: str, source: str):
+    import copy
+
+    out = copy.deepcopy(cell_list)
+    for c in out:
+        c["model"] = {**c["model"], "fingerprint": fingerprint, "source": source}
+    return out
+
+
+def test_page_opens_with_other_models_on_the_tasks_they_share(tmp_path):
+    """report.yaml (or --compare) names other models' sweeps: one figure per shared task, all models on its
+    axes, before anything else; a task only one model ran is not drawn."""
+    write_cells(tmp_path / "a", _as_model(ACC + PPL, "aaaa1111", "embedded:model-a"))
+    write_cells(tmp_path / "b", _as_model(ACC, "bbbb2222", "embedded:model-b"))
+    (tmp_path / "a" / "report.yaml").write_text("compare:\n  - ../b\n")
+    page = report.build(tmp_path / "a")
+    assert page.index('id="models"') < page.index('id="frontiers"')
+    models = page[page.index('id="models"'):page.index('id="frontiers"')]
+    assert models.count("<img ") == 1 and "model-a, model-b" in models  # task t only: u is model-a's alone
+    assert models.count("<td>model-a</td>") == models.count("<td>model-b</td>") == 4  # 4 policies within 1%
+    assert page == report.build(tmp_path / "a", compare_with=[tmp_path / "b"])
+    (tmp_path / "a" / "report.yaml").write_text("compare: [../nowhere]\n")
+    assert_one_line_error(runner.invoke(app, ["report", str(tmp_path / "a")]), ["report.yaml", "nowhere"])
