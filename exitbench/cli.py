@@ -34,6 +34,8 @@ DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torc
                         "float16.")
 CompileOpt = typer.Option(False, "--compile", help="torch.compile each loop group's step (dynamic shapes): "
                           "faster iterations after a one-off compilation of tens of seconds.")
+ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads for the model (default: torch's, one per "
+                          "core; on a busy machine fewer threads time more steadily); recorded in each result.")
 ModelOpt = typer.Option(None, "--model", help="The model whose cells to use, where a directory mixes models: a "
                         "fingerprint (prefix), the checkpoint's path or an embedded checkpoint's name.")
 NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
@@ -72,6 +74,14 @@ def exit_knobs(*names: str, **defaults):
 # A sweep varies the policy and threshold itself; the other knobs apply to each of its cells that takes them.
 KNOBS_ON_COMMAND_LINE = ExitConfig.names(command_line=True)
 KNOBS_SHARED_BY_A_SWEEP = ExitConfig.names(command_line=True, swept=False)
+
+
+def use_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for this process (None: leave torch's default)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(at_least("--threads", threads))
 
 
 def one_line_errors(fn):
@@ -222,6 +232,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
           generate: int = typer.Option(0, help="Generate this many tokens instead of scoring the prompt."),
           exit_config: Optional[Path] = typer.Option(None, help="YAML file of exit knobs (overrides the flags)."),
           seed: int = typer.Option(0, help="Seed of the initial-state noise."), compile_step: bool = CompileOpt,
+          threads: Optional[int] = ThreadsOpt,
           vs: list[str] = typer.Option([], "--vs", help="Also trace this policy (POLICY or POLICY:τ, repeatable), "
                                        "drawn beside the first."),
           html: Optional[Path] = typer.Option(None, "--html", help="Also draw the exit map to this HTML file."),
@@ -237,6 +248,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     from .studies.fit_exit import check_fitted_for
     from .studies.trace import parse_vs, trace_prompt, write_json
 
+    use_threads(threads)
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     configs = [cfg, *parse_vs(vs, cfg)]
     for path, flag, suffix in ((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json")):
@@ -311,7 +323,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                                  "task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512."),
         preset: Optional[str] = typer.Option(None, "--preset", help="A family's published protocol (`exitbench "
                                              "presets`): task, shots, template, dtype, depths; flags override it."),
-        compile_step: bool = CompileOpt, knobs: dict = None, ctx: typer.Context = None):
+        compile_step: bool = CompileOpt, threads: Optional[int] = ThreadsOpt, knobs: dict = None,
+        ctx: typer.Context = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
@@ -328,6 +341,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .studies.fit_exit import check_fitted_for
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, summary_rows
 
+    use_threads(threads)
     chosen = None
     if preset is not None:
         from . import presets
@@ -380,6 +394,11 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if rank0:
         reused = {c["cell_id"] for c in prepared.plan.reused()}
         console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {out}"))
+        from .analysis.pareto import busy_note
+
+        hot = busy_note(outcome.cells)
+        if hot:
+            err_console.print(f"warning: {hot}", highlight=False)
     if outcome.verified is not None:
         console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({out / 'verify'})"))
     finish_distributed()
@@ -478,6 +497,9 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
         err_console.print(f"warning: {len(broken)} cells had tokens whose states or logits went NaN or infinite "
                           f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted",
                           highlight=False)
+    hot = par.busy_note(cell_list)
+    if hot:
+        err_console.print(f"warning: {hot}", highlight=False)
     mixed = par.mixed_runs(rep)
     if mixed:
         err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
@@ -650,8 +672,10 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
               replay: bool = typer.Option(False, "--replay", help="Every threshold from one recording pass per "
                                           "split instead of one run each (see the README on replay)."),
               out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/"
-                                                 "<checkpoint>-<policy>.json]."), knobs: dict = None):
+                                                 "<checkpoint>-<policy>.json]."),
+              threads: Optional[int] = ThreadsOpt, knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
+    use_threads(threads)
     from .analysis.tables import calibration_table
     from .harness.documents import token_lists
     from .models.checkpoint import open_checkpoint

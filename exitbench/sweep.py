@@ -7,6 +7,7 @@ every rank runs every cell on its share of the documents (lm-eval shards them) a
 from __future__ import annotations
 
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from .harness.task_set import TaskSet
 from .models import Checkpoint
 from .policies import REGISTRY, ExitPolicy, check_policy_name
 from .runtime.distributed import init_distributed
-from .runtime.provenance import package_version, run_metadata
+from .runtime.provenance import machine_load, package_version, run_metadata
 from .store import cells, disk
 from .store.identity import checkpoint_identity
 
@@ -239,6 +240,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                      add_bos_token=cfg.add_bos_token)
     started = run_metadata(seed=cfg.seed, run_id=run_id, batch_size=cfg.batch_size, device=str(lm.device),
                            dtype=ck.dtype, world_size=lm.world_size)
+    # The machine's load around the timing: a busy machine makes wall-clock ratios unreliable (pareto warns).
+    started["load"] = {"start": machine_load(), "end": None, "cpus": os.cpu_count()}
     t0 = time.perf_counter()
     try:
         # lm-eval's own bars would print one per task per cell beside exitbench's request bar
@@ -256,6 +259,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     if results is None or lm.rank != 0:
         return []
     elapsed = time.perf_counter() - t0
+    started["load"]["end"] = machine_load()
     # lm-eval pads a rank that got fewer documents with copies of its last request (and repeats requests
     # for repeats > 1): each (task, doc, request) counts once, as it does in the metrics.
     unique: dict[tuple, dict] = {}

@@ -138,3 +138,18 @@ def test_cells_of_different_setups_never_share_a_frontier(tmp_path):
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "cells"), "--format", "md"])
     assert res.exit_code == 0, res.output
     assert "separate frontiers" in res.output and "limit 100" in res.output
+
+
+def test_cells_timed_on_a_busy_machine_are_flagged(tmp_path):
+    import copy
+
+    hot = copy.deepcopy(ACC)
+    for c in hot:
+        c.setdefault("run", {})["load"] = {"start": 0.3, "end": 0.4, "cpus": 2}
+    assert pareto.busy_note(hot) is None  # an idle 2-core machine
+    hot[2]["run"]["load"] = {"start": 5.0, "end": 7.5, "cpus": 2}
+    note = pareto.busy_note(hot)
+    assert note.startswith("1 of 7 cells") and "load up to 7.5 on 2 cores" in note and "kl" in note
+    write_cells(tmp_path / "c", hot)
+    res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c"), "--format", "md"])
+    assert res.exit_code == 0 and "busy machine" in res.output

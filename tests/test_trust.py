@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -436,3 +437,20 @@ def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep
     run_sweep(ck, tasks, SweepConfig(**{**cfg.__dict__, "thresholds": [1.0]}), out, "cpu")
     code, lines, _ = invoke(["pareto", str(out)], capfd)
     assert code == 0 and any("warning:" in line and "different runs" in line for line in lines), lines
+
+
+def test_threads_are_taken_recorded_and_checked(tmp_path, capfd):
+    """--threads sets torch's threads for the run; each cell records them and the machine's load around it."""
+    before = torch.get_num_threads()
+    out = tmp_path / "out"
+    try:
+        code, lines, _ = invoke(["run", *SMALL, "--threads", "1", "--out", str(out)], capfd)
+        assert code == 0, lines
+    finally:
+        torch.set_num_threads(before)
+    for cell in load_cells(out).values():
+        assert cell["run"]["machine"]["cpu_threads"] == 1
+        load = cell["run"]["load"]
+        assert load["cpus"] == os.cpu_count() and load["start"] is not None and load["end"] is not None
+    code, lines, _ = invoke(["run", *SMALL, "--threads", "0", "--out", str(tmp_path / "bad")], capfd)
+    assert code == 2 and any("--threads must be ≥ 1" in line for line in lines)

@@ -285,6 +285,26 @@ def nonfinite(cell_list: list[dict[str, Any]]) -> list[str]:
     return [cells.filename(c) for c in cell_list if (c.get("numerics") or {}).get("nonfinite_tokens")]
 
 
+def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells timed while other work competed for the cores (their run's recorded load)."""
+    from ..runtime.provenance import busy
+
+    return [c for c in cell_list if busy(c.get("run", {}).get("load"))]
+
+
+def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line when some cells were timed on a busy machine (None when none were)."""
+    hot = busy_cells(cell_list)
+    if not hot:
+        return None
+    worst = max(hot, key=lambda c: max(v or 0 for v in (c["run"]["load"]["start"], c["run"]["load"]["end"])))
+    load = worst["run"]["load"]
+    return (f"{len(hot)} of {len(cell_list)} cells were timed on a busy machine (load up to "
+            f"{max(v or 0 for v in (load['start'], load['end'])):g} on {load['cpus']} cores, e.g. "
+            f"{worst['task']['name']} {worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their "
+            "wall-clock and speed-ups are unreliable; rerun them on an idle machine, or with --threads 1")
+
+
 def mixed_runs(rep: dict[str, Any]) -> list[str]:
     """The groups whose matched-quality speed-ups compare cells measured by different runs."""
     return [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]

@@ -310,7 +310,7 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     sections: list[tuple[str, str, list[str]]] = []
 
-    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key)) if n]
+    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key), pareto.busy_note(cell_list)) if n]
     tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
     policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
     overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "

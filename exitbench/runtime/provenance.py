@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import platform
 import socket
 import subprocess
@@ -37,6 +38,23 @@ def git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("-dirty" if dirty else "")
+
+
+def machine_load() -> float | None:
+    """The 1-minute load average (runnable processes), None where the OS has none (Windows)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def busy(load: dict[str, Any] | None) -> bool:
+    """Whether a timing's recorded load says other work competed for the cores: a load above the cores left
+    after this process's own threads, at its start or its end."""
+    if not load or not load.get("cpus"):
+        return False
+    spare = load["cpus"] - 1  # this process's own runnable thread counts in the load
+    return any(v is not None and v > max(spare, 1) for v in (load.get("start"), load.get("end")))
 
 
 def run_metadata(seed: int | None = None, **extra: Any) -> dict[str, Any]:

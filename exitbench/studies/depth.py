@@ -32,7 +32,7 @@ def depth_report(ck: Checkpoint, r_values: Sequence[int] = DEFAULT_R, n_programs
                  seed: int = 0) -> dict[str, Any]:
     model = ck.model
     group: LoopGroup = model.loop_groups()[0]
-    r_values = sorted({*r_values, group.max_steps})
+    r_values = sorted({*r_values, group.default_steps, group.max_steps})  # the trained depth is always shown
     if min(r_values) < 1:
         raise ExitbenchError(f"depth report needs r ≥ 1, got {min(r_values)}")
     (inputs, targets, hops), task = heldout_batch(ck, n_programs, seed)
