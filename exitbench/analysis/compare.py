@@ -63,7 +63,8 @@ def summary_rows(name: str, points: list[pareto.Point]) -> list[dict[str, Any]]:
 
 
 def draw(key: pareto.Group, names: list[str], per_model: list[list[pareto.Point]]):
-    """Quality against mean iterations per token, one frontier (solid) and fixed-depth curve (dashed) per model."""
+    """Quality against mean iterations per token: per model the exit policies' frontier (solid), its oracle
+    (star) and its fixed depths (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,9 +76,13 @@ def draw(key: pareto.Group, names: list[str], per_model: list[list[pareto.Point]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, points) in enumerate(zip(names, per_model)):
         color = colors[i % len(colors)]
-        front = pareto.frontier(points, "iterations", higher)
+        # The oracle reads the answer, so it is a bound drawn apart, not a point a policy can reach.
+        front = pareto.frontier([p for p in points if p.policy != "oracle"], "iterations", higher)
         ax.plot([p.cost("iterations") for p in front], [p.quality for p in front], color=color, marker="o",
-                linewidth=2, label=f"{name}: frontier")
+                linewidth=2, label=f"{name}: frontier of the exit policies")
+        for p in (p for p in points if p.policy == "oracle"):
+            ax.plot([p.cost("iterations")], [p.quality], color=color, marker="*", markersize=12, linestyle="none",
+                    label=f"{name}: oracle")
         fixed = sorted((p for p in points if p.policy == "fixed"), key=lambda p: p.cost("iterations"))
         ax.plot([p.cost("iterations") for p in fixed], [p.quality for p in fixed], color=color, linestyle="--",
                 marker="s", markersize=4, alpha=0.7, label=f"{name}: fixed depth")

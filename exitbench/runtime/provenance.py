@@ -49,12 +49,13 @@ def machine_load() -> float | None:
 
 
 def busy(load: dict[str, Any] | None) -> bool:
-    """Whether a timing's recorded load says other work competed for the cores: a load above the cores left
-    after this process's own threads, at its start or its end."""
+    """Whether a timing's recorded load says other work competed for the cores, at its start or its end. A run
+    using every core puts the load near the core count by itself, so only a load well above it (a quarter
+    more, and half a process) says something else was running."""
     if not load or not load.get("cpus"):
         return False
-    spare = load["cpus"] - 1  # this process's own runnable thread counts in the load
-    return any(v is not None and v > max(spare, 1) for v in (load.get("start"), load.get("end")))
+    limit = 1.25 * load["cpus"] + 0.5
+    return any(v is not None and v > limit for v in (load.get("start"), load.get("end")))
 
 
 def run_metadata(seed: int | None = None, **extra: Any) -> dict[str, Any]:
