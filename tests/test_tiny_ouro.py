@@ -82,8 +82,9 @@ def test_committed_sweep_is_of_this_model_and_has_every_part_the_issue_names():
     assert len(qs) >= 5
     stage1 = pareto.load([REPO / "results" / f"{NAME}-stage1"])
     assert {c["policy"]["policy"] for c in stage1} >= {"qexit", "fixed"}
-    # The report opens with the three embedded models: report.yaml names the other two's sweeps.
+    # The report opens with the three embedded models: report.yaml names the other two's sweeps, and the
+    # stage-I gate's.
     from exitbench.analysis.compare import compare_dirs
 
     others = [pareto.load([d])[0]["model"]["source"] for d in compare_dirs(REPO / "results" / NAME, None)]
-    assert sorted(others) == ["embedded:tiny-looped-gpt2", "embedded:tiny-raven"]
+    assert sorted(others) == ["embedded:tiny-looped-gpt2", "embedded:tiny-ouro/stage-1", "embedded:tiny-raven"]

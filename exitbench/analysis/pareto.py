@@ -439,9 +439,12 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         for p in points:
             if p.cost(axis) is not None:
                 by_policy.setdefault(p.policy, []).append(p)
-        for name, pts in sorted(by_policy.items()):
+        # tab20 when the default ten colours would repeat (a sweep of every policy has about fourteen).
+        palette = plt.get_cmap("tab20" if len(by_policy) > 10 else "tab10")
+        for i, (name, pts) in enumerate(sorted(by_policy.items())):
             pts.sort(key=lambda p: p.cost(axis))
-            style = dict(color="black", linestyle="--", marker="s") if name == "fixed" else dict(marker="o")
+            style = (dict(color="black", linestyle="--", marker="s") if name.startswith("fixed")
+                     else dict(marker="o", color=palette(i % palette.N)))
             label = "fixed depth" if name == "fixed" else name
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
         front = frontier(points, axis, higher)
