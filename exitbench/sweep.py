@@ -298,14 +298,7 @@ def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, r
         cell["wall_clock"]["cell_s"] = elapsed * len(mine) / max(1, len(stats))
         samples = results.get("samples", {}).get(name) if log_samples else None
         if samples is not None:
-            by_doc: dict[Any, list[dict]] = {}
-            for s in mine:
-                by_doc.setdefault(s["doc_id"], []).append(s)
-            for sample in samples:
-                doc = by_doc.get(sample.get("doc_id"), [])
-                sample["exitbench"] = {"requests": len(doc), **cells.summarize(doc)["iterations"],
-                                       **{k: [e for s in doc for e in s.get(k, [])]
-                                          for k in ("exit_steps", "token_text", "logprobs", "greedy")}}
+            cells.attach_exits(samples, mine)
         out.append((cell, samples))
     return out
 

@@ -120,3 +120,22 @@ def test_shipped_task_runs_outside_a_checkout_without_include_path_or_git_noise(
     assert 0.0 <= results["results"]["chains"]["exact_match,none"] <= 1.0
     assert results["config"]["device"] == "cpu"
     assert results["config"]["exitbench"]["exit"]["threshold"] == 4
+
+
+def test_exit_statistics_reach_lm_evals_table_results_and_samples(tiny_checkpoint, tmp_path, capfd):
+    """What `exitbench run` records about the exits, a user of lm-eval's own CLI sees in lm-eval's outputs."""
+    out = tmp_path / "lm-eval"
+    res = runner.invoke(app, [*RUN, "--model_args", f"checkpoint={tiny_checkpoint},policy=second_order,threshold=0.1",
+                              "--output_path", str(out), "--log_samples"])
+    printed = res.stdout + capfd.readouterr().out
+    assert res.exit_code == 0, explain(res)
+    assert "mean_iterations" in printed and "|exitbench|" in printed.replace(" ", "")  # lm-eval's table
+    (results_file,) = list(out.rglob("results_*.json"))
+    results = json.loads(results_file.read_text())
+    stats = results["config"]["exitbench"]["exit_statistics"]["chains"]
+    assert stats["tokens"] > 0 and 1 <= stats["mean"] <= stats["max"]
+    assert results["results"]["chains"]["mean_iterations,exitbench"] == stats["mean"]
+    (samples_file,) = list(out.rglob("samples_chains_*.jsonl"))
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 2 and all(s["exitbench"]["exit_steps"] for s in samples)
+    assert sum(s["exitbench"]["tokens"] for s in samples) == stats["tokens"]

@@ -14,7 +14,9 @@ lm-eval parses the arguments and runs them; three things happen in between, on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import inspect
 import sys
 from pathlib import Path
@@ -47,7 +49,33 @@ def run_lm_eval(argv: list[str]) -> None:
         sys.argv = saved_argv
     prepare(args)
     silence_git_lookup()
-    parser.execute(args)
+    with exits_in_lm_evals_results():
+        parser.execute(args)
+
+
+@contextlib.contextmanager
+def exits_in_lm_evals_results():
+    """lm-eval's CLI calls `lm_eval.simple_evaluate` and prints and saves what it returns: for the time of one
+    CLI run, that function also adds the exitbench models' exit statistics to it (exit_statistics.py)."""
+    import lm_eval
+
+    from .exit_statistics import annotate, collecting
+
+    original = lm_eval.simple_evaluate
+
+    @functools.wraps(original)
+    def evaluate_and_annotate(*args: Any, **kwargs: Any):
+        with collecting() as models:
+            results = original(*args, **kwargs)
+        if results is not None and models:
+            annotate(results, models)
+        return results
+
+    lm_eval.simple_evaluate = evaluate_and_annotate
+    try:
+        yield
+    finally:
+        lm_eval.simple_evaluate = original
 
 
 def prepare(args: argparse.Namespace) -> None:

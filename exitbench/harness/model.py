@@ -37,6 +37,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least, parse
 from ..store import cells
+from . import exit_statistics
 from .chat import ChatTemplate
 
 
@@ -128,6 +129,7 @@ class ExitbenchLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
         self._chat: ChatTemplate | None = None  # built when lm-eval first asks for the chat template
+        exit_statistics.register(self)  # for `exitbench lm-eval run`'s tables (kept only while one runs)
 
     # ---- setup -------------------------------------------------------------------------------------
     def _init_distributed(self) -> None:

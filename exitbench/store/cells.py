@@ -173,6 +173,19 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def attach_exits(samples: list[dict[str, Any]], stats: list[dict[str, Any]]) -> None:
+    """Join each lm-eval sample with its requests' exits (by doc_id), in place: `sample["exitbench"]` holds its
+    iteration summary and each exited token's exit steps, text, log-probability and greedy flag."""
+    by_doc: dict[Any, list[dict]] = {}
+    for s in stats:
+        by_doc.setdefault(s["doc_id"], []).append(s)
+    for sample in samples:
+        doc = by_doc.get(sample.get("doc_id"), [])
+        sample["exitbench"] = {"requests": len(doc), **summarize(doc)["iterations"],
+                               **{k: [e for s in doc for e in s.get(k, [])]
+                                  for k in ("exit_steps", "token_text", "logprobs", "greedy")}}
+
+
 def task_record(results: dict[str, Any], name: str, limit: int | float | None) -> dict[str, Any]:
     """The task section of a cell, from lm-eval's results dict, its numbers unchanged."""
     r = results["results"][name]
