@@ -636,6 +636,13 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
     verdict = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
                          present_only, model, baseline_model)
+    if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
+        from .analysis import pareto
+
+        for where, which in ((run_dir, model), (baseline, baseline_model or model)):
+            hot = pareto.busy_note(pareto.load([where], model=which))
+            if hot:
+                err_console.print(f"warning: {where}: {hot}", highlight=False)
     if verdict.regressions:
         console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "
                                                                   f"{run_dir} against {baseline}"))

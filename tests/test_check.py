@@ -72,6 +72,11 @@ def test_wall_clock_noise_never_fails_unless_asked(tmp_path, base):
     assert check(d, base, "--wall-clock", "--wall-tol", "5").exit_code == 0
     res = check(d, base, "--wall-clock")
     assert res.exit_code == 1 and "time / full-depth time" in res.stdout and "kl τ=0.001" in res.stdout
+    assert "busy machine" not in res.stderr
+    run[2].setdefault("run", {})["load"] = {"start": 9.0, "end": 9.5, "cpus": 2}  # timed beside other work
+    d = write(tmp_path / "busy", run)
+    res = check(d, base, "--wall-clock")
+    assert res.exit_code == 1 and "busy machine" in res.stderr and "kl τ=0.001" in res.stderr
 
 
 def test_unusable_input_exits_2(tmp_path, base):
