@@ -387,7 +387,7 @@ def test_pareto_skips_reports_that_are_not_cells_and_makes_the_plot_folder(tmp_p
     assert any("skipped 1 JSON file" in line for line in lines)
     code, _, out = invoke(["pareto", str(root), "--format", "csv", "--table", "matched"], capfd)
     header, *rows = out.strip().splitlines()
-    assert header.startswith("group,tolerance,policy") and rows and "\n\n" not in out.strip()
+    assert header.startswith("group,tolerance,max_tolerance,policy") and rows and "\n\n" not in out.strip()
 
 
 # ---- what a newcomer reads ------------------------------------------------------------------------------------------
