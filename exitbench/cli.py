@@ -628,19 +628,20 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                                        "its directory mixes models (default: --model).")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked); 0 when
     not, 2 on unusable input, 3 on a crash."""
-    from .analysis.check import Tolerances, check_dirs
+    from .analysis import pareto
+    from .analysis.check import Tolerances, compare
     from .analysis.tables import regression_table
 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
-    verdict = check_dirs(run_dir, baseline, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
-                         present_only, model, baseline_model)
+    run_cells = pareto.load([run_dir], model=model)
+    base_cells = pareto.load([baseline], model=baseline_model or model)
+    verdict = compare(run_cells, base_cells, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
+                      present_only)
     if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
-        from .analysis import pareto
-
-        for where, which in ((run_dir, model), (baseline, baseline_model or model)):
-            hot = pareto.busy_note(pareto.load([where], model=which))
+        for where, cell_list in ((run_dir, run_cells), (baseline, base_cells)):
+            hot = pareto.busy_note(cell_list)
             if hot:
                 err_console.print(f"warning: {where}: {hot}", highlight=False)
     if verdict.regressions:

@@ -15,7 +15,6 @@ same run's full-depth time per token, against the same ratio in the baseline, wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ExitbenchError
@@ -202,11 +201,3 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict
                 out.append({"what": "frontier: cheapest point within ε", "cell": where,
                             "baseline": b["mean_iterations"], "run": r["mean_iterations"]})
     return out, points
-
-
-def check_dirs(run: Path, baseline: Path, tol: Tolerances, present_only: bool = False, model: str | None = None,
-               baseline_model: str | None = None) -> Verdict:
-    """`compare` of two directories' cells, each of one model (`pareto.select_model`); the baseline's model
-    is picked by `baseline_model`, else by `model`."""
-    return compare(pareto.load([run], model=model), pareto.load([baseline], model=baseline_model or model), tol,
-                   present_only)

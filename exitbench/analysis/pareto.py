@@ -168,16 +168,25 @@ def groups(cell_list: list[dict[str, Any]], fields=SETUP) -> dict[Group, list[Po
 def group_names(keys) -> dict[Group, str]:
     """`task · metric`, and where one task and metric holds several setups, the fields that tell them apart
     (`chains · exact_match,none · limit 100 · batch 1`)."""
-    by_task: dict[tuple[str, str], list[Group]] = {}
-    for key in keys:
-        by_task.setdefault(key[:2], []).append(key)
     names = {}
-    for (task, metric), members in by_task.items():
-        varying = [i for i in range(len(members[0][2])) if len({m[2][i][1] for m in members}) > 1]
+    for (task, metric), members in _by_task(keys).items():
+        varying = _varying(members)
         for m in members:
             parts = [f"{m[2][i][0]} {_short(m[2][i][1])}" for i in varying]
             names[m] = " · ".join([task, metric, *parts])
     return names
+
+
+def _by_task(keys) -> dict[tuple[str, str], list[Group]]:
+    out: dict[tuple[str, str], list[Group]] = {}
+    for key in keys:
+        out.setdefault(key[:2], []).append(key)
+    return out
+
+
+def _varying(members: list[Group]) -> list[int]:
+    """Indices of the setup fields whose values differ among groups of one task and metric."""
+    return [i for i in range(len(members[0][2])) if len({m[2][i][1] for m in members}) > 1]
 
 
 def _short(value: Any) -> str:
@@ -189,12 +198,10 @@ def _short(value: Any) -> str:
 
 def split_note(keys) -> str | None:
     """A line saying which task/metric pairs were split into setups, and by what."""
-    names = group_names(keys)
-    split = {k[:2] for k in keys if names[k] != f"{k[0]} · {k[1]}"}
+    split = {pair: members for pair, members in _by_task(keys).items() if _varying(members)}
     if not split:
         return None
-    fields = sorted({part.rsplit(" ", 1)[0] for k in keys if k[:2] in split
-                     for part in names[k].split(" · ")[2:]})
+    fields = sorted({members[0][2][i][0] for members in split.values() for i in _varying(members)})
     return (f"cells of {', '.join(f'{t} · {m}' for t, m in sorted(split))} were measured under different setups "
             f"({', '.join(fields)}) and are kept in separate frontiers; write each experiment to its own --out "
             "to keep them apart")
@@ -297,10 +304,10 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     hot = busy_cells(cell_list)
     if not hot:
         return None
-    worst = max(hot, key=lambda c: max(v or 0 for v in (c["run"]["load"]["start"], c["run"]["load"]["end"])))
-    load = worst["run"]["load"]
+    peak = lambda c: max(c["run"]["load"]["start"] or 0, c["run"]["load"]["end"] or 0)  # noqa: E731
+    worst = max(hot, key=peak)
     return (f"{len(hot)} of {len(cell_list)} cells were timed on a busy machine (load up to "
-            f"{max(v or 0 for v in (load['start'], load['end'])):g} on {load['cpus']} cores, e.g. "
+            f"{peak(worst):g} on {worst['run']['load']['cpus']} cores, e.g. "
             f"{worst['task']['name']} {worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their "
             "wall-clock and speed-ups are unreliable; rerun them on an idle machine, or with --threads 1")
 
@@ -432,7 +439,8 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     names = group_names(by_key)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
-    for ax, ((task, metric, _), points) in zip(axes[0], grouped):
+    for ax, (key, points) in zip(axes[0], grouped):
+        metric = key[1]
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[Point]] = {}
         labelled: set[tuple[float, float]] = set()
@@ -460,7 +468,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
                             xytext=(3, -8), textcoords="offset points")
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
                 label="frontier")
-        ax.set_title(names[(task, metric, _)].replace(f" · {metric}", ""))
+        ax.set_title(names[key].replace(f" · {metric}", ""))
         ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
                        "flops": "FLOPs per token"}[axis])
         ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")

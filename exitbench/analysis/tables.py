@@ -6,6 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
+from .pareto import collapse_tolerances
+
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
@@ -66,8 +68,6 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
         t = Table(title=f"{group}: matched quality (ε relative to full depth)")
         for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
-        from .pareto import collapse_tolerances
-
         for r in collapse_tolerances(entry["matched_quality"]):
             eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                                  else "")
@@ -243,7 +243,8 @@ def plan_table(plan: dict[str, Any]) -> Table:
     table.add_row("total", gb(plan["total"]), "")
     if plan.get("available") is not None:
         fits = "fits" if plan["total"] <= plan["available"] else "does NOT fit"
-        table.add_row(f"free on {plan['device']}", gb(plan["available"]), f"{fits} ({plan['total'] / plan['available']:.1%} of it)")
+        table.add_row(f"free on {plan['device']}", gb(plan["available"]),
+                      f"{fits} ({plan['total'] / plan['available']:.1%} of it)")
     return table
 
 

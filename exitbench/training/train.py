@@ -11,8 +11,8 @@ Three recipes share one loop:
   expected under the gate's exit distribution, minus β × its entropy) at a fixed T, then `gate_steps` of stage II
   (the gate alone). The stage-I checkpoint is kept as OUT/stage-1, the "untrained gate" Ouro compares against.
 
-For the first two, recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ), r = 1 + Poisson(e^τ),
-with gradients only through the last `backprop_depth` iterations of each group.
+For the first two, recurrence is sampled per batch and per loop group (Huginn §1.6): τ ~ N(log(mean) − σ²/2, σ),
+r = 1 + Poisson(e^τ), with gradients only through the last `backprop_depth` iterations of each group.
 
 Everything random is drawn from generators keyed by (seed, step), so a run is deterministic for a seed and a
 resumed run continues with exactly the batches it would have seen.
@@ -245,11 +245,15 @@ def _step_rng(seed: int, step: int, stream: int) -> random.Random:
     return random.Random((seed * 1_000_003 + step) * 7 + stream)
 
 
+def _cosine(peak: float, progress: float) -> float:
+    """Cosine decay from `peak` to a tenth of it over progress 0 … 1."""
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def _lr_at(cfg: TrainConfig, step: int) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return _cosine(cfg.lr, min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)))
 
 
 def _decayed(name: str, p: torch.Tensor) -> bool:
@@ -466,14 +470,14 @@ class OuroRecipe(ChainsRecipe):
         cfg = self.cfg
         if self.stage(step) == 1:
             return _lr_at(cfg, step)
-        progress = (step - cfg.steps) / max(1, cfg.gate_steps)
-        return cfg.gate_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return _cosine(cfg.gate_lr, (step - cfg.steps) / max(1, cfg.gate_steps))
 
     def unroll(self, model: Ouro, inputs: torch.Tensor, targets: torch.Tensor, states: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """At the trained depth T: every step's loss on the scored tokens (T, N), the gate's logits there
-        (T, N) or, with `states`, the states themselves (T, N, d), and the last step's logits (B, L, V). Only the (N,) vectors are kept per step: a stack of
-        every step's (B, L, V) logits would be most of the memory traffic."""
+        (T, N) or, with `states`, the states themselves (T, N, d), and the last step's logits (B, L, V). Only
+        the per-token rows are kept per step: a stack of every step's (B, L, V) logits would be most of the
+        memory traffic."""
         group, ctx, h = model.loop_groups()[0], AttnContext(), model.embed(inputs)
         keep = targets.flatten() != synthetic.IGNORE
         losses, gates = [], []
@@ -513,9 +517,9 @@ def make_recipe(cfg: TrainConfig) -> SampledDepth:
 def status(state: TrainState, cfg: TrainConfig) -> str:
     """What a progress line shows beside the loss."""
     if cfg.arch == "ouro":
-        stage = state.gate.get("stage", 1)
-        part = (f"exit {state.gate.get('mean_exit', float('nan')):.1f}" if stage == 1 else
-                f"continue {state.gate.get('continue_prob', float('nan')):.2f}/{state.gate.get('continue_label', float('nan')):.2f}")
+        stage, nan = state.gate.get("stage", 1), float("nan")
+        part = (f"exit {state.gate.get('mean_exit', nan):.1f}" if stage == 1 else
+                f"continue {state.gate.get('continue_prob', nan):.2f}/{state.gate.get('continue_label', nan):.2f}")
         return f"stage {stage} hop {state.level}/{cfg.max_hop} {part}"
     return f"hop {state.level}/{cfg.max_hop}" if cfg.arch == "huginn_raven" else f"ppl {math.exp(min(state.loss, 50)):.1f}"
 
