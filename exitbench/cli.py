@@ -323,8 +323,11 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                                                  "task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512."),
         preset: Optional[str] = typer.Option(None, "--preset", help="A family's published protocol (`exitbench "
                                              "presets`): task, shots, template, dtype, depths; flags override it."),
-        compile_step: bool = CompileOpt, threads: Optional[int] = ThreadsOpt, knobs: dict = None,
-        ctx: typer.Context = None):
+        compile_step: bool = CompileOpt, threads: Optional[int] = ThreadsOpt,
+        timing_repeats: int = typer.Option(3, "--timing-repeats", help="After each cell, time its first requests "
+                                           "again this often beside full depth, alternately: a paired time ratio "
+                                           "with its spread (0: none; replay cells never)."),
+        knobs: dict = None, ctx: typer.Context = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
@@ -362,9 +365,11 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
                       shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
                       add_bos_token=add_bos_token, replay=replay,
                       prompting=Prompting(chat_template or apply_chat_template, system_instruction,
-                                          fewshot_as_multiturn, gen_kwargs), preset=chosen)
+                                          fewshot_as_multiturn, gen_kwargs), preset=chosen,
+                      timing_repeats=timing_repeats)
     check_mode(cfg, verify, verify_cells)
     at_least("--batch-size", batch_size)
+    at_least("--timing-repeats", timing_repeats, 0)
     if num_fewshot is not None:
         at_least("--num-fewshot", num_fewshot, 0)
     device = resolve_device(device)
@@ -394,11 +399,10 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if rank0:
         reused = {c["cell_id"] for c in prepared.plan.reused()}
         console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {out}"))
-        from .analysis.pareto import busy_note
+        from .analysis.pareto import timing_notes
 
-        hot = busy_note(outcome.cells)
-        if hot:
-            err_console.print(f"warning: {hot}", highlight=False)
+        for note in timing_notes(outcome.cells):
+            err_console.print(f"warning: {note}", highlight=False)
     if outcome.verified is not None:
         console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({out / 'verify'})"))
     finish_distributed()
@@ -497,9 +501,8 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
         err_console.print(f"warning: {len(broken)} cells had tokens whose states or logits went NaN or infinite "
                           f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted",
                           highlight=False)
-    hot = par.busy_note(cell_list)
-    if hot:
-        err_console.print(f"warning: {hot}", highlight=False)
+    for note in par.timing_notes(cell_list) + [n for n in [par.drift_note(rep)] if n]:
+        err_console.print(f"warning: {note}", highlight=False)
     mixed = par.mixed_runs(rep)
     if mixed:
         err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
@@ -641,9 +644,8 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                       present_only)
     if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
         for where, cell_list in ((run_dir, run_cells), (baseline, base_cells)):
-            hot = pareto.busy_note(cell_list)
-            if hot:
-                err_console.print(f"warning: {where}: {hot}", highlight=False)
+            for note in pareto.timing_notes(cell_list):
+                err_console.print(f"warning: {where}: {note}", highlight=False)
     if verdict.regressions:
         console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "
                                                                   f"{run_dir} against {baseline}"))

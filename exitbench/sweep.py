@@ -19,7 +19,9 @@ import torch
 from . import __version__
 from .engine import ExitConfig
 from .errors import ExitbenchError
+from .harness import retime
 from .harness.prompting import Prompting
+from .harness.retime import DEFAULT_REPEATS
 from .harness.task_set import TaskSet
 from .models import Checkpoint
 from .policies import REGISTRY, ExitPolicy, check_policy_name
@@ -49,6 +51,9 @@ class SweepConfig:
     replay: bool = False  # cells computed from one recording pass (exitbench.replay), keyed apart from exact ones
     prompting: Prompting = field(default_factory=Prompting)  # chat template, system instruction, gen_kwargs
     preset: Any = None  # the presets.Preset the options came from: its published numbers go into each cell
+    # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
+    # a cell's key: they add numbers to the cell and change none of its others.
+    timing_repeats: int = DEFAULT_REPEATS
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -227,9 +232,10 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
 
 def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: ExitConfig, cfg: SweepConfig,
                model: dict, keys: list[dict], run_id: str, on_requests: Callable[[int, int], None] | None = None,
-               stats_out: list[dict] | None = None) -> list[tuple[dict, list | None]]:
+               stats_out: list[dict] | None = None, full: ExitConfig | None = None) -> list[tuple[dict, list | None]]:
     """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0
-    (and, into `stats_out`, each request's exits and costs)."""
+    (and, into `stats_out`, each request's exits and costs). With `full`, the sweep's full-depth config, each
+    task's first requests are then timed again `cfg.timing_repeats` times beside it (harness/retime.py)."""
     import lm_eval
 
     from .harness.model import ExitbenchLM
@@ -259,6 +265,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     if results is None or lm.rank != 0:
         return []
     elapsed = time.perf_counter() - t0
+    timings = retimed(ck, lm, names, full, cfg) if full is not None and lm.world_size == 1 else {}
     started["load"]["end"] = machine_load()
     # lm-eval pads a rank that got fewer documents with copies of its last request (and repeats requests
     # for repeats > 1): each (task, doc, request) counts once, as it does in the metrics.
@@ -270,12 +277,32 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
         stats_out += unique.values()
     made = task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
                       list(unique.values()), started, cfg.log_samples, elapsed)
+    for cell, _ in made:
+        if timings.get(cell["task"]["name"]):
+            cell["wall_clock"]["repeats"] = timings[cell["task"]["name"]]
+        reasons = retime.warnings(cell)
+        if reasons:  # said in the cell itself, for whoever reads it without exitbench
+            cell["wall_clock"]["warnings"] = reasons
     if cfg.preset is not None:  # not in the key: the preset only set options, and those are keyed
         from .presets import record
 
         for cell, _ in made:
             cell["preset"] = record(cfg.preset, cell["task"]["name"])
     return made
+
+
+def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: SweepConfig
+            ) -> dict[str, dict[str, Any] | None]:
+    """Per task, the paired repeated timings of the cell's model `lm` against full depth (None for a task
+    with nothing to time). Under torchrun they are skipped: each rank holds only its share of the requests."""
+    from .harness.model import ExitbenchLM
+
+    if cfg.timing_repeats < 1:
+        return {}
+    full_lm = ExitbenchLM(ck, exit_config=full, batch_size=cfg.batch_size, add_bos_token=cfg.add_bos_token)
+    n = retime.sample_size(cfg.batch_size)
+    return {name: retime.retime(lm, full_lm, retime.task_work(lm.received, name, n), cfg.timing_repeats,
+                                int(full.threshold)) for name in names}
 
 
 def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
@@ -310,6 +337,7 @@ class SweepPlan:
     model: dict[str, Any]                                 # model_record of the checkpoint
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     n_docs: dict[str, int] = field(default_factory=dict)  # task → evaluation documents, where a limit needs them
+    full: ExitConfig | None = None  # the deepest fixed depth: what each cell's repeated timings are paired with
 
     def reused(self) -> list[dict[str, Any]]:
         """The cells of this shard already on disk: a rerun reuses them instead of computing them again."""
@@ -329,7 +357,8 @@ def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: st
     # A cell asked for with samples is finished only with its samples file beside it.
     done = {cid: stored for cid, stored in disk.existing(out).items()
             if stored.has_samples or not cfg.log_samples}
-    return SweepPlan(mine, done, model, n_docs=n_docs)
+    full = max((c for c in configs if c.policy == "fixed"), key=lambda c: c.threshold)
+    return SweepPlan(mine, done, model, n_docs=n_docs, full=full)
 
 
 def run_sweep(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
@@ -435,7 +464,7 @@ def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
     if progress:
         progress.cell_started(label)
     produced = run_config(ck, tasks, [t for t, *_ in group], exit_cfg, cfg, sweep.model, [k for _, _, k, _ in group],
-                          sweep.run_id, on_requests=progress.requests if progress else None)
+                          sweep.run_id, on_requests=progress.requests if progress else None, full=sweep.full)
     for cell, samples in produced:
         cell = cells.strict(cell)
         disk.write(out, cell, samples)
@@ -461,6 +490,9 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      "quality": c["quality"]["value"], "mean_iterations": c["iterations"]["mean"],
                      "per_group": c["iterations"].get("per_group_mean") or [],
                      "ms_per_token": 1e3 * (c["wall_clock"]["per_token_s"] or 0.0),
-                     "probe_share": c["wall_clock"]["probe_share"], "origin": ", ".join(origin) or "measured"})
+                     "probe_share": c["wall_clock"]["probe_share"], "origin": ", ".join(origin) or "measured",
+                     "time_ratio": (c["wall_clock"].get("repeats") or {}).get("ratio"),
+                     "time_spread": (c["wall_clock"].get("repeats") or {}).get("spread"),
+                     "warnings": retime.warnings(c)})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))
 

@@ -104,3 +104,23 @@ def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
     run_sweep(ck, tasks, cfg, tmp_path / "degraded", "cpu")
     res = check(tmp_path / "degraded", tmp_path / "base")
     assert res.exit_code == 1 and "chains_lambada kl τ=0.0001" in res.stdout
+
+
+def test_wall_clock_compares_paired_repeats_where_both_sides_have_them(tmp_path, base):
+    """A cell's ratio over the full-depth cell moves with whatever the machine did between the two; its paired
+    repeats (harness/retime.py) time both within seconds. Where run and baseline have them, they decide."""
+    def with_repeats(cell_list, ratio):
+        for c in cell_list:
+            c["wall_clock"]["repeats"] = {"repeats": 3, "full_depth": 16, "ratio": ratio if c is cell_list[2] else
+                                          c["wall_clock"]["per_token_s"] / 1e-3, "spread": 0.1}
+        return cell_list
+
+    run = copy.deepcopy(ACC + PPL)
+    run[2]["wall_clock"]["per_token_s"] *= 4.0  # the evaluation alone: kl τ=1e-3 looks 4× slower
+    d = write(tmp_path / "run", with_repeats(run, 0.8))  # but paired with full depth it is as fast as before
+    b = write(tmp_path / "paired-base", with_repeats(copy.deepcopy(ACC + PPL), 0.8))
+    assert check(d, b, "--wall-clock").exit_code == 0
+    assert check(d, base, "--wall-clock").exit_code == 1  # the baseline was timed once: evaluations divided
+    d = write(tmp_path / "slower", with_repeats(copy.deepcopy(ACC + PPL), 1.6))
+    res = check(d, b, "--wall-clock")
+    assert res.exit_code == 1 and "time / full-depth time" in res.stdout and "kl τ=0.001" in res.stdout

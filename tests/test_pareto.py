@@ -153,3 +153,44 @@ def test_cells_timed_on_a_busy_machine_are_flagged(tmp_path):
     write_cells(tmp_path / "c", hot)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c"), "--format", "md"])
     assert res.exit_code == 0 and "busy machine" in res.output
+
+
+def paired(cell, ratios, full_depth=16):
+    """`cell` as a sweep leaves it after retiming it beside full depth (harness/retime.py) with these ratios."""
+    import statistics
+
+    median = statistics.median(ratios)
+    cell["wall_clock"]["repeats"] = {"repeats": len(ratios), "requests": 16, "full_depth": full_depth,
+                                     "ratios": ratios, "ratio": median,
+                                     "spread": (max(ratios) - min(ratios)) / median}
+    return cell
+
+
+def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(tmp_path):
+    import copy
+
+    cell_list = copy.deepcopy(ACC)
+    kl = cell_list[2]  # kl τ=1e-3: 0.8 ms/token against full depth's 1.0, a speed-up of 1.25
+    paired(kl, [0.76, 0.8, 0.84])
+    (row,) = [r for r in pareto.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
+    assert row["speedup"] == pytest.approx(1.25) and row["paired_speedup"] == pytest.approx(1.25)
+    assert row["speedup_spread"] == pytest.approx(0.1)
+    assert pareto.timing_notes(cell_list) == [] and pareto.drift_note(pareto.report(cell_list)) is None
+    # Repeats paired with another depth than this group's full depth say nothing of its speed-up.
+    paired(kl, [0.76, 0.8, 0.84], full_depth=8)
+    (row,) = [r for r in pareto.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
+    assert row["paired_speedup"] is None and row["speedup_spread"] is None
+
+    # Repeats that scatter wide: the speed-up is unreliable, and pareto says so.
+    paired(kl, [0.5, 0.8, 1.3])
+    note = pareto.spread_note(cell_list)
+    assert note.startswith("1 of 7 cells' repeated timings spread more than 50%") and "up to 100%" in note
+    assert "t kl τ=0.001" in note
+    # The two evaluations divided say 1.25×, the repeats beside full depth 0.4×: the machine changed speed
+    # between the cells.
+    paired(kl, [2.4, 2.5, 2.6])
+    drift = pareto.drift_note(pareto.report(cell_list))
+    assert drift.startswith("1 speed-ups disagree") and "1.25× from the evaluations, 0.40× repeated" in drift
+    write_cells(tmp_path / "c", cell_list)
+    res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c")])
+    assert res.exit_code == 0 and "1.25× ±4%" in res.output and "speed-ups disagree" in res.output

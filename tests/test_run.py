@@ -376,6 +376,36 @@ def test_torchrun_iteration_stats_match_one_process(distributed):
         assert cell["iterations"] == one[point(cell)]["iterations"], point(cell)
 
 
+def test_each_cell_is_retimed_beside_full_depth_and_changes_no_other_number(swept, tmp_path):
+    """Every cell of the shared sweep carries its paired repeats (harness/retime.py); a sweep without them
+    makes the same cells, ids and numbers alike, since the repeats run after the evaluation."""
+    import statistics
+
+    out, _ = swept
+    found = load_cells(out)
+    for name, cell in found.items():
+        rep = cell["wall_clock"]["repeats"]
+        assert rep["repeats"] == 3 and rep["full_depth"] == 16, name
+        assert rep["requests"] == 16  # one batch of 16 of the 24 documents' requests (one per document)
+        assert rep["ratios"] == [a / b for a, b in zip(rep["per_token_s"], rep["full_per_token_s"])]
+        assert rep["ratio"] == statistics.median(rep["ratios"])
+        assert rep["spread"] == pytest.approx((max(rep["ratios"]) - min(rep["ratios"])) / rep["ratio"])
+        assert cell["iterations"]["requests"] == LIMIT  # the repeats' requests are not counted as the cell's
+    grid = by_config(found)
+    for task in ("chains", "chains_lambada"):
+        # One step against sixteen: far apart beyond any machine's noise (bench/timing_noise.py).
+        assert grid[(task, "fixed", 1.0)]["wall_clock"]["repeats"]["ratio"] < \
+            0.5 * grid[(task, "fixed", 16.0)]["wall_clock"]["repeats"]["ratio"]
+    once = tmp_path / "once"
+    run_ok("--tasks", "chains", "--policy", "second_order", "--thresholds", "1", "--baselines", "16",
+           "--limit", str(LIMIT), "--timing-repeats", "0", "--out", str(once))
+    plain = load_cells(once)
+    assert len(plain) == 2
+    for name, cell in plain.items():
+        assert "repeats" not in cell["wall_clock"]
+        assert computed(cell) == computed(found[name])
+
+
 # ---- bad input: one line, exit code 2, no cell ----------------------------------------------------------------
 
 BAD_INPUT = {
@@ -387,6 +417,7 @@ BAD_INPUT = {
     "data-dir-without-files": (["--data-dir", "{empty}"], ["--data-dir", "train.jsonl", "test.jsonl"]),
     "limit-zero": (["--limit", "0"], ["--limit", "0"]),
     "negative-fewshot": (["--num-fewshot", "-1"], ["--num-fewshot"]),
+    "negative-timing-repeats": (["--timing-repeats", "-1"], ["--timing-repeats", "-1"]),
 }
 
 

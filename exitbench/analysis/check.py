@@ -56,6 +56,22 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
     return a / b if a and b else None
 
 
+def _paired_ratio(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
+    """The cell's time ratio from its repeats paired with `full`'s depth (harness/retime.py), if it has them."""
+    rep = cell["wall_clock"].get("repeats")
+    return rep["ratio"] if rep and rep.get("full_depth") == full["policy"]["threshold"] else None
+
+
+def relative_times(base: dict[str, Any], base_full: dict[str, Any], cell: dict[str, Any], run_full: dict[str, Any]
+                   ) -> tuple[float | None, float | None]:
+    """The baseline's and the run's time ratios to full depth: the paired repeats' where both cells have them
+    (each side timed beside its full depth, on the same requests), else each cell over its full-depth cell."""
+    paired = _paired_ratio(base, base_full), _paired_ratio(cell, run_full)
+    if None not in paired:
+        return paired
+    return _relative_time(base, base_full), _relative_time(cell, run_full)
+
+
 @dataclass
 class Verdict:
     """What a check compared and found: regressions as rows naming the cell (or frontier point), what moved
@@ -132,7 +148,7 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
         if tol.wall is not None:
             group = (base["task"]["name"], base["quality"]["metric"], pareto.setup(base, pareto.MEASURED))
             if group in full_run and group in full_base:
-                b_t, r_t = _relative_time(base, full_base[group]), _relative_time(cell, full_run[group])
+                b_t, r_t = relative_times(base, full_base[group], cell, full_run[group])
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
                     add("time / full-depth time", name, b_t, r_t)
     if not compared:

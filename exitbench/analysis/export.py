@@ -12,13 +12,15 @@ from ..store import cells
 COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
            "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
            "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
-           "ms_per_token", "probe_share", "flops_per_token", "batch_size", "device", "run_id", "git_revision",
+           "ms_per_token", "time_ratio", "time_spread", "timing_repeats", "timing_warnings", "probe_share",
+           "flops_per_token", "batch_size", "device", "run_id", "git_revision",
            "started", "preset", "file"]
 
 
 def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
     policy, wall = cell["policy"], cell.get("wall_clock", {})
     per_token = wall.get("per_token_s")
+    repeats = wall.get("repeats") or {}
     return {
         "cell_id": cell["cell_id"], "mode": cell.get("mode", "exact"),
         "model": cell["model"].get("source") or cell["model"].get("path"), "fingerprint": cell["model"]["fingerprint"],
@@ -31,7 +33,9 @@ def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "max_steps": policy.get("max_steps"), "patience": policy.get("patience"), "relative": policy.get("relative"),
         "kv_window": policy.get("kv_window"), "mean_iterations": cell["iterations"].get("mean"),
         "p90_iterations": cell["iterations"].get("p90"),
-        "ms_per_token": None if per_token is None else 1000 * per_token, "probe_share": wall.get("probe_share"),
+        "ms_per_token": None if per_token is None else 1000 * per_token, "time_ratio": repeats.get("ratio"),
+        "time_spread": repeats.get("spread"), "timing_repeats": repeats.get("repeats"),
+        "timing_warnings": "; ".join(wall.get("warnings", [])) or None, "probe_share": wall.get("probe_share"),
         "flops_per_token": cell.get("flops", {}).get("per_token"), "batch_size": cell["run"].get("batch_size"),
         "device": cell["run"].get("device"), "run_id": cell["run"].get("run_id"),
         "git_revision": cell["run"].get("git_revision"), "started": cell["run"].get("started"),

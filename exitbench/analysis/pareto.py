@@ -258,17 +258,29 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
         for name, candidates in sorted(by_policy.items()):
             best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
             ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
+            paired = paired_timing(best.cell, ref)
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
                 "mode": best.mode,
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
                 "speedup": ref_time / time if ref_time and time else None,
+                # Where the cell was retimed beside this full depth (harness/retime.py): the speed-up its paired
+                # repeats measured on its first requests, and their spread, which says how much of `speedup`
+                # is noise.
+                "paired_speedup": 1 / paired["ratio"] if paired else None,
+                "speedup_spread": paired["spread"] if paired else None,
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
                                            if oracle and oracle[0].cost("iterations") else None),
                 # A speed-up is a ratio of two cells' timings: only comparable when one run measured both.
                 "same_run": run_id(best.cell) == run_id(ref.cell),
             })
     return rows
+
+
+def paired_timing(cell: dict[str, Any], ref: Point) -> dict[str, Any] | None:
+    """The cell's repeated timings (harness/retime.py) where they were paired with the depth `ref` is at."""
+    rep = cell.get("wall_clock", {}).get("repeats")
+    return rep if rep and rep.get("full_depth") == ref.threshold else None
 
 
 def run_id(cell: dict[str, Any]) -> str | None:
@@ -299,6 +311,26 @@ def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [c for c in cell_list if busy(c.get("run", {}).get("load"))]
 
 
+def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line when some cells' repeated timings spread too far for their ratio to be read."""
+    from ..harness.retime import UNRELIABLE_SPREAD
+
+    wide = [c for c in cell_list if (c.get("wall_clock", {}).get("repeats") or {}).get("spread", 0) > UNRELIABLE_SPREAD]
+    if not wide:
+        return None
+    worst = max(wide, key=lambda c: c["wall_clock"]["repeats"]["spread"])
+    return (f"{len(wide)} of {len(cell_list)} cells' repeated timings spread more than "
+            f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
+            f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
+            f"{worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their speed-ups are unreliable; "
+            "rerun them on an idle machine, with --threads 1 or more --timing-repeats")
+
+
+def timing_notes(cell_list: list[dict[str, Any]]) -> list[str]:
+    """Every warning on how far the cells' wall-clock can be trusted (the machine's load, the repeats' spread)."""
+    return [n for n in (busy_note(cell_list), spread_note(cell_list)) if n]
+
+
 def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     """A warning line when some cells were timed on a busy machine (None when none were)."""
     hot = busy_cells(cell_list)
@@ -315,6 +347,22 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
 def mixed_runs(rep: dict[str, Any]) -> list[str]:
     """The groups whose matched-quality speed-ups compare cells measured by different runs."""
     return [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
+
+
+def drift_note(rep: dict[str, Any]) -> str | None:
+    """A warning line where a matched-quality speed-up (the two cells' evaluations divided) and the same
+    cell's paired repeats disagree by more than DRIFT: the machine's speed changed between the evaluations
+    (the repeats time both sides within seconds of each other), so the speed-up measures the machine."""
+    off = [(group, r) for group, entry in rep.items() for r in collapse_tolerances(entry["matched_quality"])
+           if r["speedup"] and r.get("paired_speedup")
+           and max(r["speedup"] / r["paired_speedup"], r["paired_speedup"] / r["speedup"]) > DRIFT]
+    if not off:
+        return None
+    group, r = off[0]
+    return (f"{len(off)} speed-ups disagree with their cells' paired repeats by more than {DRIFT:g}× (e.g. "
+            f"{group} {r['policy']} τ={r['threshold']:g}: {r['speedup']:.2f}× from the evaluations, "
+            f"{r['paired_speedup']:.2f}× repeated beside full depth): the machine's speed changed between "
+            "the cells; rerun them on an idle machine")
 
 
 def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
@@ -344,6 +392,12 @@ TABLES = ("frontier", "matched")
 def check_table(table: str | None) -> None:
     if table is not None and table not in TABLES:
         raise ExitbenchError(f"--table must be one of {', '.join(TABLES)}; got {table!r}")
+
+
+# How far a speed-up from two evaluations may stray from its paired repeats' before it says more about the
+# machine than the exit: the repeats time a cell's first requests, whose exits differ from the whole set's,
+# and on an idle machine the two agree within DRIFT on every embedded model's cells (bench/RESULTS.md).
+DRIFT = 2.0
 
 
 def collapse_tolerances(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -208,12 +208,13 @@ def matched_table(entry: dict[str, Any]) -> str:
     for policy, rs in at.items():
         main = rs.get(MATCHED_TOLERANCE, {})
         rows.append([policy, main.get("threshold"), main.get("quality"), main.get("mean_iterations"),
-                     main.get("speedup"), main.get("iterations_over_oracle"),
+                     main.get("speedup"), main.get("speedup_spread"), main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
-    return table(["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "iterations / oracle",
-                  *[f"iterations at {100 * t:g}%" for t in others]], rows, numeric=set(range(1, 6 + len(others))))
+    return table(["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up",
+                  "spread of repeats", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]],
+                 rows, numeric=set(range(1, 7 + len(others))))
 
 
 def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
@@ -310,7 +311,8 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     sections: list[tuple[str, str, list[str]]] = []
 
-    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key), pareto.busy_note(cell_list)) if n]
+    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key), *pareto.timing_notes(cell_list),
+                         pareto.drift_note(rep)) if n]
     tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
     policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
     overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "
@@ -339,7 +341,9 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
     sections.append(("matched", "Matched quality", [
         f"<p>Each policy's cheapest cell within ε of full-depth quality (relative): at ε = "
         f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; click a "
-        "column head to sort by it. The speed-up divides full depth's wall-clock per token by the cell's.</p>",
+        "column head to sort by it. The speed-up divides full depth's wall-clock per token by the cell's; the "
+        "spread of repeats is the range of the cell's paired timings beside full depth over their median, for a "
+        "cell that was retimed (exitbench run --timing-repeats).</p>",
         *matched]))
 
     hists, maps = [], []

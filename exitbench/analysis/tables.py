@@ -12,8 +12,8 @@ from .pareto import collapse_tolerances
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for col, justify in [("task", "left"), ("metric", "left"), ("policy", "left"), ("τ", "right"),
-                         ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"), ("probe", "right"),
-                         ("cell", "left")]:
+                         ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"),
+                         ("time / full", "right"), ("probe", "right"), ("cell", "left")]:
         table.add_column(col, justify=justify)
     for r in rows:
         iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
@@ -21,8 +21,28 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
             iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
         quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
         table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", quality, iters,
-                      f"{r['ms_per_token']:.3f}", f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured"))
+                      f"{r['ms_per_token']:.3f}", _time_ratio(r), f"{100 * r['probe_share']:.1f}%",
+                      r.get("origin", "measured"))
     return table
+
+
+def _time_ratio(row: dict[str, Any]) -> str:
+    """The paired time ratio to full depth with its spread, in red with a mark when a warning says it is
+    unreliable (a busy machine, a wide spread); '-' for a cell timed once."""
+    if row.get("time_ratio") is None:
+        return "-"
+    text = f"{row['time_ratio']:.3f} ±{100 * row['time_spread'] / 2:.0f}%"
+    return f"[red]{text} ![/red]" if row.get("warnings") else text
+
+
+def _speedup(row: dict[str, Any]) -> str:
+    """A matched-quality speed-up, with ± half its repeats' range where it is a paired one."""
+    if row["speedup"] is None:
+        return "-"
+    text = f"{row['speedup']:.2f}×"
+    if row.get("speedup_spread") is not None:
+        text += f" ±{100 * row['speedup_spread'] / 2:.0f}%"
+    return text
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -72,7 +92,7 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
             eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                                  else "")
             t.add_row(f"{eps}%", _marked(r), f"{r['threshold']:g}", f"{r['quality']:.4g}",
-                      f"{r['mean_iterations']:.2f}", "-" if r["speedup"] is None else f"{r['speedup']:.2f}×",
+                      f"{r['mean_iterations']:.2f}", _speedup(r),
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
         out.append(t)
         if table is None:

@@ -128,6 +128,9 @@ class ExitbenchLM(LM):
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
+        # Each request type's requests as lm-eval last handed them over, so a sweep can time some of them
+        # again (harness/retime.py) without asking lm-eval to build its tasks a second time.
+        self.received: dict[str, list] = {}
         self._chat: ChatTemplate | None = None  # built when lm-eval first asks for the chat template
         exit_statistics.register(self)  # for `exitbench lm-eval run`'s tables (kept only while one runs)
 
@@ -287,6 +290,7 @@ class ExitbenchLM(LM):
         return pairs, list(groups.values())
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self.received["loglikelihood"] = requests
         pairs, members = self.scoring_groups(requests)
         # One pass per group: the engine keeps the distributions and each request reads its own tokens.
         results, seconds = self._run_scoring([[pairs[m[0]][0]] for m in members], keep_distributions=True)
@@ -311,6 +315,7 @@ class ExitbenchLM(LM):
         return [(ctx + cont, len(ctx)) for ctx, cont in map(make_disjoint_window, windows)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        self.received["loglikelihood_rolling"] = requests
         encoded = [self.rolling_windows(req.args[0]) for req in requests]
         results, seconds = self._run_scoring(encoded)
         for req, res, sec in zip(requests, results, seconds):
@@ -368,6 +373,7 @@ class ExitbenchLM(LM):
         return order, prompts, untils, results, [elapsed * len(r.records) / n_tok for r in results]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        self.received["generate_until"] = requests
         order, _, untils, results, seconds = self.generate(requests)
         outputs: list[str | None] = [None] * len(requests)
         for j, (i, res) in enumerate(zip(order, results)):

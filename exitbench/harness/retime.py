@@ -1,0 +1,88 @@
+"""A cell's wall-clock timed again, several times, beside full depth: a time ratio that carries its spread.
+
+A cell's ms/token is one pass over its documents, and the full-depth cell it is divided by ran minutes before
+or after it: whatever else the machine did in between lands in the ratio unseen. So after a cell's evaluation
+the first requests of each of its tasks run again `repeats` times, under the cell's exit config and under full
+depth alternately (the cell first on even repeats, full depth first on odd ones, so a machine slowing down
+or speeding up over the repeats weighs on both sides alike). Each repeat gives one paired ratio of per-token
+times; their median is the cell's time ratio to full depth, and their range says how far to trust it.
+
+The per-token time is the one a cell reports (the scored tokens' own loops, `cells.request_stats`), and the
+requests are lm-eval's own, as the evaluation received them, so a repeat runs exactly what was scored.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+DEFAULT_REPEATS = 3
+# Repeats spanning more than half their median leave a speed-up unknown to within ±25%: it no longer orders
+# policies whose costs differ by less than that. The floor is the machine's: on an idle 2-core VM the same
+# config paired with itself spans 0.2 to 0.7 of its median (bench/timing_noise.py, bench/RESULTS.md), so some
+# cells are flagged even there; a machine another job competes with spans far more.
+UNRELIABLE_SPREAD = 0.5
+MIN_REQUESTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
+
+
+def sample_size(batch_size: int) -> int:
+    """Requests per task retimed: one full batch, and never fewer than MIN_REQUESTS."""
+    return max(batch_size, MIN_REQUESTS)
+
+
+def task_work(received: dict[str, list], task: str, n: int) -> list[tuple[str, list]]:
+    """The first `n` requests of `task` of each request type the model received, as (method, requests)."""
+    work = [(kind, [r for r in requests if r.task_name == task][:n]) for kind, requests in received.items()]
+    return [(kind, requests) for kind, requests in work if requests]
+
+
+def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
+    """One timed pass of `work` through an ExitbenchLM: seconds per scored token. The model's own request
+    table and progress callback are left as they were, so a cell's statistics hold its evaluation alone."""
+    kept, lm.request_stats = lm.request_stats, []
+    progress, lm.on_progress = lm.on_progress, None
+    try:
+        for kind, requests in work:
+            getattr(lm, kind)(requests)
+        stats = lm.request_stats
+    finally:
+        lm.request_stats, lm.on_progress = kept, progress
+    tokens = sum(len(s["iterations"]) for s in stats)
+    return sum(s["token_seconds"] for s in stats) / tokens if tokens else None
+
+
+def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int
+           ) -> dict[str, Any] | None:
+    """`repeats` paired timings of `work` under `lm` and `full_lm` (full depth, `full_depth` steps), in
+    alternating order. None when there is nothing to time (no request, or none scored a token)."""
+    if repeats < 1 or not work:
+        return None
+    cell_s: list[float | None] = []
+    full_s: list[float | None] = []
+    for r in range(repeats):
+        pair = [(lm, cell_s), (full_lm, full_s)]
+        for model, into in pair if r % 2 == 0 else pair[::-1]:
+            into.append(per_token_seconds(model, work))
+    if any(t is None or t <= 0 for t in cell_s + full_s):
+        return None
+    ratios = [a / b for a, b in zip(cell_s, full_s)]
+    median = statistics.median(ratios)
+    return {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
+            "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
+            "spread": (max(ratios) - min(ratios)) / median}
+
+
+def warnings(cell: dict[str, Any]) -> list[str]:
+    """Why a cell's wall-clock ratios are not to be trusted, one reason each: the machine was busy while it was
+    timed, or its repeated timings spread too far. Empty when neither."""
+    from ..runtime.provenance import busy
+
+    out = []
+    load = cell.get("run", {}).get("load")
+    if busy(load):
+        peak = max(load.get("start") or 0, load.get("end") or 0)
+        out.append(f"timed on a busy machine (load {peak:g} on {load['cpus']} cores)")
+    rep = cell.get("wall_clock", {}).get("repeats")
+    if rep and rep["spread"] > UNRELIABLE_SPREAD:
+        out.append(f"its {rep['repeats']} repeated timings spread {100 * rep['spread']:.0f}% around their ratio "
+                   f"{rep['ratio']:.3g} to full depth")
+    return out
