@@ -12,12 +12,15 @@ Schema `exitbench.cell` version 2 (documented in the README):
                summed over loop groups), per_group_mean [one mean per loop group]
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
-               {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call)
+               {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
+               {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread}: the
+               cell's first requests timed again beside full depth (harness/retime.py; absent when not);
+               warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity
     samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
     run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
-               versions, git_revision, started, host, machine
+               versions, git_revision, started, host, machine, load {start, end, cpus}
     mode       "replay" for a cell computed from a recording (exitbench.replay; then also in its key, and
                wall_clock.estimated is true); absent for an exact cell
     replay     recording_depth, record_s, cost_model_s, costs, generation {documents, diverged},
