@@ -49,7 +49,7 @@ def main() -> None:
     print(f"{ck.path.name}, {args.task}: full depth {full_depth} paired with itself and with depth {args.shallow}, "
           f"{args.repeats} repeats per trial, {torch.get_num_threads()} thread(s)")
     for size in (int(s) for s in args.sizes.split(",")):
-        work = retime.task_work(received, args.task, size)
+        work = [(kind, [r for r in reqs if r.task_name == args.task][:size]) for kind, reqs in received.items()]
         for name in ("other full", "shallow"):
             trials = [retime.retime(models[name], models["full"], work, args.repeats, full_depth)
                       for _ in range(args.trials)]

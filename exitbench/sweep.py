@@ -300,9 +300,8 @@ def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: Sw
     if cfg.timing_repeats < 1:
         return {}
     full_lm = ExitbenchLM(ck, exit_config=full, batch_size=cfg.batch_size, add_bos_token=cfg.add_bos_token)
-    n = retime.sample_size(cfg.batch_size)
-    return {name: retime.retime(lm, full_lm, retime.task_work(lm.received, name, n), cfg.timing_repeats,
-                                int(full.threshold)) for name in names}
+    return {name: retime.retime(lm, full_lm, retime.task_work(lm.received, name, cfg.batch_size),
+                                cfg.timing_repeats, int(full.threshold)) for name in names}
 
 
 def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:

@@ -12,6 +12,7 @@ requests are lm-eval's own, as the evaluation received them, so a repeat runs ex
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -22,17 +23,26 @@ DEFAULT_REPEATS = 3
 # cells are flagged even there; a machine another job competes with spans far more.
 UNRELIABLE_SPREAD = 0.5
 MIN_REQUESTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
+# At most this share of a task's requests is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
+# own evaluation where a task has few requests (a perplexity task's request is a whole document).
+MAX_SHARE = 1 / 8
 
 
-def sample_size(batch_size: int) -> int:
-    """Requests per task retimed: one full batch, and never fewer than MIN_REQUESTS."""
-    return max(batch_size, MIN_REQUESTS)
+def sample_size(batch_size: int, available: int) -> int:
+    """Requests per task retimed out of `available`: one full batch and at least MIN_REQUESTS, but no more
+    than MAX_SHARE of them (and at least one)."""
+    return min(max(batch_size, MIN_REQUESTS), max(1, math.ceil(MAX_SHARE * available)))
 
 
-def task_work(received: dict[str, list], task: str, n: int) -> list[tuple[str, list]]:
-    """The first `n` requests of `task` of each request type the model received, as (method, requests)."""
-    work = [(kind, [r for r in requests if r.task_name == task][:n]) for kind, requests in received.items()]
-    return [(kind, requests) for kind, requests in work if requests]
+def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tuple[str, list]]:
+    """The first requests of `task` of each request type the model received (`sample_size` of them), as
+    (method, requests)."""
+    work = []
+    for kind, requests in received.items():
+        mine = [r for r in requests if r.task_name == task]
+        if mine:
+            work.append((kind, mine[:sample_size(batch_size, len(mine))]))
+    return work
 
 
 def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
