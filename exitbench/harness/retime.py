@@ -24,14 +24,15 @@ DEFAULT_REPEATS = 3
 UNRELIABLE_SPREAD = 0.5
 MIN_REQUESTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
 # At most this share of a task's requests is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
-# own evaluation where a task has few requests (a perplexity task's request is a whole document).
+# own evaluation where a task has few requests (a perplexity task's request is a whole document); a task of
+# fewer than 1 / MAX_SHARE requests is not retimed at all.
 MAX_SHARE = 1 / 8
 
 
 def sample_size(batch_size: int, available: int) -> int:
     """Requests per task retimed out of `available`: one full batch and at least MIN_REQUESTS, but no more
-    than MAX_SHARE of them (and at least one)."""
-    return min(max(batch_size, MIN_REQUESTS), max(1, math.ceil(MAX_SHARE * available)))
+    than MAX_SHARE of them (none, for a task that small)."""
+    return min(max(batch_size, MIN_REQUESTS), math.floor(MAX_SHARE * available))
 
 
 def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tuple[str, list]]:
@@ -40,8 +41,9 @@ def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tup
     work = []
     for kind, requests in received.items():
         mine = [r for r in requests if r.task_name == task]
-        if mine:
-            work.append((kind, mine[:sample_size(batch_size, len(mine))]))
+        n = sample_size(batch_size, len(mine))
+        if n:
+            work.append((kind, mine[:n]))
     return work
 
 
