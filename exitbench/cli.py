@@ -17,6 +17,7 @@ from rich.table import Table
 
 from .engine.config import ExitConfig
 from .errors import ExitbenchError
+from .harness.retime import DEFAULT_REPEATS
 from .runtime.validation import at_least
 
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
@@ -324,7 +325,7 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         preset: Optional[str] = typer.Option(None, "--preset", help="A family's published protocol (`exitbench "
                                              "presets`): task, shots, template, dtype, depths; flags override it."),
         compile_step: bool = CompileOpt, threads: Optional[int] = ThreadsOpt,
-        timing_repeats: int = typer.Option(3, "--timing-repeats", help="After each cell, time its first requests "
+        timing_repeats: int = typer.Option(DEFAULT_REPEATS, "--timing-repeats", help="After each cell, time its first requests "
                                            "again this often beside full depth, alternately: a paired time ratio "
                                            "with its spread (0: none; replay cells never)."),
         knobs: dict = None, ctx: typer.Context = None):

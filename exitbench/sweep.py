@@ -21,7 +21,6 @@ from .engine import ExitConfig
 from .errors import ExitbenchError
 from .harness import retime
 from .harness.prompting import Prompting
-from .harness.retime import DEFAULT_REPEATS
 from .harness.task_set import TaskSet
 from .models import Checkpoint
 from .policies import REGISTRY, ExitPolicy, check_policy_name
@@ -53,7 +52,7 @@ class SweepConfig:
     preset: Any = None  # the presets.Preset the options came from: its published numbers go into each cell
     # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
     # a cell's key: they add numbers to the cell and change none of its others.
-    timing_repeats: int = DEFAULT_REPEATS
+    timing_repeats: int = retime.DEFAULT_REPEATS
     extra: dict[str, Any] = field(default_factory=dict)
 
 

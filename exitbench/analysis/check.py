@@ -58,8 +58,8 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
 
 def _paired_ratio(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
     """The cell's time ratio from its repeats paired with `full`'s depth (harness/retime.py), if it has them."""
-    rep = cell["wall_clock"].get("repeats")
-    return rep["ratio"] if rep and rep.get("full_depth") == full["policy"]["threshold"] else None
+    rep = pareto.paired_timing(cell, full["policy"]["threshold"])
+    return rep["ratio"] if rep else None
 
 
 def relative_times(base: dict[str, Any], base_full: dict[str, Any], cell: dict[str, Any], run_full: dict[str, Any]

@@ -258,7 +258,7 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
         for name, candidates in sorted(by_policy.items()):
             best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
             ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
-            paired = paired_timing(best.cell, ref)
+            paired = paired_timing(best.cell, ref.threshold)
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
                 "mode": best.mode,
@@ -277,10 +277,10 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
     return rows
 
 
-def paired_timing(cell: dict[str, Any], ref: Point) -> dict[str, Any] | None:
-    """The cell's repeated timings (harness/retime.py) where they were paired with the depth `ref` is at."""
+def paired_timing(cell: dict[str, Any], depth: Any) -> dict[str, Any] | None:
+    """The cell's repeated timings (harness/retime.py) where they were paired with fixed depth `depth`."""
     rep = cell.get("wall_clock", {}).get("repeats")
-    return rep if rep and rep.get("full_depth") == ref.threshold else None
+    return rep if rep and rep.get("full_depth") == depth else None
 
 
 def run_id(cell: dict[str, Any]) -> str | None:
@@ -313,9 +313,9 @@ def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
     """A warning line when some cells' repeated timings spread too far for their ratio to be read."""
-    from ..harness.retime import UNRELIABLE_SPREAD
+    from ..harness.retime import UNRELIABLE_SPREAD, wide_spread
 
-    wide = [c for c in cell_list if (c.get("wall_clock", {}).get("repeats") or {}).get("spread", 0) > UNRELIABLE_SPREAD]
+    wide = [c for c in cell_list if wide_spread(c)]
     if not wide:
         return None
     worst = max(wide, key=lambda c: c["wall_clock"]["repeats"]["spread"])

@@ -31,7 +31,7 @@ def _time_ratio(row: dict[str, Any]) -> str:
     unreliable (a busy machine, a wide spread); '-' for a cell timed once."""
     if row.get("time_ratio") is None:
         return "-"
-    text = f"{row['time_ratio']:.3f} ±{100 * row['time_spread'] / 2:.0f}%"
+    text = f"{row['time_ratio']:.3f} {_half_range(row['time_spread'])}"
     return f"[red]{text} ![/red]" if row.get("warnings") else text
 
 
@@ -41,8 +41,13 @@ def _speedup(row: dict[str, Any]) -> str:
         return "-"
     text = f"{row['speedup']:.2f}×"
     if row.get("speedup_spread") is not None:
-        text += f" ±{100 * row['speedup_spread'] / 2:.0f}%"
+        text += f" {_half_range(row['speedup_spread'])}"
     return text
+
+
+def _half_range(spread: float) -> str:
+    """Repeats' spread (range over median) as ± half of it, in percent."""
+    return f"±{100 * spread / 2:.0f}%"
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:

@@ -83,6 +83,12 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
             "spread": (max(ratios) - min(ratios)) / median}
 
 
+def wide_spread(cell: dict[str, Any]) -> bool:
+    """Whether the cell's repeats spread too far for its ratio to be read (False for a cell timed once)."""
+    rep = cell.get("wall_clock", {}).get("repeats")
+    return bool(rep) and rep["spread"] > UNRELIABLE_SPREAD
+
+
 def warnings(cell: dict[str, Any]) -> list[str]:
     """Why a cell's wall-clock ratios are not to be trusted, one reason each: the machine was busy while it was
     timed, or its repeated timings spread too far. Empty when neither."""
@@ -93,8 +99,8 @@ def warnings(cell: dict[str, Any]) -> list[str]:
     if busy(load):
         peak = max(load.get("start") or 0, load.get("end") or 0)
         out.append(f"timed on a busy machine (load {peak:g} on {load['cpus']} cores)")
-    rep = cell.get("wall_clock", {}).get("repeats")
-    if rep and rep["spread"] > UNRELIABLE_SPREAD:
+    if wide_spread(cell):
+        rep = cell["wall_clock"]["repeats"]
         out.append(f"its {rep['repeats']} repeated timings spread {100 * rep['spread']:.0f}% around their ratio "
                    f"{rep['ratio']:.3g} to full depth")
     return out
