@@ -33,6 +33,9 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = Path(os.environ.get("EXITBENCH_GSM8K", REPO.parent / "shared" / "data" / "gsm8k"))
 BASELINE = ["--policy", "all", "--tasks", "chains,chains_mc,chains_lambada", "--limit", "48", "--quiet"]
+# The exact side skips the retiming of its cells (--timing-repeats 0): replay never retimes, so with it the ratio
+# would weigh evaluation against evaluation plus three timed repeats per cell.
+EXACT_ONLY = ["--timing-repeats", "0"]
 
 
 def _cells(out: Path) -> list[dict]:
@@ -58,7 +61,7 @@ def baseline(repeats: int, figures: dict) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "sweep"
                 cmd = [sys.executable, "-m", "exitbench", "run", *BASELINE, "--out", str(out)]
-                cmd += ["--replay"] if mode == "replay" else []
+                cmd += ["--replay"] if mode == "replay" else EXACT_ONLY
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
                 dt = time.perf_counter() - t0
