@@ -15,6 +15,7 @@ per 6-token prompt from a batch-1 loop of full forwards at r = 4. The file's met
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -84,9 +85,18 @@ def test_logits_match_the_conversion_code(case, r):
 
 
 def test_core_states_match_step_by_step(case):
+    """The latent grows to |s| ~ 250 by step 16 here, so ATOL would ask for 3 float32 ulps there, and the CPU's
+    kernels decide those (an AVX-512 CPU gave 2.7e-4). Each step is held instead to twice the rounding error our
+    own float32 run shows against its float64 run on this machine (the reference's own error against that
+    float64 run is of the same size), and never looser than ATOL."""
     kind, ck, ref = case
     (states,) = ck.model.iterates(ref["input_ids"], 16)
-    torch.testing.assert_close(states[1:], ref["latents_r16"], atol=ATOL, rtol=0)
+    (exact,) = copy.deepcopy(ck.model).double().iterates(ref["input_ids"], 16)
+    states, exact, want = states[1:], exact[1:], ref["latents_r16"]
+    rounding = (states.double() - exact).abs().flatten(1).amax(1)
+    for k in range(len(want)):
+        torch.testing.assert_close(states[k], want[k], atol=max(ATOL, 2 * rounding[k].item()), rtol=0,
+                                   msg=lambda m, k=k: f"step {k + 1}: {m}")
 
 
 def test_greedy_generation_matches_the_reference(case):

@@ -101,6 +101,13 @@ class LoopedLM(nn.Module):
     def stages(self) -> list[Stage | LoopGroup]:
         raise NotImplementedError
 
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy copies a stage's lambdas by reference, so they would still run the original's layers:
+        # a float64 copy would run the float32 weights. The copy builds its own stages over its own layers.
+        super().__setstate__(state)
+        if "_stages" in state:
+            self._stages = self._build_stages()
+
     # Both architectures end in `transformer.ln_f` and a (possibly tied) `lm_head`, and their configs name
     # `n_heads` and `head_dim`; an architecture that differs overrides these.
     def head(self, x: torch.Tensor) -> torch.Tensor:
