@@ -217,6 +217,9 @@ def matched_table(entry: dict[str, Any]) -> str:
                  rows, numeric=set(range(1, 7 + len(others))))
 
 
+MACHINE_FIELDS = ("cpu", "cpu_capability", "platform", "python", "cpu_threads")
+
+
 def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
     """What every cell was measured with: the distinct values first (most sweeps have one of each), then each
     cell's row, sorted by task, policy and threshold."""
@@ -228,7 +231,7 @@ def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
             "fingerprint": model["fingerprint"],
             "versions": ", ".join(f"{k} {v}" for k, v in sorted((run.get("versions") or {}).items())),
             "git revision": str(run.get("git_revision")),
-            "machine": " · ".join(str(machine[k]) for k in ("platform", "python", "cpu_threads") if k in machine)
+            "machine": " · ".join(str(machine[k]) for k in MACHINE_FIELDS if machine.get(k))
                        + f" · {run.get('device')} · host {run.get('host')}",
             "run": f"{run.get('run_id')} (batch {run.get('batch_size')}, seed {run.get('seed')})",
         }

@@ -58,12 +58,35 @@ def busy(load: dict[str, Any] | None) -> bool:
     return any(v is not None and v > limit for v in (load.get("start"), load.get("end")))
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str | None:
+    """The CPU's model name ("AMD EPYC …"), where the OS says it. Float32 results differ in their last bits
+    between CPUs (each picks its own BLAS and vector kernels), and so, through a long loop, can an exit or a
+    retrained checkpoint: platform.machine()'s "x86_64" does not tell two machines apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")) and ":" in line:
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def cpu_capability() -> str | None:
+    """The vector instruction set torch's CPU kernels dispatch to here (AVX2, AVX512, …)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def run_metadata(seed: int | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "seed": seed,
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
+        "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpu": cpu_model(),
+                    "cpu_capability": cpu_capability(), "cores": os.cpu_count(),
                     "cpu_threads": torch.get_num_threads(), "python": platform.python_version()},
         "versions": {"exitbench": __version__, "torch": torch.__version__,
                      "lm_eval": package_version("lm_eval") or package_version("lm-eval"),

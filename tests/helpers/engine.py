@@ -50,7 +50,8 @@ TEST_EXIT_MODEL = _test_exit_model()
 
 
 def exit_model_file() -> str:
-    """TEST_EXIT_MODEL as a file (one per test process)."""
+    """TEST_EXIT_MODEL as a file (one per test process, removed when it ends: it outlives any one tmp_path)."""
+    import atexit
     import json
     import os
     import tempfile
@@ -59,6 +60,7 @@ def exit_model_file() -> str:
     if not os.path.exists(path):
         with open(path, "w") as fh:
             json.dump(TEST_EXIT_MODEL, fh)
+        atexit.register(lambda: os.path.exists(path) and os.remove(path))
     return path
 
 
