@@ -45,6 +45,18 @@ def test_worse_quality_fails_and_names_the_cell(tmp_path, base):
     assert "t kl τ=0.001" in res.stdout and "quality" in res.stdout
 
 
+def test_a_frontier_point_within_the_quality_tolerance_still_counts(tmp_path, base):
+    """kl τ=1e-3 is kl's cheapest point at full quality (ε = 0). One item flipping on another machine moves it
+    0.5% below: within --quality-tol 0.01 it still holds that frontier point; within 0.001 it does not."""
+    run = copy.deepcopy(ACC + PPL)
+    run[2]["quality"]["value"] = 0.8955
+    d = write(tmp_path / "run", run)
+    res = check(d, base)
+    assert res.exit_code == 0, res.stdout
+    res = check(d, base, "--quality-tol", "0.001")
+    assert res.exit_code == 1 and "frontier: no longer within ε" in res.stdout and "t kl at ε=0%" in res.stdout
+
+
 def test_lower_is_better_direction(tmp_path, base):
     run = copy.deepcopy(ACC + PPL)
     run[8]["quality"]["value"] = 0.99  # full-depth perplexity improved: not a regression
