@@ -11,7 +11,7 @@ from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 
-from helpers.cells import ACC, PPL, write_cells
+from helpers.cells import ACC, PPL, hand_made_cell, write_cells
 
 
 def one_group(cell_list):
@@ -87,6 +87,21 @@ def test_cli_formats_and_plot(tmp_path):
     assert "lower is better" in axes[1].get_ylabel()
     labels = {line.get_label() for line in axes[0].get_lines()}
     assert {"fixed depth", "kl", "second_order", "oracle", "frontier"} <= labels
+
+
+def test_frontier_labels_never_overprint(tmp_path):
+    """Twelve frontier points a hair apart in cost and quality: their labels would overprint, so only those
+    whose rendered boxes stay clear of the labels before them are kept (at least the first)."""
+    crowded = [hand_made_cell("c", "acc", True, "fixed", 16, 0.90, 16, 1.0e-3),
+               hand_made_cell("c", "acc", True, "fixed", 1, 0.30, 1, 0.1e-3)]  # stretches both axes
+    crowded += [hand_made_cell("c", "acc", True, "second_order", 0.1 * (i + 1), 0.90 - 0.001 * i, 15 - 0.1 * i,
+                               1e-3) for i in range(12)]
+    fig = pareto.draw(crowded)
+    texts = fig.axes[0].texts
+    assert 1 <= len(texts) < 14
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def test_refuses_other_files_and_empty_dirs(tmp_path):

@@ -12,7 +12,6 @@ point within ε, its iterations, its wall-clock speed-up over full depth, and it
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -493,11 +492,11 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     names = group_names(by_key)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    labels = []
     for ax, (key, points) in zip(axes[0], grouped):
         metric = key[1]
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[Point]] = {}
-        labelled: set[tuple[float, float]] = set()
         for p in points:
             if p.cost(axis) is not None:
                 by_policy.setdefault(p.policy, []).append(p)
@@ -510,16 +509,10 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             label = "fixed depth" if name == "fixed" else name
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
         front = frontier(points, axis, higher)
-        # Thresholds are labelled on the overall frontier only, one label per neighbourhood: every policy's
-        # points pile up at full quality, where labels on all of them overprint each other.
-        lo, hi = min(p.quality for p in points), max(p.quality for p in points)
-        for p in front:
-            x = math.log10(p.cost(axis)) if axis != "iterations" and p.cost(axis) > 0 else p.cost(axis)
-            spot = (round(x / (0.08 if axis != "iterations" else 0.6)), round((p.quality - lo) / ((hi - lo) or 1) * 25))
-            if spot not in labelled:
-                labelled.add(spot)
-                ax.annotate(f"{p.policy} {p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.8,
-                            xytext=(3, -8), textcoords="offset points")
+        # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality),
+        # and a label that would overprint an earlier one is dropped once the figure is laid out.
+        labels += [ax.annotate(f"{p.policy} {p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.8,
+                               xytext=(3, -8), textcoords="offset points") for p in front]
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
                 label="frontier")
         ax.set_title(names[key].replace(f" · {metric}", ""))
@@ -537,4 +530,18 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    drop_overlapping(fig, labels)
     return fig
+
+
+def drop_overlapping(fig, labels: list) -> None:
+    """Remove each label whose rendered box overlaps one kept before it: measured on the laid-out figure, in
+    points of text, so it holds whatever the axes' scales and the labels' lengths."""
+    renderer = fig.canvas.get_renderer()
+    kept = []
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        if any(box.overlaps(other) for other in kept):
+            label.remove()
+        else:
+            kept.append(box)
