@@ -40,6 +40,24 @@ def test_matched_table_is_sorted_by_iterations(tmp_path):
     assert policies == ["oracle", "kl", "second_order", "fixed"]
 
 
+def test_spread_column_only_when_some_cell_was_retimed(tmp_path):
+    import copy
+
+    cells = copy.deepcopy(ACC)
+    write_cells(tmp_path / "plain", cells)
+    assert "spread of repeats</th>" not in report.build(tmp_path / "plain")
+    kl = next(c for c in cells if c["policy"]["policy"] == "kl" and c["policy"]["threshold"] == 1e-3)
+    kl["wall_clock"]["repeats"] = {"repeats": 3, "requests": 16, "full_depth": 16, "ratios": [0.76, 0.8, 0.84],
+                                   "ratio": 0.8, "spread": 0.1}
+    write_cells(tmp_path / "retimed", cells)
+    page = report.build(tmp_path / "retimed")
+    matched = page[page.index('id="matched"'):page.index('id="histograms"')]
+    assert "spread of repeats</th>" in matched
+    # The spread lands in its own column of kl's row (0.1, formatted), the other rows leave it blank.
+    kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)[4] == "0.1"
+
+
 def test_exit_maps_put_disagreement_first(tmp_path):
     paths = write_cells(tmp_path, ACC)
     # Operating points within 1%: kl 1e-3, second_order 0.1, oracle 0.01 (and fixed 16, which has no samples).

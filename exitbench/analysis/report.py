@@ -212,9 +212,13 @@ def matched_table(entry: dict[str, Any]) -> str:
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
-    return table(["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up",
-                  "spread of repeats", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]],
-                 rows, numeric=set(range(1, 7 + len(others))))
+    headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "spread of repeats",
+               "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
+    if all(r[5] is None for r in rows):
+        # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
+        headers.pop(5)
+        rows = [r[:5] + r[6:] for r in rows]
+    return table(headers, rows, numeric=set(range(1, len(headers))))
 
 
 MACHINE_FIELDS = ("cpu", "cpu_capability", "platform", "python", "cpu_threads")
@@ -346,7 +350,7 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
         f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; click a "
         "column head to sort by it. The speed-up divides full depth's wall-clock per token by the cell's; the "
         "spread of repeats is the range of the cell's paired timings beside full depth over their median, for a "
-        "cell that was retimed (exitbench run --timing-repeats).</p>",
+        "cell that was retimed (exitbench run --timing-repeats; the column is left out where none was).</p>",
         *matched]))
 
     hists, maps = [], []
