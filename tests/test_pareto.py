@@ -11,7 +11,7 @@ from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 
-from helpers.cells import ACC, PPL, hand_made_cell, write_cells
+from helpers.cells import ACC, PPL, hand_made_cell, paired, write_cells
 
 
 def one_group(cell_list):
@@ -168,17 +168,6 @@ def test_cells_timed_on_a_busy_machine_are_flagged(tmp_path):
     write_cells(tmp_path / "c", hot)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c"), "--format", "md"])
     assert res.exit_code == 0 and "busy machine" in res.output
-
-
-def paired(cell, ratios, full_depth=16):
-    """`cell` as a sweep leaves it after retiming it beside full depth (harness/retime.py) with these ratios."""
-    import statistics
-
-    median = statistics.median(ratios)
-    cell["wall_clock"]["repeats"] = {"repeats": len(ratios), "requests": 16, "full_depth": full_depth,
-                                     "ratios": ratios, "ratio": median,
-                                     "spread": (max(ratios) - min(ratios)) / median}
-    return cell
 
 
 def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(tmp_path):

@@ -214,10 +214,11 @@ def matched_table(entry: dict[str, Any]) -> str:
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
     headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "spread of repeats",
                "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
-    if all(r[5] is None for r in rows):
+    spread = headers.index("spread of repeats")
+    if all(r[spread] is None for r in rows):
         # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
-        headers.pop(5)
-        rows = [r[:5] + r[6:] for r in rows]
+        del headers[spread]
+        rows = [r[:spread] + r[spread + 1:] for r in rows]
     return table(headers, rows, numeric=set(range(1, len(headers))))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import statistics
 import subprocess
 import threading
 from pathlib import Path
@@ -189,6 +190,15 @@ PPL = [  # perplexity, lower is better; full depth 1.00
     hand_made_cell("u", "ppl", False, "first_order", 1.0, 1.5, 4, 0.3e-3),
     hand_made_cell("u", "ppl", False, "oracle", 0.01, 1.00, 4, 2e-3),
 ]
+
+
+def paired(cell, ratios, full_depth=16):
+    """`cell` as a sweep leaves it after retiming it beside full depth (harness/retime.py) with these ratios."""
+    median = statistics.median(ratios)
+    cell["wall_clock"]["repeats"] = {"repeats": len(ratios), "requests": 16, "full_depth": full_depth,
+                                     "ratios": ratios, "ratio": median,
+                                     "spread": (max(ratios) - min(ratios)) / median}
+    return cell
 
 
 def write_cells(directory: Path, cell_list: list[dict[str, Any]]) -> dict[str, Path]:
