@@ -145,3 +145,32 @@ def test_git_lookup_keeps_lm_evals_answer_without_its_noise(outside_git, monkeyp
     (repo / "sub").mkdir()
     monkeypatch.chdir(repo / "sub")
     assert _git_describe_without_stderr() == get_git_commit_hash() and len(get_git_commit_hash()) >= 7
+
+
+_spawned: list[str] | None = None  # while a list: every program this process starts is appended to it
+
+
+def _record_spawns(event: str, args: tuple) -> None:
+    if _spawned is not None and event in ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.system", "os.fork"):
+        _spawned.append(event if event == "os.fork" else str(args[1] if event == "subprocess.Popen" else args[0]))
+
+
+sys.addaudithook(_record_spawns)  # audit hooks cannot be removed: it records only inside the test below
+
+
+def test_a_sweep_spawns_no_program_per_cell(tmp_path):
+    """lm-eval's environment report ran torch's collect_env, a dozen programs (`pip list` among them) per
+    cell, and its bootstrap of perplexity's stderr a pool of forked workers per cell; a run's own provenance may
+    start a few programs, once."""
+    global _spawned
+    from helpers.cli import run_ok
+
+    _spawned = []
+    try:
+        run_ok("--tasks", "chains_lambada", "--policy", "second_order", "--thresholds", "1,2", "--baselines", "1,16",
+               "--limit", "2", "--timing-repeats", "0", "--out", str(tmp_path / "cells"))
+    finally:
+        spawned, _spawned = _spawned, None
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 4
+    assert not [p for p in spawned if "pip" in p or "conda" in p or "nvidia-smi" in p or p == "os.fork"], spawned
+    assert len(spawned) <= 4, spawned  # uname, git rev-parse, git status, git describe: once each at most

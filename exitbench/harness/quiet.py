@@ -1,9 +1,19 @@
 """What lm-eval prints around `simple_evaluate`, and the switches exitbench uses to keep it off the console.
 
-Always (quiet or not), via `silence_git_lookup()`:
-- "fatal: not a git repository": every `simple_evaluate` records `git describe --always` of the working
-  directory (`lm_eval.loggers.utils.get_git_commit_hash`), with git's stderr inherited, so each call made
-  outside a checkout prints git's complaint. The lookup's answer is kept; only git's stderr is dropped.
+Always (quiet or not), via `silence_git_lookup()`, what every `simple_evaluate` records about its environment:
+- "fatal: not a git repository": each call records `git describe --always` of the working directory
+  (`lm_eval.loggers.utils.get_git_commit_hash`), with git's stderr inherited, so each call made outside a
+  checkout prints git's complaint. The lookup's answer is kept, looked up once per working directory; only
+  git's stderr is dropped.
+- the environment report (`add_env_info`): torch's `collect_env`, which spawns a dozen programs (`pip list`,
+  `nvidia-smi`, `lscpu`, …) on every call, 2 of a small cell's 3 seconds. A sweep calls lm-eval once per cell
+  and never reads the report (each cell keeps its own provenance), so it is replaced by a short one built from
+  that provenance, once per process: same keys, no programs.
+
+Always, inside `lm_eval_output`: the bootstrap of a stderr (perplexity's, bleu's, …) runs in this process, not in
+lm-eval's pool of forked workers (a pool per metric per cell; and a fork of a process with threads running, torch's
+or pytest-xdist's, can hang the child on a lock another thread held). Its resamples are the same either way (chunk
+i draws from random.Random(i)), so are its numbers.
 
 Under `lm_eval_output(quiet=True)`, or with `progress_bars=False` (a sweep showing its own progress):
 - "bootstrapping for stddev: NAME", a print() to stdout, and its tqdm bar on stderr, once per bootstrapped
@@ -24,33 +34,72 @@ import contextlib
 import functools
 import logging
 import os
+import platform
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
-def _git_describe_without_stderr() -> str | None:
-    """`lm_eval.loggers.utils.get_git_commit_hash` (lm-eval 0.4.13), with git's stderr discarded."""
+@functools.lru_cache(maxsize=None)
+def _described(cwd: str) -> str | None:
     from lm_eval.loggers.utils import get_commit_from_path
 
     try:
         described = subprocess.run(["git", "describe", "--always"], stdout=subprocess.PIPE,  # noqa: S607
                                    stderr=subprocess.DEVNULL, check=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
-        return get_commit_from_path(os.getcwd())
+        return get_commit_from_path(cwd)
     return described.strip().decode()
 
 
-def silence_git_lookup() -> None:
-    """Make every later `simple_evaluate` look up the git revision without printing git's errors.
+def _git_describe_without_stderr() -> str | None:
+    """`lm_eval.loggers.utils.get_git_commit_hash` (lm-eval 0.4.13), with git's stderr discarded; git runs once
+    per working directory and process, not once per cell."""
+    return _described(os.getcwd())
 
-    Idempotent. Only the name the evaluator calls is replaced, with the same command and the same fallback:
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> dict[str, Any]:
+    """lm-eval's environment keys, filled from exitbench's own provenance. `pretty_env_info` keeps the lines of
+    torch's report that a reader compares runs by (versions, OS, CPU, threads), without spawning anything."""
+    import torch
+
+    from ..runtime.provenance import cpu_capability, cpu_model, package_version
+
+    lines = [f"PyTorch version: {torch.__version__}",
+             f"CUDA used to build PyTorch: {torch.version.cuda or 'None'}",
+             f"OS: {platform.platform()}",
+             f"Python version: {platform.python_version()}",
+             f"CPU: {cpu_model() or 'unknown'} ({cpu_capability() or 'unknown'}, {os.cpu_count()} cores)",
+             f"Intra-op threads: {torch.get_num_threads()}",
+             "(torch.utils.collect_env not run: it spawns a dozen programs per call; see exitbench.harness.quiet)"]
+    return {"pretty_env_info": "\n".join(lines),
+            "transformers_version": package_version("transformers") or "N/A",
+            "lm_eval_version": package_version("lm_eval") or package_version("lm-eval") or "N/A"}
+
+
+def _environment_report(storage: dict[str, Any]) -> None:
+    """`lm_eval.loggers.utils.add_env_info` (lm-eval 0.4.13) without the programs torch's report spawns."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    storage.update(_environment())
+    # a file read, not a program: the enclosing checkout's commit, in case this one is a submodule
+    storage["upper_git_hash"] = get_commit_from_path(Path(os.getcwd(), ".."))
+
+
+def silence_git_lookup() -> None:
+    """Make every later `simple_evaluate` look up the git revision without printing git's errors, and record its
+    environment without spawning programs.
+
+    Idempotent. Only the names the evaluator calls are replaced, with the same keys and the same fallback:
     redirecting file descriptor 2 around the call would also hide whatever else the process wrote there, and
-    a shim `git` on PATH or a patched `subprocess` would reach far beyond this one lookup.
+    a shim `git` on PATH or a patched `subprocess` would reach far beyond these lookups.
     """
     import lm_eval.evaluator
 
     lm_eval.evaluator.get_git_commit_hash = _git_describe_without_stderr
+    lm_eval.evaluator.add_env_info = _environment_report
 
 
 @contextlib.contextmanager
@@ -105,9 +154,31 @@ def lm_eval_output(quiet: bool = True, progress_bars: bool = True) -> Iterator[N
     datasets' bars, for the duration of the block.
     """
     silence_git_lookup()
-    if not quiet and progress_bars:
+    with _bootstrap_in_process():
+        if not quiet and progress_bars:
+            yield
+            return
+        with _quieter(quiet):
+            yield
+
+
+@contextlib.contextmanager
+def _bootstrap_in_process() -> Iterator[None]:
+    """lm-eval's bootstrap without its process pool (lm-eval reads DISABLE_MULTIPROC at each call)."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
         yield
-        return
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
+@contextlib.contextmanager
+def _quieter(quiet: bool) -> Iterator[None]:
+    """lm-eval's bars and bootstrap banners off; with `quiet`, its warnings and datasets' bars too."""
     import lm_eval.api.metrics
     import lm_eval.api.model
     import lm_eval.api.task

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,20 +33,6 @@ from ..store import cells, disk
 from ..sweep import SweepConfig, SweepPlan, claim_cells, resolved_policy, task_cells
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
-
-
-@contextlib.contextmanager
-def _in_process_bootstrap():
-    """lm-eval's bootstrap without its process pool: the same resamples (chunk i seeded with i either way)."""
-    before = os.environ.get("DISABLE_MULTIPROC")
-    os.environ["DISABLE_MULTIPROC"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("DISABLE_MULTIPROC", None)
-        else:
-            os.environ["DISABLE_MULTIPROC"] = before
 
 
 @contextlib.contextmanager
@@ -99,8 +84,7 @@ def _evaluate(lm, loaded: dict, cfg: SweepConfig, bootstrap_iters: int, log_samp
     from lm_eval.evaluator import evaluate
 
     _seed(cfg.seed)
-    with lm_eval_output(quiet=cfg.quiet, progress_bars=progress_bars), _in_process_bootstrap(), \
-            _compiled_templates():
+    with lm_eval_output(quiet=cfg.quiet, progress_bars=progress_bars), _compiled_templates():
         return evaluate(lm=lm, task_dict=loaded, limit=cfg.limit, bootstrap_iters=bootstrap_iters,
                         log_samples=log_samples, verbosity="ERROR")
 
