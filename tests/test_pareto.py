@@ -165,6 +165,11 @@ def test_cells_timed_on_a_busy_machine_are_flagged(tmp_path):
     hot[2]["run"]["load"] = {"start": 5.0, "end": 7.5, "cpus": 2}
     note = pareto.busy_note(hot)
     assert note.startswith("1 of 7 cells") and "load up to 7.5 on 2 cores" in note and "kl" in note
+    assert "--threads 1" in note  # threads not recorded: fewer may help
+    hot[2]["run"]["machine"] = {"cpu_threads": 1}
+    assert "--threads 1" not in pareto.busy_note(hot)  # it ran on one already: only an idle machine helps
+    hot[2]["run"]["machine"] = {"cpu_threads": 2}
+    assert "--threads 1" in pareto.busy_note(hot)
     write_cells(tmp_path / "c", hot)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c"), "--format", "md"])
     assert res.exit_code == 0 and "busy machine" in res.output

@@ -65,23 +65,24 @@ def prefer_exact(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [c for c in cell_list if mode(c) == "exact" or twin(c) not in exact]
 
 
-def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None, model: str | None = None
-         ) -> list[dict[str, Any]]:
+def load(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None, model: str | None = None,
+         strict: bool = False) -> list[dict[str, Any]]:
     """Every cell under the directories (recursively), an exact cell in place of its replay twin, all of one
     model (`select_model`). JSON files that are not cells (calibration and geometry reports) are skipped and
-    passed to `on_skip`; a file that claims to be a cell but is broken stops the load."""
-    return [cell for _, cell in load_paths(directories, on_skip, model)]
+    passed to `on_skip`; a file that claims to be a cell but is broken stops the load, and with `strict` (the
+    gate) so does a file that is not readable JSON (`cells.scan`)."""
+    return [cell for _, cell in load_paths(directories, on_skip, model, strict)]
 
 
 def load_paths(directories: list[Path], on_skip: Callable[[list[Path]], None] | None = None,
-               model: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+               model: str | None = None, strict: bool = False) -> list[tuple[Path, dict[str, Any]]]:
     """`load`, with each cell's file (what finds the samples file beside it)."""
     found, skipped = [], []
     for d in directories:
         d = Path(d)
         if not d.is_dir():
             raise ExitbenchError(f"{d} is not a directory of result cells")
-        cells_here, skipped_here = cells.scan(d.rglob("*.json"))
+        cells_here, skipped_here = cells.scan(d.rglob("*.json"), strict)
         found += cells_here
         skipped += skipped_here
     where = ", ".join(map(str, directories))
@@ -332,15 +333,18 @@ def timing_notes(cell_list: list[dict[str, Any]]) -> list[str]:
 
 def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     """A warning line when some cells were timed on a busy machine (None when none were)."""
+    from ..runtime.provenance import threads_advice
+
     hot = busy_cells(cell_list)
     if not hot:
         return None
+    used = {c.get("run", {}).get("machine", {}).get("cpu_threads") for c in hot}
     peak = lambda c: max(c["run"]["load"]["start"] or 0, c["run"]["load"]["end"] or 0)  # noqa: E731
     worst = max(hot, key=peak)
     return (f"{len(hot)} of {len(cell_list)} cells were timed on a busy machine (load up to "
             f"{peak(worst):g} on {worst['run']['load']['cpus']} cores, e.g. "
             f"{worst['task']['name']} {worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their "
-            "wall-clock and speed-ups are unreliable; rerun them on an idle machine, or with --threads 1")
+            f"wall-clock and speed-ups are unreliable; {threads_advice(1 if used == {1} else None)}")
 
 
 def mixed_runs(rep: dict[str, Any]) -> list[str]:
@@ -471,11 +475,12 @@ def check_plot_target(path: Path, axis: str) -> None:
 
 def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
     """Quality against cost, drawn by `draw`, saved to `path` (.png or .svg). Returns the figure."""
+    from ..runtime.files import atomic_write
+
     check_plot_target(path, axis)
     fig = draw(cell_list, axis)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    atomic_write(path, lambda fh: fig.savefig(fh, format=path.suffix[1:]), mode="wb")
     return fig
 
 

@@ -5,11 +5,22 @@ because a bar redrawn into a file is dozens of lines of noise.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def duration(seconds: float) -> str:
+    """42 s, 3 min 05 s, 1 h 02 min: a reader's resolution at each scale."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 @contextmanager
@@ -68,20 +79,36 @@ def batch_progress(console: Console, label: str) -> Iterator[Callable[[int, int]
 
 
 class SweepProgress:
-    """A bar over the grid's cells and one over the requests inside the current cell (a line per finished cell
-    when the console is not a terminal); warnings always reach `errors`, quiet or not."""
+    """A bar over the grid's cells and one over the requests inside the current cell, with the time spent and an
+    estimate of the time left (a line per finished cell saying the same when the console is not a terminal, so
+    a slow machine never looks like a hung one); warnings always reach `errors`, quiet or not."""
 
     def __init__(self, console: Console, errors: Console, n_cells: int, enabled: bool = True, quiet: bool = False):
         self.console, self.errors, self.enabled, self.quiet = console, errors, enabled, quiet
         self.live = enabled and not quiet and console.is_terminal
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), console=console, transient=True, disable=not self.live)
+                                 TimeElapsedColumn(), TextColumn("·"), TimeRemainingColumn(), console=console,
+                                 transient=True, disable=not self.live)
         self.grid = self.progress.add_task("cells", total=n_cells)
         self.inner = self.progress.add_task("requests", total=1, visible=False)
+        self.started = time.perf_counter()
+        self.reused = 0  # cells already on disk: they cost nothing, so they do not count toward the estimate
 
     def __enter__(self) -> "SweepProgress":
+        self.started = time.perf_counter()
         self.progress.__enter__()
         return self
+
+    def timing(self) -> str:
+        """'12 s elapsed, about 1 min 40 s left': the time per cell computed so far times the cells to do."""
+        grid = self.progress.tasks[self.grid]
+        done, total = int(grid.completed), int(grid.total or 0)
+        elapsed = time.perf_counter() - self.started
+        if done >= total:
+            return f"{duration(elapsed)} elapsed"
+        computed = done - self.reused
+        left = elapsed / computed * (total - done) if computed > 0 else None
+        return f"{duration(elapsed)} elapsed" + (f", about {duration(left)} left" if left is not None else "")
 
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
@@ -91,13 +118,15 @@ class SweepProgress:
         self.progress.update(self.inner, completed=0, total=1, visible=True)
 
     def cell_skipped(self, label: str) -> None:
+        self.reused += 1
         self.progress.advance(self.grid)
 
     def cell_finished(self, label: str) -> None:
         self.progress.advance(self.grid)
         if self.enabled and not self.quiet and not self.live:
             done = int(self.progress.tasks[self.grid].completed)
-            self.console.print(f"[{done}/{int(self.progress.tasks[self.grid].total)}] {label}", highlight=False)
+            self.console.print(f"[{done}/{int(self.progress.tasks[self.grid].total)}] {label} · {self.timing()}",
+                               highlight=False)
 
     def note(self, text: str) -> None:
         """A line of its own off a terminal (on one the bars say it): work the cell count does not cover."""

@@ -58,6 +58,24 @@ def busy(load: dict[str, Any] | None) -> bool:
     return any(v is not None and v > limit for v in (load.get("start"), load.get("end")))
 
 
+def threads_advice(threads: int | None) -> str:
+    """What to do about timings taken beside other work: fewer threads helps only a run that used several (or
+    whose threads were not recorded, None)."""
+    if threads == 1:
+        return "rerun on an idle machine"
+    return "rerun on an idle machine, or with --threads 1 (one core per run times more steadily)"
+
+
+def busy_at_start(threads: int | None) -> str | None:
+    """A warning line when other work already holds every core as a run starts (its 1-minute load above the
+    core count): the run's wall-clock will be unreliable, so say so before it is spent, not only after."""
+    load, cpus = machine_load(), os.cpu_count()
+    if load is None or not cpus or load <= cpus:
+        return None
+    return (f"the machine is busy as this run starts (load {load:g} on {cpus} cores): its wall-clock timings "
+            f"will be unreliable (quality and iterations are not); {threads_advice(threads)}")
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str | None:
     """The CPU's model name ("AMD EPYC …"), where the OS says it. Float32 results differ in their last bits
