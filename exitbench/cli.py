@@ -17,7 +17,7 @@ from rich.table import Table
 
 from .engine.config import ExitConfig
 from .errors import ExitbenchError
-from .harness.retime import DEFAULT_REPEATS
+from .harness.retime import DEFAULT_REPEATS, MAX_REPEATS
 from .runtime.validation import at_least
 
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
@@ -77,12 +77,22 @@ KNOBS_ON_COMMAND_LINE = ExitConfig.names(command_line=True)
 KNOBS_SHARED_BY_A_SWEEP = ExitConfig.names(command_line=True, swept=False)
 
 
+# More threads than this per core only queue on each other (and a huge count would make torch start them all).
+THREADS_PER_CORE = 4
+
+
 def use_threads(threads: int | None) -> None:
     """--threads: torch's intra-op threads for this process (None: leave torch's default)."""
     if threads is not None:
+        import os
+
         import torch
 
-        torch.set_num_threads(at_least("--threads", threads))
+        most = THREADS_PER_CORE * (os.cpu_count() or 1)
+        if at_least("--threads", threads) > most:
+            raise ExitbenchError(f"--threads {threads}: at most {most} ({THREADS_PER_CORE} per core of this "
+                                 f"machine's {os.cpu_count() or 1}); 1 times most steadily")
+        torch.set_num_threads(threads)
 
 
 def one_line_errors(fn):
@@ -240,12 +250,15 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
           png: Optional[Path] = typer.Option(None, "--png", help="Also draw the exit map to this PNG file."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the traces (token ids and "
                                                   "text, exit steps, log-probs, signals per step) to this JSON file."),
+          add_bos_token: Optional[bool] = typer.Option(None, "--add-bos-token/--no-add-bos-token",
+                                                       help="Force BOS on (or off) the prompt, as run's option "
+                                                       "(default: the tokenizer decides, as run does)."),
           knobs: dict = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from .analysis import exitmap
     from .analysis.tables import trace_table
     from .models.checkpoint import open_checkpoint
-    from .runtime.files import writable_file
+    from .store.disk import writable_output
     from .studies.fit_exit import check_fitted_for
     from .studies.trace import parse_vs, trace_prompt, write_json
 
@@ -253,10 +266,10 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
     configs = [cfg, *parse_vs(vs, cfg)]
     for path, flag, suffix in ((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json")):
+        if path is not None:
+            writable_output(path, flag)
         if path is not None and path.suffix != suffix:
             raise ExitbenchError(f"{flag} must name a {suffix} file, got {path}")
-        if path is not None:
-            writable_file(path, flag)
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     check_fitted_for(ck, cfg.fitted_exit_model)
     if compile_step:
@@ -266,9 +279,13 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
         started = time.perf_counter()
         tau = "" if c.threshold is None else f" τ={c.threshold:g}"
         err_console.print(f"tracing {c.policy}{tau} …", highlight=False)
-        reports.append(trace_prompt(ck, prompt, c, generate))
+        reports.append(trace_prompt(ck, prompt, c, generate, add_bos_token))
         err_console.print(f"  {len(reports[-1]['tokens'])} tokens in {time.perf_counter() - started:.1f} s",
                           highlight=False)
+        if reports[-1]["nonfinite_tokens"]:  # as run warns of a cell's: the numbers below are not to be trusted
+            err_console.print(f"warning: {reports[-1]['nonfinite_tokens']} of {len(reports[-1]['tokens'])} tokens "
+                              f"had a NaN or infinity in their states or logits under {c.policy}{tau}",
+                              highlight=False)
     for rep in reports:
         console.print(trace_table(rep))
     maps = [exitmap.from_trace(rep) for rep in reports]
@@ -328,6 +345,8 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
         timing_repeats: int = typer.Option(DEFAULT_REPEATS, "--timing-repeats", help="After each cell, time its first requests "
                                            "again this often beside full depth, alternately: a paired time ratio "
                                            "with its spread (0: none; replay cells never)."),
+        memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse, before the first "
+                                          "cell, a sweep whose memory plan exceeds the device's free memory."),
         knobs: dict = None, ctx: typer.Context = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
@@ -337,11 +356,14 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     from .harness.task_set import resolve_tasks
     from .models.checkpoint import open_checkpoint
     from .models.embedded import resolve
+    from .engine.memory import check_sweep_fits
     from .runner import check_mode, execute, prepare
     from .runtime.devices import resolve_device
     from .runtime.distributed import finish_distributed, init_distributed
     from .runtime.files import writable_dir
     from .runtime.progress import SweepProgress
+    from .runtime.provenance import busy_at_start
+    from .runtime.signals import Terminated, terminate_raises
     from .studies.fit_exit import check_fitted_for
     from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, summary_rows
 
@@ -371,6 +393,10 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     check_mode(cfg, verify, verify_cells)
     at_least("--batch-size", batch_size)
     at_least("--timing-repeats", timing_repeats, 0)
+    if timing_repeats > MAX_REPEATS:  # each repeat reruns an eighth of every task twice: a bound, not a hang
+        raise ExitbenchError(f"--timing-repeats {timing_repeats}: at most {MAX_REPEATS} (each repeat times the "
+                             "cell and full depth again; more repeats do not narrow this machine's noise, see "
+                             "bench/RESULTS.md)")
     if num_fewshot is not None:
         at_least("--num-fewshot", num_fewshot, 0)
     device = resolve_device(device)
@@ -378,6 +404,11 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     out = out or Path("results") / resolve(checkpoint).name
     if rank0:
         writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
+        import torch
+
+        busy = busy_at_start(torch.get_num_threads())
+        if busy:
+            err_console.print(f"warning: {busy}", highlight=False, soft_wrap=True)
     task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
     ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
     cfg.prompting.check_for(ck.path)
@@ -387,16 +418,19 @@ def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separat
     if compile_step:
         ck.model.compile_loops()
     prepared = prepare(ck, task_set, cfg, out, ck.model.device.type, verify=verify, verify_cells=verify_cells)
+    if memory_check:
+        check_sweep_fits(ck.model, configs, batch_size, device)
     note = reuse_note(prepared.plan.reused(), out)
     if rank0 and note:
         err_console.print(note, highlight=False)
     try:
-        with SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0, quiet=quiet) as progress:
+        with terminate_raises(), SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0,
+                                               quiet=quiet) as progress:
             outcome = execute(ck, task_set, cfg, out, prepared, progress)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
         if rank0:
             err_console.print(interrupted_note(out, [key for _, _, key in prepared.plan.cells]), highlight=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
     if rank0:
         reused = {c["cell_id"] for c in prepared.plan.reused()}
         console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {out}"))
@@ -417,15 +451,15 @@ def export(directories: list[Path] = typer.Argument(..., help="Result directorie
     """Every result cell as one row of plain columns (model, task, metric, quality, policy, threshold, mean
     iterations, ms/token, …): a tidy table for pandas, R or a spreadsheet."""
     from .analysis.export import tidy, write
-    from .runtime.files import atomic_write, writable_file
+    from .runtime.files import atomic_write
+    from .store.disk import writable_output
 
     if out is not None:
-        writable_file(out, "--out")
+        writable_output(out, "--out")
     text = write(tidy(directories), fmt)
     if out is None:
         print(text, end="" if text.endswith("\n") else "\n")
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda f: f.write(text))
     err_console.print(f"wrote {out}", highlight=False)
 
@@ -445,7 +479,7 @@ def presets_command(as_json: bool = typer.Option(False, "--json", help="Print th
 
 
 def interrupted_note(out: Path, keys: list[dict]) -> str:
-    """What Ctrl-C leaves: how many of the sweep's cells are on disk (each written whole, atomically), and how
+    """What Ctrl-C (or SIGTERM) leaves: how many of the sweep's cells are on disk (each written whole, atomically), and how
     the rest is run."""
     from .store import cells, disk
 
@@ -475,12 +509,12 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
     from .analysis import pareto as par
     from .analysis.tables import pareto_tables, published_table
     from .presets import published_rows
-    from .runtime.files import writable_file
+    from .store.disk import writable_output
 
     par.check_table(table)
     if plot is not None:
         par.check_plot_target(plot, cost)
-        writable_file(plot, "--plot")
+        writable_output(plot, "--plot")
     cell_list = par.load(directories, on_skip=_skip_note, model=model)
     err_console.print(f"model: {par.model_label(cell_list[0])}", highlight=False)
     rep = par.report(cell_list)
@@ -543,11 +577,11 @@ def report(directory: Path = typer.Argument(..., metavar="RESULTS_DIR", help="Re
            model: Optional[str] = ModelOpt):
     """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
     from .analysis.report import write
-    from .runtime.files import writable_file
+    from .store.disk import writable_output
 
     if docs < 0:
         raise ExitbenchError(f"--docs must be ≥ 0, got {docs}")
-    out = writable_file(out or Path(directory) / "report.html", "--out")
+    out = writable_output(out or Path(directory) / "report.html", "--out")
     if out.suffix not in (".html", ".htm"):
         raise ExitbenchError(f"--out must name an .html file, got {out}")
     path = write(directory, out, docs, on_skip=_skip_note, model=model, compare_with=compare_with)
@@ -579,6 +613,7 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
     from .models.embedded import expand_checkpoints
     from .runtime.files import writable_dir
     from .runtime.progress import batch_progress
+    from .store.disk import writable_output
     from .studies.geometry import geometry_report, write_report
     from .studies.geometry_plot import plot_handoffs, plot_pca, plot_steps
 
@@ -586,6 +621,8 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt,
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
     at_least("--programs", programs)
     writable_dir(out, "--out")
+    for name in ("geometry.json", "steps.png", "handoffs.png", "pca.png"):
+        writable_output(out / name, "--out")
     cks = [open_checkpoint(c, dtype, allow_nonfinite=allow_nonfinite)
            for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
     with batch_progress(console, "geometry") as on_progress:
@@ -633,14 +670,15 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked); 0 when
     not, 2 on unusable input, 3 on a crash."""
     from .analysis import pareto
-    from .analysis.check import Tolerances, compare
+    from .analysis.check import Tolerances, comparable_baseline, compare
     from .analysis.tables import regression_table
 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
-    run_cells = pareto.load([run_dir], model=model)
-    base_cells = pareto.load([baseline], model=baseline_model or model)
+    # strict: a gate never skips a file it cannot read, on either side
+    run_cells = pareto.load([run_dir], model=model, strict=True)
+    base_cells = comparable_baseline(pareto.load_paths([baseline], model=baseline_model or model, strict=True))
     verdict = compare(run_cells, base_cells, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
                       present_only)
     if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
@@ -692,7 +730,7 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     from .models.checkpoint import open_checkpoint
     from .policies import REGISTRY
     from .runtime.progress import batch_progress
-    from .store.disk import writable_report
+    from .store.disk import writable_output
     from .studies.calibrate import calibrate as run_calibration
     from .studies.calibrate import check_calibratable, write_report
     from .studies.fit_exit import check_fitted_for
@@ -701,10 +739,12 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
     policy = config.policy
     check_calibratable(policy)
+    if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
+        writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     grid = parse_thresholds(thresholds) or list(ck.model.exit_grids().get(policy, REGISTRY[policy].default_grid))
     check_fitted_for(ck, config.fitted_exit_model)
-    path = writable_report(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
+    path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
         docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
                                     programs=programs, seed=seed, purpose="calibrate on")
@@ -743,7 +783,7 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
     from .models.checkpoint import open_checkpoint
     from .policies import REGISTRY
     from .runtime.progress import batch_progress
-    from .store.disk import writable_report
+    from .store.disk import writable_output
     from .studies.fit_exit import drop_evaluation_overlap, evaluation_tokens, fit, provenance, write_exit_model
 
     if limit < 2:
@@ -752,8 +792,10 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
     if seed < 0:
         # numpy's generators take no negative seed; refused here rather than after the recording pass
         raise ExitbenchError(f"--seed must be a whole number ≥ 0, got {seed}")
+    if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
+        writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    path = writable_report(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
+    path = writable_output(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
     if disjoint_from is None:
         checked = [task] if task else (["chains"] if not text and synthetic_training(ck) else [])
     else:

@@ -41,6 +41,16 @@ def identity(cell: dict[str, Any]) -> tuple:
             cell["task"].get("n_shot"), knobs)
 
 
+def comparable_baseline(found: list[tuple[Any, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The baseline's cells, or ExitbenchError naming the first one a gate cannot judge against: a cell without
+    a quality value would pass any run (nothing to fall short of), so it is refused, not counted as within."""
+    for path, cell in found:
+        if cell["quality"]["value"] is None:
+            raise ExitbenchError(f"{path}: the baseline cell has no quality value ({cell['quality']['metric']} is "
+                                 "null), so no run can be judged against it; rerun the baseline cell or remove it")
+    return [cell for _, cell in found]
+
+
 def label(cell: dict[str, Any]) -> str:
     p = cell["policy"]
     rel = " rel" if p.get("relative") else ""
@@ -176,7 +186,9 @@ DIMENSIONS: dict[str, Callable[[dict[str, Any]], Any]] = {
 def nothing_compared(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]]) -> str:
     """Why no cell of the run matched one of the baseline: the dimensions whose values the two do not share."""
     def values(cell_list, dim):
-        return {DIMENSIONS[dim](c) for c in cell_list}
+        # a limit of None is every document of the task, which is what a reader needs to be told
+        return {"all documents" if dim == "limit" and v is None else v
+                for v in (DIMENSIONS[dim](c) for c in cell_list)}
 
     def shown(vals):
         return ", ".join(sorted(map(str, vals))[:6]) + (", …" if len(vals) > 6 else "")

@@ -67,6 +67,32 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
     }
 
 
+def check_sweep_fits(model: LoopedLM, configs: Sequence[Any], batch: int, device: str) -> dict[str, Any] | None:
+    """Refuse, before its first cell, a sweep that cannot fit whatever its documents: its plan at the shortest
+    sequence any request has (one position per row) and its deepest exit config, against the memory the device
+    has free now (the weights already loaded, so they are not counted again). A run that fits this lower bound
+    may still need more for long documents (`exitbench info --plan --context N` says how much). Returns the
+    plan; None where the device's free memory cannot be read."""
+    from ..runtime.devices import available_memory
+
+    free = available_memory(device)
+    if free is None:
+        return None
+    groups = model.loop_groups()
+    deepest = [max(p.max_steps for p in column) for column in zip(*(c.bound_policies(groups) for c in configs))]
+    windows = {c.kv_window for c in configs}
+    window = None if None in windows or 0 in windows else max(windows)
+    dtype = next(model.parameters()).dtype
+    need = plan(model, dtype, batch, 1, deepest, window)
+    beyond_weights = need["total"] - need["weights"]
+    if beyond_weights > free:
+        raise ExitbenchError(f"this sweep needs at least {beyond_weights / 1e9:.1f} GB beside the weights (a KV cache "
+                             f"of {need['kv_cache'] / 1e9:.1f} GB for {batch} rows at {max(deepest)} iterations, one "
+                             f"position each), but {device} has {free / 1e9:.1f} GB free: lower --batch-size or "
+                             "--max-steps, set --kv-window, or pass --no-memory-check to try anyway")
+    return need
+
+
 def activations(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -> dict[str, int]:
     """The largest transient tensors of a run, as named terms (bytes):
 

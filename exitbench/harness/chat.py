@@ -24,7 +24,11 @@ class ChatTemplate:
         except ImportError:
             raise ExitbenchError("chat templates are rendered by transformers' apply_chat_template, as lm-eval's hf "
                                  "model renders them: pip install transformers") from None
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        try:
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        except Exception as exc:  # transformers raises what its parsers raise on a damaged file
+            raise ExitbenchError(f"the tokenizer files of {path} cannot be loaded for its chat template: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
         template = self.tokenizer.chat_template
         if not template:
             raise ExitbenchError(f"a chat template was asked for (--apply-chat-template, lm-eval's "
@@ -39,7 +43,14 @@ class ChatTemplate:
             template = template[self.name]
         elif name not in (None, "default"):
             raise ExitbenchError(f"--apply-chat-template {name}: {path} has one unnamed chat template; give no name")
+        if not isinstance(template, str):
+            raise ExitbenchError(f"the chat template of {path} must be a Jinja string (or named strings), got "
+                                 f"{type(template).__name__} {template!r:.60}")
         self.template: str = template
+        self.path = path
+        # Rendered once here, before any compute: a template that does not parse, or refuses even a lone user
+        # turn, is one line now rather than a traceback from inside lm-eval's first request.
+        self.render([{"role": "user", "content": "hello"}])
 
     def render(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         import jinja2
@@ -49,8 +60,12 @@ class ChatTemplate:
         if self.name is not None:
             kwargs["chat_template"] = self.name
         try:
-            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
-        except jinja2.exceptions.TemplateError:
-            # What lm-eval's hf model does when a template refuses a system turn: drop it and render again.
-            chat_history = [m for m in chat_history if m["role"] != "system"]
-            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+            try:
+                return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+            except jinja2.exceptions.TemplateError:
+                # What lm-eval's hf model does when a template refuses a system turn: drop it and render again.
+                chat_history = [m for m in chat_history if m["role"] != "system"]
+                return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
+            raise ExitbenchError(f"the chat template of {self.path} cannot render this conversation: "
+                                 f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None

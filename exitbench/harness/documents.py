@@ -140,8 +140,10 @@ def token_lists(ck: Checkpoint, *, task: str | None = None, text: str | None = N
                 split: str = "evaluation") -> tuple[list[list[int]], dict[str, Any]]:
     """Token lists of --task, --text or the held-out programs (each at least two tokens long), and how to name
     their source."""
-    if max_tokens < 2 or programs < 1:
-        raise ExitbenchError(f"--tokens must be ≥ 2 and --programs ≥ 1, got {max_tokens}, {programs}")
+    if max_tokens < 2:
+        raise ExitbenchError(f"--tokens must be ≥ 2 (a token and the one it predicts), got {max_tokens}")
+    if programs < 1:
+        raise ExitbenchError(f"--programs must be ≥ 1, got {programs}")
     docs, source = document_source(task, text, data_dir, programs, seed, split)
     batches = token_batches(ck, docs, max_tokens, programs, seed, purpose)
     rows = [row.tolist() for b in batches for row in (b if b.dim() == 2 else b.unsqueeze(0))]

@@ -25,17 +25,30 @@ class Prompting:
                                  "--apply-chat-template")
         if self.gen_kwargs is not None:
             parsed = self.parsed_gen_kwargs()
-            if parsed.get("do_sample") in (True, "true", "True"):
+            if parsed.get("do_sample") is True:
                 raise ExitbenchError("--gen-kwargs do_sample=true: exitbench decodes greedily (each token's exit "
                                      "is measured on the argmax path); sampling is not implemented")
 
     def parsed_gen_kwargs(self) -> dict[str, Any]:
+        """lm-eval's parse of "k=v,k=v", checked before any compute: every key named, and the settings exitbench's
+        greedy decoding reads (max_gen_toks, until, do_sample) of a type it can use. Sampling settings
+        (temperature, top_p, …) are accepted and, decoding being greedy, change nothing."""
         from lm_eval.utils import simple_parse_args_string
 
         try:
-            return simple_parse_args_string(self.gen_kwargs)
+            parsed = simple_parse_args_string(self.gen_kwargs)
         except Exception as exc:  # lm-eval raises bare ValueErrors and IndexErrors on a malformed string
             raise ExitbenchError(f"--gen-kwargs {self.gen_kwargs!r} is not k=v,k=v ({exc})") from None
+        if not parsed or any(not str(k).strip() for k in parsed):
+            raise ExitbenchError(f"--gen-kwargs {self.gen_kwargs!r} names no setting (want k=v,k=v, e.g. "
+                                 "max_gen_toks=512)")
+        tokens = parsed.get("max_gen_toks")
+        if "max_gen_toks" in parsed and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ExitbenchError(f"--gen-kwargs max_gen_toks={tokens!r}: the tokens to generate must be a whole "
+                                 "number ≥ 1")
+        if parsed.get("do_sample") not in (None, True, False):
+            raise ExitbenchError(f"--gen-kwargs do_sample={parsed['do_sample']!r} must be true or false")
+        return parsed
 
     def key_dict(self) -> dict[str, Any]:
         """What a cell's key holds: only what was set, so cells run without these keep their ids."""

@@ -17,6 +17,9 @@ import statistics
 from typing import Any
 
 DEFAULT_REPEATS = 3
+# The most --timing-repeats a sweep takes: the noise floor does not narrow with more (bench/timing_noise.py), and
+# each repeat reruns an eighth of every task twice.
+MAX_REPEATS = 20
 # Repeats spanning more than half their median leave a speed-up unknown to within ±25%: it no longer orders
 # policies whose costs differ by less than that. The floor is the machine's: on an idle 2-core VM the same
 # config paired with itself spans 0.2 to 0.7 of its median (bench/timing_noise.py, bench/RESULTS.md), so some

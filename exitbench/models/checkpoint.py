@@ -203,6 +203,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{file} must hold a JSON object")
+    if isinstance(config.get("model_type"), str):
+        architecture_of(config)  # an architecture exitbench does not know is said first, not one of its fields
     # A retrofitted Raven's config keeps Huginn-0125's special ids beside its own smaller vocabulary; they are
     # dropped here (the tokenizer files name the real ones), so every later reader sees a config that holds.
     stale = stale_token_ids(config)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from . import limits
 from .attention import AttnContext, cached_causal_attention
 from .looped import LoopedLM, LoopGroup, Stage
 
@@ -108,6 +109,8 @@ class LoopedGPT2Config:
         for g, k, m in zip(groups, self.loop_steps, self.max_loop_steps):
             if m < k:
                 raise CheckpointError(f"loop group {g}: max_loop_steps {m} is below loop_steps {k}")
+            limits.loop_steps(f"max_loop_steps of loop group {g}", m)
+        limits.norm_eps("layer_norm_epsilon", self.layer_norm_epsilon)
 
     # Names the rest of exitbench reads from every architecture's config.
     @property

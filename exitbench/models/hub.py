@@ -19,9 +19,10 @@ from ..errors import CheckpointError
 # The files a checkpoint directory can need (models/checkpoint.py, models/tokenizer.py, chat templates).
 WANTED = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
           "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-          "chat_template.json"]
+          "chat_template.json", "additional_chat_templates/*.jinja"]
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# ASCII only, as the hub's repo ids are: "org/ünï" is a path that does not exist, not a repo to ask for.
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$", re.ASCII)
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
 
 
@@ -49,6 +50,7 @@ def fetch(repo: str, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -70,8 +72,32 @@ def fetch(repo: str, revision: str | None = None) -> Path:
         how = ("HF_HUB_OFFLINE is set and the hub cache does not hold it: download it once online, or unset "
                "HF_HUB_OFFLINE" if offline() else "the hub could not be reached and the cache does not hold it")
         raise CheckpointError(f"{name}: no directory of that name here, and {how}") from None
+    except HFValidationError as exc:
+        raise CheckpointError(f"{name}: no directory of that name here, and not a hub id the hub accepts "
+                              f"({str(exc).splitlines()[0]})") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{name}: the hub cache holds a file where its snapshot folder should be (a damaged "
+                              "cache); delete that repository's folder from the cache and download it again") from None
+    _check_snapshot(path, name, revision)
     _check_weights(path, name, repo, revision)
     return path
+
+
+def _check_snapshot(path: Path, name: str, revision: str | None) -> None:
+    """What an interrupted or damaged download leaves in the cache, said as such: a ref that names no commit
+    (huggingface_hub then hands back the `snapshots` folder itself), a snapshot that is a file, links to blobs
+    that were never written."""
+    if path.name == "snapshots":
+        ref = revision or "main"
+        raise CheckpointError(f"{name}: the hub cache's refs/{ref} names no snapshot (an interrupted download?): "
+                              f"download it again, or name a commit with {name.split('@')[0]}@COMMIT")
+    if not path.is_dir():
+        raise CheckpointError(f"{name}: the hub cache holds a file where its snapshot folder {path} should be (a "
+                              "damaged cache); delete the file and download the checkpoint again")
+    dangling = sorted(p.name for p in path.iterdir() if p.is_symlink() and not p.exists())
+    if dangling:
+        raise CheckpointError(f"{name}: the snapshot's {dangling[0]} links to a blob that is not in the cache (an "
+                              "interrupted download?); download it again")
 
 
 def _check_weights(path: Path, name: str, repo: str, revision: str | None) -> None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from . import limits
 from .attention import AttnContext, rope_table, rotary_attention
 from .looped import LoopedLM, LoopGroup
 from .raven import RMSNorm
@@ -84,6 +85,10 @@ class OuroConfig:
         if self.max_ut_steps < self.total_ut_steps:
             raise CheckpointError(f"config max_ut_steps={self.max_ut_steps} is below total_ut_steps="
                                   f"{self.total_ut_steps}")
+        limits.loop_steps("total_ut_steps", self.total_ut_steps)
+        limits.loop_steps("max_ut_steps", self.max_ut_steps)
+        limits.rope_base("rope_theta", self.rope_theta)
+        limits.norm_eps("rms_norm_eps", self.rms_norm_eps)
         if self.hidden_act != "silu":
             raise CheckpointError(f"config hidden_act={self.hidden_act!r}: Ouro's MLP is SiLU-gated; "
                                   "only 'silu' is implemented")

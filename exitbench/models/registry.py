@@ -13,6 +13,8 @@ ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT
                                              Ouro.architecture: Ouro}
 # A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
 _MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture}
+# Source families of the retrofitted-recurrence conversions: a converted checkpoint that kept its source's model_type.
+_RETROFIT_SOURCES = ("llama", "olmo", "olmo2", "gemma2", "qwen2", "mistral")
 _HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
                    "GPT2LMHeadModel": LoopedGPT2.architecture, "OuroForCausalLM": Ouro.architecture}
 
@@ -27,6 +29,8 @@ def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
                                   f"{classes}); known model_type values: {', '.join(sorted(ARCHITECTURES))}")
     name = _MODEL_TYPE_ALIASES.get(name, name)
     if name not in ARCHITECTURES:
+        hint = (f"; a retrofitted-recurrence checkpoint in Huginn's layout (transformer.core_block keys) says "
+                f"model_type {Raven.architecture!r}, whatever its source model" if name in _RETROFIT_SOURCES else "")
         raise CheckpointError(f"unknown architecture {name!r} in config.json (model_type); "
-                              f"known: {', '.join(sorted(ARCHITECTURES))}")
+                              f"known: {', '.join(sorted(ARCHITECTURES))}{hint}")
     return ARCHITECTURES[name]

@@ -89,6 +89,16 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_as_hf(self, text: str, add_bos_token: bool | None = None) -> list[int]:
+        """`text` as lm-eval's hf model encodes a request: None lets the tokenizer's post-processor decide the
+        special tokens (an Ouro or GPT-2 tokenizer adds no BOS, a Llama one does); True forces BOS (lm-eval hands
+        add_bos_token to from_pretrained, which rebuilds the post-processor as "<bos> $A"); False adds none."""
+        if add_bos_token and self.bos_token_id is None:
+            raise ExitbenchError("--add-bos-token: the tokenizer names no BOS token to add; leave the option out")
+        if add_bos_token:
+            return self.encode(text, add_bos=True)
+        return self.encode(text, add_special_tokens=add_bos_token is None)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -26,7 +26,10 @@ SCHEMA = "exitbench.replay_verification"
 
 
 def parse_named(text: str | None) -> list[tuple[str, float]]:
-    """`policy:threshold` pairs, comma-separated (e.g. kl:1e-3,second_order:0.316)."""
+    """`policy:threshold` pairs, comma-separated (e.g. kl:1e-3,second_order:0.316); None: the option not given."""
+    if text is not None and not text.replace(",", "").strip():
+        raise ExitbenchError("--verify-cells is empty; name policy:threshold pairs (e.g. kl:1e-3) or leave the "
+                             "option out")
     out = []
     for part in (text or "").split(","):
         if not part.strip():

@@ -10,9 +10,16 @@ from ..errors import ExitbenchError
 
 
 def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> Path:
-    """Write via a temporary file in the same directory and rename: readers see a whole file or none."""
+    """Write via a temporary file in the same directory and rename: readers see a whole file or none. The
+    folder is made if it is missing (`writable_file` checked that it can be). A write the system refuses (a
+    full disk, a folder made read-only meanwhile) is an ExitbenchError naming the file, with nothing left
+    behind: not the new file, not its temporary, and an older file at `path` untouched."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise ExitbenchError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -22,8 +29,10 @@ def atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> P
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise ExitbenchError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
     return path
 

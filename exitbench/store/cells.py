@@ -77,7 +77,8 @@ def validate(cell: dict[str, Any], path: Path | str) -> dict[str, Any]:
 
     from .schema import Cell
 
-    if cell.get("schema_version") != SCHEMA_VERSION:
+    version = cell.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:  # 2.0 or true is not version 2: a hand edit
         raise ExitbenchError(f"{path} has cell schema version {cell.get('schema_version')!r}; this exitbench reads "
                              f"version {SCHEMA_VERSION} (rerun the sweep into a new --out)")
     try:
@@ -101,14 +102,19 @@ def read(path: Path) -> dict[str, Any]:
     return validate(cell, path)
 
 
-def scan(paths: Iterable[Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[Path]]:
+def scan(paths: Iterable[Path], strict: bool = False) -> tuple[list[tuple[Path, dict[str, Any]]], list[Path]]:
     """(path, cell) for every file that is a cell, and the files skipped because they are not cells (other
-    JSON reports, unreadable files). A file tagged as a cell but broken stops the scan (ExitbenchError)."""
+    JSON reports, unreadable files). A file tagged as a cell but broken stops the scan (ExitbenchError). With
+    `strict` (a gate), so does a file that cannot be read as JSON at all: it may be a cell cut short, and a
+    gate that skipped it would pass without comparing it."""
     found, skipped = [], []
     for path in sorted(paths):
         try:
             obj = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            if strict:
+                raise ExitbenchError(f"{path} cannot be read as JSON ({exc}); it may be a result cell cut short, "
+                                     "and a gate does not skip what it cannot read: repair, rerun or remove it") from None
             skipped.append(path)
             continue
         if not is_cell(obj):

@@ -119,12 +119,17 @@ class Claim:
         self.release()
 
 
-def writable_report(path: Path, flag: str) -> Path:
-    """`writable_file` for a JSON report, which must not land on a result cell: replacing a cell would silently
-    drop a measured point from its sweep. An earlier report of the same command may be replaced."""
+def writable_output(path: Path, flag: str) -> Path:
+    """`writable_file` for everything a command writes besides the cells (reports, traces, exports, plots,
+    calibrations, exit models): it must not land on a result cell or a samples file, since replacing one would
+    silently drop a measured point from its sweep. Every such writer calls this before any compute. An earlier
+    output of the same command may be replaced."""
     path = writable_file(path, flag)
+    if path.name.endswith(SAMPLES_SUFFIX):
+        raise ExitbenchError(f"{flag} {path} is a result cell's samples file; writing there would replace it; "
+                             "name another file")
     try:
-        holds_cell = cells.is_cell(json.loads(path.read_bytes()))
+        holds_cell = path.is_file() and cells.is_cell(json.loads(path.read_bytes()))
     except (OSError, ValueError):
         holds_cell = False  # absent, unreadable or not JSON: nothing of a sweep's to lose
     if holds_cell:

@@ -41,6 +41,11 @@ IDENTITY_SCHEME = "exitbench.content/1"
 # leaving out one that matters would silently reuse stale cells.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+# What a chat template is rendered from besides tokenizer_config.json: transformers prefers chat_template.jinja
+# (and named templates in additional_chat_templates/) over the config's entry; processors read the older
+# chat_template.json. A prompt rendered from them is part of what a cell computed.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 # 1 MiB reads: as fast as hashlib.file_digest's 256 KiB and 4-16 MiB buffers here (bench/hash.py), and
 # unlike file_digest it also runs on Python 3.10.
@@ -145,8 +150,9 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """The files that make up a checkpoint's identity, by name relative to the checkpoint directory.
 
     Weights are exactly the files the loader reads (the index and every shard it names, or the single
-    model.safetensors), plus config.json and the tokenizer files present. Other files (README, training/
-    logs, remote modeling code that exitbench does not run) are not part of the model.
+    model.safetensors), plus config.json, the tokenizer files and the chat templates present (every file a
+    prompt is rendered from). Other files (README, training/ logs, remote modeling code that exitbench does not
+    run) are not part of the model.
     """
     from ..models.checkpoint import CONFIG_FILE, INDEX_FILE, weight_files
 
@@ -160,7 +166,8 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     names = [CONFIG_FILE, *weight_files(path)]
     if (path / INDEX_FILE).exists():
         names.append(INDEX_FILE)
-    names += [t for t in TOKENIZER_FILES if (path / t).is_file()]
+    names += [t for t in (*TOKENIZER_FILES, *CHAT_TEMPLATE_FILES) if (path / t).is_file()]
+    names += [f"{CHAT_TEMPLATE_DIR}/{t.name}" for t in (path / CHAT_TEMPLATE_DIR).glob("*.jinja") if t.is_file()]
     return {name: path / name for name in sorted(names)}
 
 

@@ -19,6 +19,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    """The figure as a PNG written whole or not at all (a full disk is one line, not a half image)."""
+    from ..runtime.files import atomic_write
+
+    atomic_write(Path(path), lambda fh: fig.savefig(fh, format="png", dpi=110), mode="wb")
+
+
 def _series_label(entry: dict[str, Any]) -> str:
     step = entry.get("training_step")
     return f"step {step}" if step is not None else Path(entry["path"]).name
@@ -64,7 +71,7 @@ def plot_steps(report: dict[str, Any], path: Path, title: str = "") -> Path:
     fig.suptitle(title or f"loop geometry: {entries[-1]['tokens']:,} tokens per checkpoint, mean over tokens",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -89,7 +96,7 @@ def plot_handoffs(report: dict[str, Any], path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -120,6 +127,6 @@ def plot_pca(report: dict[str, Any], path: Path) -> Path:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"state trajectories, 2-D PCA ({_series_label(entry)}; square = group start)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return path

@@ -14,11 +14,14 @@ from ..runtime.files import atomic_write
 from ..runtime.provenance import run_metadata
 
 
-def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int = 0) -> dict[str, Any]:
+def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int = 0,
+                 add_bos_token: bool | None = None) -> dict[str, Any]:
+    """The prompt encoded as `run` encodes a request (the tokenizer decides BOS unless `add_bos_token` says),
+    so a trace shows the tokens a sweep scores, and a generation what the model's own `generate` gives."""
     tok = ck.tokenizer
     if tok is None:
         raise ExitbenchError(f"{ck.path} has no tokenizer.json, so it cannot read a text prompt")
-    ids = tok.encode(prompt, add_bos=True)
+    ids = tok.encode_as_hf(prompt, add_bos_token)
     if len(ids) < 2 and not generate:
         raise ExitbenchError("the prompt has no token to score; give more text or use --generate N")
     # Signals are kept for the exit map's hover text; recording them changes no exit.
@@ -36,14 +39,16 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
              "text": piece, "logprob": lp, "greedy": g, "exit_steps": r.exit_steps, "signals": r.signals}
             for i, t, piece, lp, g, r in zip(inputs, result.tokens, pieces, result.logprobs, result.greedy,
                                               result.records)]
-    # What precedes the first exited token: the prompt when generating, the BOS token when scoring.
+    # What precedes the first exited token: the prompt when generating, its first token when scoring.
     context = tok.decode(ids if generate else ids[:1], skip_special_tokens=False)
+    nonfinite = sum(r.nonfinite for r in result.records)
     window = {"kv_window": config.kv_window} if config.kv_window else {}
     return {"policy": {**engine.policies[0].knobs(), **window}, "mode": "generate" if generate else "score",
             "prompt": prompt, "prompt_ids": ids, "generated_ids": result.tokens if generate else [],
             "generated": tok.decode(result.tokens) if generate else "",
             "loop_groups": [g.name for g in ck.model.loop_groups()], "tokens": rows, "context": context,
-            "mean_iterations": sum(result.iterations) / max(1, len(result.iterations))}
+            "mean_iterations": sum(result.iterations) / max(1, len(result.iterations)),
+            "nonfinite_tokens": nonfinite}
 
 
 def write_json(reports: list[dict[str, Any]], ck: Checkpoint, path: Path, seed: int) -> Path:

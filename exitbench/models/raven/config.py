@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ...errors import CheckpointError
+from .. import limits
 
 # Huginn's state: trunc-normal with variance 2/5 (huginn-0125.md §1.4): init_values.std = sqrt(2/(5h)) times
 # its embed_scale sqrt(h), which Huginn's config derives and never writes.
@@ -24,6 +25,9 @@ _ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_heads"}
 # beside a 32,000- or 128,256-token vocabulary, where they name no token.
 HUGINN_TOKEN_IDS = {"bos_token_id": 65504, "eos_token_id": 65505, "pad_token_id": 65509}
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# Fields only a soft-capped (Gemma-2) checkpoint sets: tanh caps on the attention scores and the logits, which no
+# implemented variant applies, so a checkpoint that sets them is refused rather than run uncapped.
+SOFTCAP_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
 STATE_MODES = ("random", "embed-init")
 
 
@@ -116,6 +120,21 @@ class RavenConfig:
         if self.max_recurrence < self.mean_recurrence:
             raise CheckpointError(f"config max_recurrence={self.max_recurrence} is below "
                                   f"mean_recurrence={self.mean_recurrence}")
+        limits.loop_steps("mean_recurrence", self.mean_recurrence)
+        limits.loop_steps("max_recurrence", self.max_recurrence)
+        limits.rope_base("rope_base", self.rope_base)
+        limits.rope_base("rope_theta", self.rope_theta)
+        limits.norm_eps("norm_eps", self.norm_eps)
+        capped = [f"{f}={self.extra[f]!r}" for f in SOFTCAP_FIELDS if self.extra.get(f) is not None]
+        if capped:
+            raise CheckpointError(f"config {', '.join(capped)}: soft-capped attention and logits (the Gemma-2 "
+                                  "retrofit) are not implemented, and running the checkpoint uncapped would give "
+                                  "other numbers; remove the fields only if the model was trained without them")
+        if self.variant != "huginn" and self.init_values is None:
+            raise CheckpointError(f"config.json of a retrofitted ({self.variant}) checkpoint lacks init_values: "
+                                  "its embed_scale (1.0 in the conversions) and std set how the embedding and the "
+                                  "initial state are scaled, and Huginn's derived sqrt(n_embd) would change every "
+                                  "output; restore the conversion's init_values")
         if self.init_scale < 0 or not math.isfinite(self.init_scale):
             raise CheckpointError(f"config init_scale must be a finite number ≥ 0, got {self.init_scale}")
         if self.initial_state_mode not in STATE_MODES:

@@ -17,6 +17,7 @@ import math
 import torch
 from torch import nn
 
+from ...errors import CheckpointError
 from ..attention import AttnContext, rope_table
 from ..looped import LoopedLM, LoopGroup, Stage, trunc_normal_
 from .blocks import RMSNorm
@@ -76,8 +77,15 @@ class Raven(LoopedLM):
 
     @classmethod
     def read_config(cls, raw: dict, keys: set[str], where: str) -> RavenConfig:
-        """The config, with the variant the checkpoint's keys show (variants.detect)."""
-        return RavenConfig.from_dict(raw, variant=detect(raw, keys, where).name)
+        """The config, with the variant the checkpoint's keys show (variants.detect). A retrofitted checkpoint
+        that stores its own lm_head.weight but says tie_embeddings true is refused: the head would silently be
+        the embedding. (Huginn-0125's files hold a duplicate of the tied embedding there, by an upload slip.)"""
+        config = RavenConfig.from_dict(raw, variant=detect(raw, keys, where).name)
+        if config.variant != "huginn" and config.tie_embeddings and "lm_head.weight" in keys:
+            raise CheckpointError(f"{where}: config tie_embeddings is true but the files hold lm_head.weight, a "
+                                  "head of its own that a tied model would ignore; set tie_embeddings false "
+                                  "(the conversions untie the head) or remove lm_head.weight")
+        return config
 
     def _freqs(self) -> torch.Tensor:
         c, v = self.config, self.variant

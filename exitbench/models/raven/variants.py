@@ -18,10 +18,9 @@ from torch import nn
 
 from ...errors import CheckpointError
 from .blocks import PostNormBlock, PreNormBlock, SandwichBlock
+from .config import SOFTCAP_FIELDS  # a soft-capped (Gemma-2) sandwich is not Huginn's
 
 _BLOCK_KEY = re.compile(r"transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$")
-# Fields only a soft-capped (Gemma-2) checkpoint sets: its sandwich is not Huginn's.
-SOFTCAP_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 @dataclass(frozen=True)
