@@ -76,6 +76,54 @@ def test_a_checkpoint_without_a_template_is_one_line(saved, tmp_path):
         ChatTemplate(saved.ck_dir, "tool_use")
 
 
+def test_a_sweep_keys_on_the_prompt_settings_and_samples_the_rendered_prompts(saved, tmp_path):
+    """The library half of the command below: the same sweep with and without the prompt settings."""
+    from exitbench.harness.prompting import Prompting
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep import SweepConfig, run_sweep
+
+    ck, tasks = open_checkpoint(str(saved.ck_dir)), resolve_tasks(["chains"])
+    common = dict(tasks=["chains"], policies=["fixed"], baselines=[1], limit=2, log_samples=True, quiet=True,
+                  timing_repeats=0)
+    (plain,) = run_sweep(ck, tasks, SweepConfig(**common), tmp_path / "plain", "cpu")
+    chat_prompting = Prompting(True, SYSTEM, True, "max_gen_toks=3")
+    (chat,) = run_sweep(ck, tasks, SweepConfig(**common, num_fewshot=1, prompting=chat_prompting),
+                        tmp_path / "chat", "cpu")
+    assert "prompt" not in plain["key"]
+    assert chat["key"]["prompt"] == {"apply_chat_template": True, "system_instruction": SYSTEM,
+                                     "fewshot_as_multiturn": True, "gen_kwargs": {"max_gen_toks": 3}}
+    assert chat["cell_id"] != plain["cell_id"]
+    (samples,) = (tmp_path / "chat").glob("**/*samples*")
+    assert f"<bos>system said {SYSTEM}" in samples.read_text()
+
+
+def test_a_template_file_edited_after_a_run_makes_a_new_cell(saved, tmp_path):
+    """transformers prefers chat_template.jinja to tokenizer_config.json's template: adding or editing it
+    renders other prompts, so the rerun must compute a new cell, not reuse the old one."""
+    import shutil
+
+    from exitbench.harness.prompting import Prompting
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.store import cells
+    from exitbench.sweep import SweepConfig, run_sweep
+
+    ck_dir = shutil.copytree(saved.ck_dir, tmp_path / "ck")
+    tasks, out = resolve_tasks(["chains"]), tmp_path / "cells"
+    cfg = SweepConfig(tasks=["chains"], policies=["fixed"], baselines=[1], limit=2, log_samples=True, quiet=True,
+                      timing_repeats=0, prompting=Prompting(True))
+    rendered = []
+    for template in (None, TEMPLATE.replace(" said ", " says "), TEMPLATE.replace(" said ", " wrote ")):
+        if template:
+            (ck_dir / "chat_template.jinja").write_text(template)
+        (cell,) = run_sweep(open_checkpoint(str(ck_dir)), tasks, cfg, out, "cpu")
+        samples = out / cells.filename(cell).replace(".json", ".samples.jsonl")
+        rendered.append(json.loads(samples.read_text().splitlines()[0])["arguments"])
+    assert len(list(out.glob("*.json"))) == 3  # three templates, three cells
+    assert "user said" in str(rendered[0]) and "user says" in str(rendered[1]) and "user wrote" in str(rendered[2])
+
+
+@pytest.mark.slow  # 16 s: two runs and lm-eval's own CLI (which builds lm-eval's task index); the keys and the
+# samples are checked fast through the library (test_a_sweep_keys_on_the_prompt_settings_and_samples_…)
 def test_exitbench_run_keys_on_the_prompt_settings(saved, tmp_path):
     """`exitbench run --apply-chat-template --system-instruction … --gen-kwargs …`: the cell's key holds what
     was set (and nothing when nothing is), its samples the rendered prompts; `exitbench lm-eval run` takes

@@ -100,6 +100,41 @@ def test_unusable_input_exits_2(tmp_path, base):
     assert check(base, base, "--quality-tol", "-1").exit_code == 2
 
 
+def _damage_one_baseline_cell(base, how):
+    victim = sorted(base.glob("*.json"))[1]
+    raw = victim.read_bytes()
+    if how == "truncated":
+        victim.write_bytes(raw[:300])
+    elif how == "not JSON":
+        victim.write_bytes(b"{not json" + raw)
+    else:
+        cell = json.loads(raw)
+        if how == "schema version 2.0":
+            cell["schema_version"] = 2.0
+        elif how == "schema version 3":
+            cell["schema_version"] = 3
+        else:  # "null quality"
+            cell["quality"]["value"] = None
+        victim.write_text(json.dumps(cell))
+    return victim
+
+
+@pytest.mark.parametrize("how", ["truncated", "not JSON", "schema version 2.0", "schema version 3", "null quality"])
+@pytest.mark.parametrize("side", ["baseline", "run"])
+def test_the_gate_never_skips_a_cell_it_cannot_read(tmp_path, base, how, side):
+    """A damaged cell on either side is exit 2 naming its file, never a pass over the cells that are left
+    (the run side's null quality is a regression: exit 1, naming the cell)."""
+    from helpers.cli import assert_one_line_error
+
+    run = write(tmp_path / "run", copy.deepcopy(ACC + PPL))
+    victim = _damage_one_baseline_cell(base if side == "baseline" else run, how)
+    res = check(run, base)
+    if side == "run" and how == "null quality":
+        assert res.exit_code == 1, res.stdout + res.stderr
+        return
+    assert_one_line_error(res, [victim.name])
+
+
 @pytest.mark.slow  # 7 s: three real sweeps; the gate's verdicts on hand-made cells above stay fast
 def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
     """A real sweep, then the same sweep with KL's signal scaled down (it exits too early): exit 1."""

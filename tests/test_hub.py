@@ -110,7 +110,8 @@ def test_hub_refusals_say_what_to_do(monkeypatch, error, words):
 def test_only_weights_configs_and_tokenizers_are_fetched():
     wanted = lambda name: any(fnmatch.fnmatch(name, p) for p in hub.WANTED)  # noqa: E731
     for name in ("model.safetensors", "model-00001-of-00004.safetensors", "model.safetensors.index.json",
-                 "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                 "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "additional_chat_templates/tool_use.jinja"):
         assert wanted(name), name
     for name in ("modeling_ouro.py", "raven_config_minimal.py", "pytorch_model.bin", "optimizer.pt", "README.md"):
         assert not wanted(name), name
@@ -125,6 +126,20 @@ def test_paths_and_embedded_names_win_over_hub_ids(cache, tmp_path, monkeypatch)
     assert resolve("tiny-raven/training/step-000250") == EMBEDDED_DIR / "tiny-raven/training/step-000250"
 
 
+def test_the_command_reads_the_cache_in_this_process(cache):
+    """The command half of the test below (the cache named through huggingface_hub, not the environment)."""
+    from exitbench.cli import app
+
+    from helpers.cli import explain, runner
+
+    res = runner.invoke(app, ["info", "-c", "exitbench/tiny-raven", "--json"])
+    assert res.exit_code == 0, explain(res)
+    assert json.loads(res.stdout)["source"] == f"hub:exitbench/tiny-raven@{COMMIT[:12]}"
+    assert_one_line_error(runner.invoke(app, ["info", "-c", "exitbench/absent"]), ["exitbench/absent", "HF_HUB_OFFLINE"])
+
+
+@pytest.mark.slow  # 11 s: two fresh interpreters, to read HF_HUB_CACHE from the environment as a user sets it; the
+# command itself is checked fast in this process (test_the_command_reads_the_cache_in_this_process)
 def test_the_command_line_reads_the_cache(tmp_path):
     """As a user runs it: HF_HUB_CACHE and HF_HUB_OFFLINE in the environment, a hub id on the command line."""
     import subprocess
@@ -139,3 +154,40 @@ def test_the_command_line_reads_the_cache(tmp_path):
     proc = subprocess.run(exitbench_cmd("info", "-c", "exitbench/absent"), env=env, capture_output=True, text=True,
                           timeout=120)
     assert_one_line_error(proc, ["exitbench/absent", "HF_HUB_OFFLINE"])
+
+
+def _damaged(cache: Path, repo: str, damage: str) -> None:
+    """A cache entry as an interrupted or damaged download leaves it."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = folder / "snapshots" / COMMIT
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("" if damage == "empty ref" else COMMIT)
+    if damage == "snapshot is a file":
+        snapshot.parent.mkdir(parents=True)
+        snapshot.write_text("not a folder")
+        return
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if damage == "links to missing blobs":
+            (snapshot / name).symlink_to(folder / "blobs" / f"never-written-{name}")
+        else:
+            shutil.copy(EMBEDDED_DIR / "tiny-raven" / name, snapshot / name)
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("empty ref", ["refs/main names no snapshot", "interrupted download"]),
+    ("snapshot is a file", ["a file where its snapshot folder", "download the checkpoint again"]),
+    ("links to missing blobs", ["links to a blob that is not in the cache", "interrupted download"]),
+])
+def test_a_damaged_cache_entry_is_named_for_what_it_is(cache, damage, words):
+    _damaged(cache, "org/damaged", damage)
+    with pytest.raises(CheckpointError) as err:
+        resolve("org/damaged")
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_name_with_letters_the_hub_never_uses_is_a_missing_path(cache):
+    """Repo ids are ASCII: `org/ünï` is not sent to the hub (whose validator raised a traceback); it is a path."""
+    assert hub.parse_hub_id("org/ünï") is None
+    with pytest.raises(CheckpointError, match="checkpoint directory not found: org/ünï"):
+        open_checkpoint("org/ünï")

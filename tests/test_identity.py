@@ -118,6 +118,22 @@ def test_the_tokenizer_is_part_of_the_identity(tiny_checkpoint):
     assert swapped.diff(with_config) == {"tokenizer_config.json": "added"}
 
 
+def test_every_file_a_chat_template_is_read_from_is_part_of_the_identity(tiny_checkpoint):
+    """transformers prefers chat_template.jinja (and additional_chat_templates/NAME.jinja) over the template in
+    tokenizer_config.json: editing one renders other prompts, so it is another model for a cell."""
+    before = checkpoint_identity(tiny_checkpoint)
+    for name in ("chat_template.jinja", "chat_template.json", "additional_chat_templates/tool_use.jinja"):
+        (tiny_checkpoint / name).parent.mkdir(exist_ok=True)
+        (tiny_checkpoint / name).write_text("{{ messages[0]['content'] }}")
+        added = checkpoint_identity(tiny_checkpoint)
+        assert before.diff(added) == {name: "added"}, name
+        (tiny_checkpoint / name).write_text("{{ messages[-1]['content'] }}")
+        assert added.diff(checkpoint_identity(tiny_checkpoint)) == {name: "changed"}, name
+        before = checkpoint_identity(tiny_checkpoint)
+    (tiny_checkpoint / "additional_chat_templates" / "notes.txt").write_text("not a template")
+    assert checkpoint_identity(tiny_checkpoint).digest == before.digest  # only what the renderer reads
+
+
 def test_a_copied_checkpoint_keeps_its_identity(tiny_checkpoint, tmp_path):
     settle(tiny_checkpoint)
     original = checkpoint_identity(tiny_checkpoint)

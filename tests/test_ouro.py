@@ -151,6 +151,12 @@ def test_ouro_grids_reach_its_step_sizes(ck):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    # values that make NaN, or a plan no machine holds, refused at the door
+    ({"rope_theta": 0}, "rope_theta must be a finite number > 0"),
+    ({"rope_theta": -10000.0}, "rope_theta must be a finite number > 0"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number ≥ 0"),
+    ({"total_ut_steps": 100000}, "total_ut_steps=100000 asks for more than exitbench's 1024"),
+    ({"total_ut_steps": 4, "max_ut_steps": 5000}, "max_ut_steps=5000"),
 ])
 def test_what_ouro_does_not_implement_is_refused_in_one_line(change, message):
     base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128)
@@ -180,3 +186,28 @@ def test_trace_json_holds_ids_text_exits_and_signals(tmp_path, checkpoint, polic
         for k, signals in zip(token["exit_steps"], token["signals"]):
             assert all(v is not None for v in signals[:k]) and all(v is None for v in signals[k:])
         assert isinstance(token["logprob"], float) and isinstance(token["input"], str)
+
+
+def test_trace_encodes_the_prompt_as_run_does(tmp_path, ck):
+    """Ouro's tokenizer adds no BOS: trace follows it (as run and the reference's own generate do) unless told
+    otherwise, and its generation is the engine's on those very ids."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from exitbench.cli import app
+
+    tok, prompt = ck.tokenizer, "a=7 b=a"
+    for flag, want in ((None, tok.encode(prompt, add_special_tokens=True)),
+                       ("--add-bos-token", [tok.bos_token_id, *tok.encode(prompt)]),
+                       ("--no-add-bos-token", tok.encode(prompt))):
+        out = tmp_path / f"{flag}.json"
+        res = CliRunner().invoke(app, ["trace", prompt, "-c", str(FIXTURES / "ouro-tiny"), "-p", "fixed",
+                                       "--threshold", "4", "--generate", "3", "--json", str(out),
+                                       *([flag] if flag else [])])
+        assert res.exit_code == 0, res.output
+        (trace,) = json.loads(out.read_text())["traces"]
+        assert trace["prompt_ids"] == want, flag
+        engine = ExitEngine(ck.model, ExitConfig("fixed", threshold=4))
+        assert trace["generated_ids"] == engine.generate([want], 3, stop_ids=[tok.eos_token_id])[0].tokens, flag
+    assert tok.bos_token_id not in tok.encode(prompt, add_special_tokens=True)  # the case this test is about

@@ -16,6 +16,7 @@ per 6-token prompt from a batch-1 loop of full forwards at r = 4. The file's met
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -45,11 +46,16 @@ def fixture(kind: str) -> Path:
     return FIXTURES / f"retrofit-{kind}-tiny"
 
 
+@functools.cache
+def _case(kind: str):
+    ck = load_checkpoint(fixture(kind))
+    ck.model.config.init_scale = 0.0  # the reference's zero initial state
+    return kind, ck, load_file(str(FIXTURES / f"retrofit-{kind}-tiny-reference.safetensors"))
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def case(request):
-    ck = load_checkpoint(fixture(request.param))
-    ck.model.config.init_scale = 0.0  # the reference's zero initial state
-    return request.param, ck, load_file(str(FIXTURES / f"retrofit-{request.param}-tiny-reference.safetensors"))
+    return _case(request.param)
 
 
 def test_the_variant_is_told_from_the_keys_and_info_says_so(case):
@@ -127,19 +133,25 @@ def test_what_the_parity_would_catch(tmp_path):
         assert moved > 1e-2, (what, moved)
 
 
-def test_every_policy_runs_and_batches_like_batch_size_one(case):
-    kind, ck, ref = case
+# No gate here (refused: tests/test_ouro.py); learned needs a fitted file (the CLI test). Every rule on the Llama
+# layout fast, a latent and a decoding one on OLMo's (its norms differ, not the loop), the rest with the slow tests.
+RULES = [p for p, cls in REGISTRY.items() if not cls.needs_gate and p != "learned"]
+
+
+@pytest.mark.parametrize("kind,policy", [
+    pytest.param(k, p, id=f"{k}-{p}", marks=() if k == "llama" or p in ("second_order", "kl") else pytest.mark.slow)
+    for k in KINDS for p in RULES])
+def test_every_policy_runs_and_batches_like_batch_size_one(kind, policy):
+    _, ck, ref = _case(kind)
+    cls = REGISTRY[policy]
     requests = [(row[:n].tolist(), 3) for row, n in zip(ref["input_ids"], (17, 9))]
-    for policy, cls in REGISTRY.items():
-        if cls.needs_gate or policy == "learned":
-            continue  # no gate here (refused: tests/test_ouro.py); learned needs a fitted file (the CLI test)
-        knobs = {} if cls.retrospective else {"threshold": 4 if cls.integer_threshold else 0.3}
-        engine = ExitEngine(ck.model, ExitConfig(policy, max_steps=6, **knobs))
-        solo = [engine.score([r], batch_size=1)[0] for r in requests]
-        together = engine.score(requests, batch_size=2)
-        for a, b in zip(solo, together):
-            assert a.iterations == b.iterations, policy
-            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-6)
+    knobs = {} if cls.retrospective else {"threshold": 4 if cls.integer_threshold else 0.3}
+    engine = ExitEngine(ck.model, ExitConfig(policy, max_steps=6, **knobs))
+    solo = [engine.score([r], batch_size=1)[0] for r in requests]
+    together = engine.score(requests, batch_size=2)
+    for a, b in zip(solo, together):
+        assert a.iterations == b.iterations, policy
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-6)
 
 
 def test_a_kv_window_as_deep_as_the_loop_is_the_full_cache(case):
@@ -178,6 +190,9 @@ def test_an_embed_init_state_starts_the_loop_from_the_prelude(tmp_path):
 
 # ---- reading the layout, and what is refused ----------------------------------------------------------------------
 
+DROP = object()  # a config_change value that removes the field
+
+
 def rewritten(tmp_path, kind: str, config_change: dict | None = None, drop: str | None = None) -> Path:
     """The fixture with config fields changed and the keys ending in `drop` removed."""
     out = tmp_path / f"{kind}-changed"
@@ -185,7 +200,8 @@ def rewritten(tmp_path, kind: str, config_change: dict | None = None, drop: str 
     for f in fixture(kind).iterdir():
         (out / f.name).write_bytes(f.read_bytes())
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, **(config_change or {})}))
+    config = {k: v for k, v in {**config, **(config_change or {})}.items() if v is not DROP}
+    (out / "config.json").write_text(json.dumps(config))
     if drop:
         tensors = load_file(str(out / "model.safetensors"))
         save_file({k: v for k, v in tensors.items() if not k.endswith(drop)}, str(out / "model.safetensors"))
@@ -244,6 +260,18 @@ def test_the_rules_never_overlap():
     ({"tie_embeddings": True, "tie_word_embeddings": False}, ["tie_embeddings", "tie_word_embeddings"]),
     ({"num_key_value_heads": 3}, ["multiple of num_key_value_heads=3"]),
     ({"init_values": {"embed_scale": "big"}}, ["init_values.embed_scale"]),
+    # fields that change the numbers, refused rather than ignored
+    ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping=50.0", "not implemented"]),
+    ({"final_logit_softcapping": 30.0}, ["final_logit_softcapping=30.0", "uncapped"]),
+    ({"init_values": DROP}, ["lacks init_values", "embed_scale"]),
+    ({"tie_embeddings": True, "tie_word_embeddings": True}, ["tie_embeddings is true", "lm_head.weight"]),
+    # values that make NaN, or a plan no machine holds
+    ({"rope_theta": 0}, ["rope_theta must be a finite number > 0"]),
+    ({"rope_theta": -5.0}, ["rope_theta must be a finite number > 0"]),
+    ({"norm_eps": -1e-5}, ["norm_eps must be a finite number ≥ 0"]),
+    ({"mean_recurrence": 100000}, ["mean_recurrence=100000", "1024"]),
+    # the source model's model_type kept by mistake: the architecture is what is wrong, not a token id
+    ({"model_type": "llama"}, ["unknown architecture 'llama'", "model_type 'huginn_raven'"]),
 ])
 def test_config_fields_that_cannot_be_run_are_refused_in_one_line(tmp_path, change, words):
     with pytest.raises(CheckpointError) as err:
@@ -269,6 +297,27 @@ def test_state_scale_follows_init_values():
     assert retro.state_std == pytest.approx(0.0087) and retro.embed_scale == 1.0
 
 
+def test_a_sweep_runs_exactly_and_by_replay_on_a_retrofitted_checkpoint(tmp_path):
+    """The library half of the commands below: the sweep's one entry (exitbench.runner), exact and by replay,
+    with a decoding and a decoding-free rule, on the OLMo fixture."""
+    from exitbench.harness.task_set import resolve_tasks
+    from exitbench.runner import execute, prepare
+    from exitbench.sweep import SweepConfig
+
+    ck, tasks = open_checkpoint(str(fixture("olmo"))), resolve_tasks(["chains_lambada"])
+    for mode in ("exact", "replay"):
+        cfg = SweepConfig(tasks=["chains_lambada"], policies=["second_order", "kl"], thresholds=[0.3], baselines=[4],
+                          limit=2, exit={"max_steps": 6}, quiet=True, timing_repeats=0, replay=mode == "replay")
+        out = tmp_path / mode
+        done = execute(ck, tasks, cfg, out, prepare(ck, tasks, cfg, out, "cpu")).cells
+        assert {(c["policy"]["policy"], c["policy"]["threshold"]) for c in done} == {
+            ("fixed", 4), ("second_order", 0.3), ("kl", 0.3)}, mode
+        assert all(c["model"]["architecture"] == "huginn_raven" and c["iterations"]["max"] <= 6 for c in done), mode
+        assert len(list(out.glob("*.json"))) == 3
+
+
+@pytest.mark.slow  # 10 s: ten commands as a user types them; the sweep itself, exact and by replay, is checked fast
+# (test_a_sweep_runs_exactly_and_by_replay_on_a_retrofitted_checkpoint) and each command's own code elsewhere
 def test_every_command_runs_on_a_retrofitted_checkpoint(tmp_path):
     """run (exact and replay, with a KV window), calibrate, fit-exit and the learned rule, geometry, trace, report
     and info --plan, as a user types them, on the OLMo fixture (the Llama one runs the same code)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,8 +86,27 @@ def _broken_cell_dir(tmp: Path) -> str:
     return str(tmp / "broken")
 
 
+def _templated(tmp: Path, template) -> str:
+    """tiny-raven with `template` as the chat template in its tokenizer_config.json."""
+    dst = tmp / "templated"
+    shutil.copytree(EMBEDDED, dst, ignore=shutil.ignore_patterns("training"))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                           "chat_template": template}))
+    return str(dst)
+
+
+def _chat(template, words):
+    return (lambda t: ["run", *SMALL, "-c", _templated(t, template), "--apply-chat-template", "--out", str(t / "o")],
+            words)
+
+
 # Not writable even for root: /sys refuses new entries.
 UNWRITABLE = "/sys/exitbench-test/out"
+
+def run_with(*args: str):
+    """`run` with the small sweep's options, then ARGS."""
+    return lambda t: ["run", *SMALL, "--out", str(t / "o"), *args]
+
 
 BAD_COMMANDS = {
     "run --out is a file": (lambda t: ["run", *SMALL, "--out", _a_file(t)], ["--out", "is a file"]),
@@ -113,6 +133,23 @@ BAD_COMMANDS = {
     "check on a broken cell": (lambda t: ["check", _broken_cell_dir(t), "--baseline", _broken_cell_dir(t)],
                                ["broken cell"]),
     "pareto --table nope": (lambda t: ["pareto", str(t), "--table", "nope"], ["--table"]),
+    # generation settings, checked before compute
+    "run --gen-kwargs max_gen_toks=-5": (run_with("--gen-kwargs", "max_gen_toks=-5"), ["max_gen_toks=-5", "≥ 1"]),
+    "run --gen-kwargs max_gen_toks=abc": (run_with("--gen-kwargs", "max_gen_toks=abc"), ["--gen-kwargs", "'abc'"]),
+    "run --gen-kwargs '=,,='": (run_with("--gen-kwargs", "=,,="), ["--gen-kwargs", "names no setting"]),
+    "run --gen-kwargs do_sample=maybe": (run_with("--gen-kwargs", "do_sample=maybe"), ["do_sample", "true or false"]),
+    # bounds where a huge value hung or crashed
+    "run --timing-repeats 1000000": (run_with("--timing-repeats", "1000000"), ["--timing-repeats", "at most"]),
+    "run --threads 99999999999": (run_with("--threads", "99999999999"), ["--threads", "at most"]),
+    "trace --threads 99999999999": (lambda t: ["trace", "a=1 b=a", "--threads", "99999999999"], ["--threads"]),
+    "run --verify-cells ''": (run_with("--replay", "--verify-cells", ""), ["--verify-cells", "empty"]),
+    "fit-exit --tokens 0": (lambda t: ["fit-exit", "--tokens", "0", "--limit", "4", "--out", str(t / "o" / "m.json")],
+                            ["--tokens must be ≥ 2", "got 0"]),
+    # chat templates that cannot be rendered: named before any compute
+    "a chat template that raises": _chat("{{ raise_exception('no chat here') }}", ["chat template", "no chat here"]),
+    "a chat template that does not parse": _chat("{% for m in messages %}{{ m.content ", ["chat template",
+                                                                                          "TemplateSyntaxError"]),
+    "a chat template that is a number": _chat(5, ["chat template", "must be a Jinja string", "int"]),
 }
 if not torch.cuda.is_available():
     BAD_COMMANDS["run --device cuda without CUDA"] = (
@@ -200,6 +237,47 @@ def test_log_samples_recomputes_a_cell_that_has_none(tmp_path, capfd):
         assert all(len(r["exitbench"][k]) == len(r["exitbench"]["exit_steps"]) > 0 for r in rows
                    for k in ("token_text", "logprobs", "greedy"))
         assert cell["samples"] is True
+
+
+def test_sigterm_stops_a_sweep_as_ctrl_c_does(tmp_path, monkeypatch):
+    """A scheduler's kill (SIGTERM) mid-sweep: the cells finished are kept, the command says so and how to
+    resume, exit 143; the second cell never starts and leaves no claim behind."""
+    import signal
+
+    import exitbench.sweep
+
+    real, calls = exitbench.sweep.run_config, []
+
+    def then_terminated(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered to this process's handler
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(exitbench.sweep, "run_config", then_terminated)
+    out = tmp_path / "out"
+    before = signal.getsignal(signal.SIGTERM)
+    res = runner.invoke(app, ["run", *SMALL, "--timing-repeats", "0", "--out", str(out)])
+    assert res.exit_code == 143, explain(res)
+    assert "interrupted: 1 of the sweep's 2 cells are finished and kept" in " ".join(res.stderr.split())
+    assert len(load_cells(out)) == 1 and not list(out.glob(".*.lock"))
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler lives for the sweep only
+
+
+def test_a_sweep_whose_plan_cannot_fit_is_refused_before_its_first_cell(tmp_path, monkeypatch):
+    import exitbench.runtime.devices as devices
+    import exitbench.sweep
+
+    def no_compute(*a, **k):
+        raise AssertionError("a cell ran")
+
+    monkeypatch.setattr(devices, "available_memory", lambda device: 1000)  # 1 kB free
+    monkeypatch.setattr(exitbench.sweep, "run_config", no_compute)
+    res = runner.invoke(app, ["run", *SMALL, "--out", str(tmp_path / "o")])
+    assert_one_line_error(res, ["needs at least", "GB free", "--no-memory-check"])
+    monkeypatch.setattr(exitbench.sweep, "run_config", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    res = runner.invoke(app, ["run", *SMALL, "--no-memory-check", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 130, explain(res)  # past the check: the first cell started
 
 
 def test_a_kill_between_samples_and_cell_leaves_no_cell(tmp_path, monkeypatch):
@@ -350,6 +428,15 @@ def test_nan_weights_are_refused_at_load_unless_allowed(raven_copy, tmp_path, ca
     found = load_cells(out)
     assert found and all(c["numerics"]["nonfinite_tokens"] == c["iterations"]["tokens"] for c in found.values())
     assert sum("warning:" in line and "NaN or infinity" in line for line in lines) == len(found)
+    # trace warns as run does, instead of printing nan log-probabilities as if they were numbers (a NaN in
+    # every weight of the block: one NaN reaches only some of a short prompt's tokens)
+    tensors = load_file(str(raven_copy / "model.safetensors"))
+    tensors["transformer.core_block.0.attn.Wqkv.weight"].fill_(float("nan"))
+    save_file(tensors, str(raven_copy / "model.safetensors"), metadata={"format": "pt"})
+    code, lines, _ = invoke(["trace", "a=7 b=a", "--checkpoint", str(raven_copy), "--allow-nonfinite"], capfd)
+    assert code == 0 and any("warning:" in line and "NaN or infinity" in line for line in lines), lines
+    code, lines, _ = invoke(["trace", "a=7 b=a"], capfd)
+    assert code == 0 and not any("warning:" in line for line in lines), lines
 
 
 def test_finite_runs_count_no_nonfinite_tokens(tmp_path, small_sweep):
@@ -425,6 +512,34 @@ def test_progress_off_a_terminal_is_a_line_per_cell(tmp_path, capfd):
     assert code == 0
     progress = [line for line in out.splitlines() if line.startswith("[")]
     assert [line.split("]")[0] for line in progress] == ["[1/2", "[2/2"]
+    # so that a slow machine never looks like a hung one: the time spent, and before the end the time left
+    assert re.search(r" · \d+ s elapsed, about \d+ s left$", progress[0]), progress
+    assert re.search(r" · \d+ s elapsed$", progress[1]), progress
+
+
+def test_a_run_on_a_busy_machine_says_so_before_it_computes(tmp_path, capfd, monkeypatch):
+    """Load above the cores as the run starts: one warning, before the first cell, with advice that fits the
+    threads the run uses; nothing when the machine is idle (the session's patched load)."""
+    import exitbench.sweep
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # the first cell: what was said by then was said before any compute
+
+    monkeypatch.setattr(exitbench.sweep, "run_config", stop)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * os.cpu_count(), 0.0, 0.0))
+    before = torch.get_num_threads()
+    try:
+        for threads, advice in (("2", "or with --threads 1"), ("1", "rerun on an idle machine")):
+            res = runner.invoke(app, ["run", *SMALL, "--threads", threads, "--out", str(tmp_path / threads)])
+            assert res.exit_code == 130, explain(res)
+            warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+            assert len(warnings) == 1 and "is busy as this run starts" in warnings[0], res.stderr
+            assert advice in warnings[0] and (threads == "2" or "--threads 1" not in warnings[0]), warnings
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.0, 0.0))
+        res = runner.invoke(app, ["run", *SMALL, "--out", str(tmp_path / "idle")])
+        assert res.exit_code == 130 and "warning:" not in res.stderr, explain(res)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep):

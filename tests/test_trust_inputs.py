@@ -99,6 +99,12 @@ def test_check_that_compares_nothing_is_exit_2_and_says_why(tmp_path, capfd):
         line = one_line(["check", str(run), "--baseline", str(base), *extra], capfd, ["nothing to check", "limit"])
         assert "20" in line and "48" in line
 
+    def every_document(cell):
+        cell["task"]["limit"] = None
+    run = copy_cells(tmp_path / "all", baseline_cells(), every_document)
+    line = one_line(["check", str(run), "--baseline", str(base)], capfd, ["nothing to check", "limit"])
+    assert "limit (run: all documents; baseline: 48)" in line and "None" not in line
+
 
 # ---- 4. cells of different models ---------------------------------------------------------------------------------
 def test_a_directory_of_two_models_is_refused_unless_one_is_picked(tmp_path, capfd):
@@ -202,7 +208,7 @@ def assert_clean_end(res, fd, written: Path | None = None, verdicts=(0,)):
             assert not written.exists()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(FIELDS), value=WRONG_VALUES, reader=st.sampled_from(sorted(READERS)))
 def test_a_mutated_cell_never_crashes_a_reader(tmp_path_factory, capfd, field, value, reader):
     tmp = tmp_path_factory.mktemp("mutated")

@@ -146,41 +146,23 @@ def test_two_replay_sweeps_at_once_compute_each_cell_once(tmp_path):
     assert not list(out.glob(".*.lock"))
 
 
-# ---- 2. reports never replace a result cell ---------------------------------------------------------------------
+# ---- 2. no writer replaces a result cell ------------------------------------------------------------------------
 
 REPORTS = {  # each command, and the schema of the report it writes
     "calibrate": (["calibrate", "--programs", "4", "--thresholds", "0.1"], "exitbench.calibration"),
     "fit-exit": (["fit-exit", "--limit", "4"], "exitbench.exit_model"),
 }
-
-
-@pytest.mark.parametrize("command", list(REPORTS))
-def test_a_report_refuses_to_replace_a_cell(command, tmp_path, capfd, monkeypatch):
-    import exitbench.harness.documents as documents
-
-    def no_compute(*a, **k):
-        raise AssertionError(f"{command} read its documents before refusing --out")
-
-    monkeypatch.setattr(documents, "token_lists", no_compute)
-    cell = tmp_path / A_CELL.name
-    cell.write_bytes(A_CELL.read_bytes())
-    capfd.readouterr()
-    res = runner.invoke(app, [*REPORTS[command][0], "--out", str(cell)])
-    assert_one_line_error(res, ["--out", str(cell), "result cell"], fd=capfd.readouterr())
-    assert cell.read_bytes() == A_CELL.read_bytes()
-
-
 @pytest.mark.parametrize("command", list(REPORTS))
 def test_a_report_replaces_its_own_earlier_report(command, tmp_path):
     """What the refusal above must not catch: the command's own report (and files that are not JSON at all)."""
-    from exitbench.store.disk import writable_report
+    from exitbench.store.disk import writable_output
 
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"schema": REPORTS[command][1], "schema_version": 1}))
-    assert writable_report(own, "--out") == own
+    assert writable_output(own, "--out") == own
     (tmp_path / "notes.json").write_text("not JSON")
-    assert writable_report(tmp_path / "notes.json", "--out") == tmp_path / "notes.json"
-    assert writable_report(tmp_path / "new.json", "--out") == tmp_path / "new.json"
+    assert writable_output(tmp_path / "notes.json", "--out") == tmp_path / "notes.json"
+    assert writable_output(tmp_path / "new.json", "--out") == tmp_path / "new.json"
 
 
 # ---- 3. bad options: one line, before anything runs ----------------------------------------------------------------
