@@ -1,10 +1,18 @@
-"""Shared fixtures: a tiny random Raven, its checkpoint directory and a tiny word-level tokenizer.
+"""Shared fixtures: a tiny random Raven, its checkpoint directory and a tiny word-level tokenizer; and the session
+settings every test runs under.
 
 Only pytest fixtures and session settings live here; the builders are in tests/helpers/models.py. Everything is
-built in tmp_path; nothing is written into the repository.
+built in tmp_path; nothing is written into the repository or the user's home.
+
+The suites run in parallel (pytest-xdist, one worker per core): each worker is its own process with its own
+hash cache, and every test sees an idle machine's load, so no output a test asserts on depends on what else the
+machine is doing (a test that wants a busy machine patches `os.getloadavg` itself).
 """
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +20,44 @@ import torch
 
 from exitbench.models import Raven, save_checkpoint
 from exitbench.models.tokenizer import Tokenizer
+from exitbench.store.identity import CACHE_DIR_ENV
 
 from helpers.models import SHARD_BYTES, make_tiny_raven, make_tiny_tokenizer
+from helpers.sweeps import SharedSweep, build_once
 
 # Tiny models gain nothing from intra-op threads, and with a busy core the thread pool's barriers can make
 # a millisecond forward take a second; one thread keeps the suite fast and its timing stable.
 torch.set_num_threads(1)
+
+IDLE_LOAD = (0.0, 0.0, 0.0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_state(tmp_path_factory):
+    """Per worker: the file-digest cache in the worker's own temporary folder (not ~/.cache/exitbench, which
+    two workers, or a user's own runs, would share), and an idle machine's load average. Subprocesses inherit
+    the cache folder through the environment."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("hash-cache")))
+        patch.setattr(os, "getloadavg", lambda: IDLE_LOAD)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def lm_eval_logs_to_a_live_stream():
+    """lm-eval configures its logger once per process, on the stderr of that moment: inside typer's CliRunner
+    that is a stream the runner closes when the command ends, and every later lm-eval warning would then print
+    a "Logging error" traceback into whatever test runs next. Such handlers are dropped after each test, so lm-eval
+    configures itself again on the next test's stderr, as a fresh process would."""
+    yield
+    lm_eval_utils = sys.modules.get("lm_eval.utils")
+    logger = logging.getLogger("lm_eval")
+    dead = [h for h in logger.handlers
+            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False)]
+    for handler in dead:
+        logger.removeHandler(handler)
+    if dead and lm_eval_utils is not None:
+        lm_eval_utils._LOGGING_CONFIGURED = False
 
 
 @pytest.fixture
@@ -35,3 +75,12 @@ def tiny_checkpoint(tmp_path, tiny_raven, tiny_tokenizer) -> Path:
     """A sharded (3 shards + index) fp32 checkpoint directory of `tiny_raven` with a tokenizer.json."""
     return save_checkpoint(tiny_raven, tmp_path / "tiny-ck", tokenizer=tiny_tokenizer,
                            max_shard_bytes=SHARD_BYTES)
+
+
+@pytest.fixture(scope="session")
+def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
+    """The small real sweep of tests/helpers/sweeps.py, run once for the whole session: under pytest-xdist the
+    workers' temporary folders share a parent, where the first worker to ask builds it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return build_once(shared / "shared-sweep")

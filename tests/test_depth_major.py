@@ -11,6 +11,7 @@ rounding decides an exit.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +33,27 @@ K = 8
 LOGP_RTOL = 2e-5
 
 
-@pytest.fixture(scope="module", params=["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout",
-                                                     "retrofit-llama"])
-def model_case(request):
-    if request.param == "huginn-layout":
+MODELS = ["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout", "retrofit-llama"]
+# The fast suite runs a rule of each kind on the Ouro layout (norm + head readout and a trained-gate stand-in, so
+# every rule runs depth-major there): latent, decoding, fixed and gate; and on every model a decoding-free rule and
+# a decoding one (which the other models' codas or later loop groups keep token-major). The whole matrix (every
+# rule on every model) is slow.
+FAST_CASES = ({("ouro-layout", p) for p in ("second_order", "kl", "fixed", "qexit")}
+              | {(m, p) for m in MODELS for p in ("second_order", "kl")})
+
+
+@functools.cache
+def _model_case(name: str):
+    if name == "huginn-layout":
         model, vocab = tiny(init_scale=1.0), 100
-    elif request.param in ("ouro-layout", "retrofit-llama"):
-        fixture = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny"}[request.param]
+    elif name in ("ouro-layout", "retrofit-llama"):
+        fixture = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny"}[name]
         model = checkpoint.load_checkpoint(Path(__file__).parent / "fixtures" / fixture).model.eval()
         vocab = model.output_size
     else:
-        model = checkpoint.open_checkpoint(request.param).model.eval()
+        model = checkpoint.open_checkpoint(name).model.eval()
         vocab = model.output_size
-    return request.param, model, mixed_requests(8, seed=5, vocab=vocab, min_len=3, max_len=14)
+    return name, model, mixed_requests(8, seed=5, vocab=vocab, min_len=3, max_len=14)
 
 
 def _engine(model, policy: str, schedule: str = "auto", **knobs) -> ExitEngine:
@@ -75,9 +84,11 @@ def _same(a, b) -> None:
                 np.testing.assert_allclose(sx, sy, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", list(REGISTRY))
-def test_both_schedules_give_the_same_exits_and_log_probabilities(model_case, policy):
-    name, model, requests = model_case
+@pytest.mark.parametrize("name,policy", [
+    pytest.param(m, p, id=f"{m}-{p}", marks=() if (m, p) in FAST_CASES else pytest.mark.slow)
+    for m in MODELS for p in REGISTRY])
+def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
+    _, model, requests = _model_case(name)
     cls = REGISTRY[policy]
     if cls.needs_gate and not model.gated:
         pytest.skip("a gate rule needs a trained exit gate (refused in one line: tests/test_ouro.py)")
@@ -100,10 +111,12 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(model_case, po
     assert auto.stats["steps"] < 0.6 * token.stats["steps"], (auto.stats["steps"], token.stats["steps"])
 
 
-def test_blocks_of_positions_read_earlier_blocks_at_their_exits(model_case, monkeypatch):
+@pytest.mark.parametrize("name", [m if m in ("huginn-layout", "tiny-looped-gpt2") else
+                                  pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
+def test_blocks_of_positions_read_earlier_blocks_at_their_exits(name, monkeypatch):
     """A sequence longer than one wave is cut into blocks; a block reads earlier blocks' entries at their exit
-    slots, so the answers do not depend on where the cuts fall."""
-    name, model, requests = model_case
+    slots, so the answers do not depend on where the cuts fall. Fast on a coda model and on three loop groups."""
+    name, model, requests = _model_case(name)
     knobs = _threshold(model, requests, "second_order")
     want = _engine(model, "second_order", "token_major", **knobs).score(requests, batch_size=3)
     for block in (1, 3):

@@ -97,7 +97,10 @@ def _check_batched_equals_single(model, requests, policy, knobs, k=K, rows=None,
             np.testing.assert_allclose(rb.signals[0], rs.signals[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy,knobs", BATCH_CASES, ids=[p for p, _ in BATCH_CASES])
+# minp_kl (patience and min_steps over a decoding rule) with the slow tests; kl's batching and those knobs'
+# exits (tests/test_policies.py) stay fast.
+@pytest.mark.parametrize("policy,knobs", [c if c[0] != "minp_kl" else pytest.param(*c, marks=pytest.mark.slow)
+                                          for c in BATCH_CASES], ids=[p for p, _ in BATCH_CASES])
 def test_batched_score_equals_batch_size_one(noisy_model, requests_16, policy, knobs):
     _check_batched_equals_single(noisy_model, requests_16, policy, knobs)
 
@@ -119,13 +122,18 @@ def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, ro
         assert logprobs_close(b.logprobs, s.logprobs)
 
 
-@pytest.mark.parametrize("policy,knobs", BATCH_CASES[:4], ids=[p for p, _ in BATCH_CASES[:4]])
+# Fast: a latent rule and the oracle (whose cache is rewritten after the fact); kl and second_order with the slow
+# tests (their scoring batches fast above, and generation runs the same loop).
+@pytest.mark.parametrize("policy,knobs", [c if c[0] in ("first_order", "oracle") else pytest.param(*c, marks=pytest.mark.slow)
+                                          for c in BATCH_CASES[:4]], ids=[p for p, _ in BATCH_CASES[:4]])
 def test_batched_generate_equals_batch_size_one(noisy_model, policy, knobs):
     _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), policy, knobs)
 
 
-@pytest.mark.parametrize("policy,knobs", [BATCH_CASES[1], BATCH_CASES[3]], ids=["second_order", "oracle"])
-# Five rows under the oracle (4 s) repeats what three rows check; it runs with the slow tests.
+# Fast: three rows under second_order. The oracle (8 s: each request run to full depth, then again to its exit)
+# and five rows run with the slow tests; the oracle's batching is checked fast with a row per request above.
+@pytest.mark.parametrize("policy,knobs", [BATCH_CASES[1], pytest.param(*BATCH_CASES[3], marks=pytest.mark.slow)],
+                         ids=["second_order", "oracle"])
 @pytest.mark.parametrize("rows", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_fewer_rows_than_requests_equals_batch_size_one(noisy_model, requests_16, policy, knobs, rows):
     """Rows that finish a request take the next one (continuous batching): still the answers of one at a time."""
@@ -270,7 +278,8 @@ MODES_TWO = [("full", False), ("exit", True)]
 
 @pytest.mark.parametrize("which,policy,prefill,warm_start",
                          [("noisy_model", "first_order", *m) for m in MODES_ALL] +
-                         [("zero_model", "first_order", *m) for m in MODES_TWO] +
+                         # a zero initial state changes where the loop starts, not the modes: with the slow tests
+                         [pytest.param("zero_model", "first_order", *m, marks=pytest.mark.slow) for m in MODES_TWO] +
                          [("noisy_model", "kl", *m) for m in MODES_TWO])
 def test_engine_matches_reference_loop(request, requests_16, prefill, warm_start, which, policy):
     model = request.getfixturevalue(which)
@@ -344,9 +353,10 @@ def test_warm_start_changes_the_start_and_batches(noisy_model, requests_16):
         if n_ctx == 1:
             assert c.records[0].exit_steps == w.records[0].exit_steps
             assert abs(c.logprobs[0] - w.logprobs[0]) <= LOGP_TOL
-    for prefill in ("full", "exit"):
-        _check_batched_equals_single(noisy_model, requests_16, "first_order", dict(relative=True),
-                                     warm_start=True, prefill=prefill)
+    # batched ≡ one at a time with a warm start: here under prefill="exit"; under "full" with rows reused in
+    # test_prefill_exit_and_warm_start_with_rows_reused
+    _check_batched_equals_single(noisy_model, requests_16, "first_order", dict(relative=True), warm_start=True,
+                                 prefill="exit")
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------------------

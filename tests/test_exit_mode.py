@@ -58,10 +58,12 @@ def test_physical_and_select_agree_where_nothing_exits_early_and_differ_where_it
 
 
 CASES = ["huginn-layout", "ouro"]
+# Fast: a latent rule, a decoding one, fixed depth and the trained gate; the rest of the roster with the slow tests.
+FAST = {"second_order", "kl", "fixed", "qexit"}
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("policy", list(REGISTRY))
+@pytest.mark.parametrize("policy", [p if p in FAST else pytest.param(p, marks=pytest.mark.slow) for p in REGISTRY])
 def test_select_runs_every_policy_batched_equal_to_one_at_a_time(case, policy, ouro):
     model = tiny(init_scale=1.0) if case == "huginn-layout" else ouro
     if REGISTRY[policy].needs_gate and not model.gated:

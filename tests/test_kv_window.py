@@ -33,8 +33,10 @@ def noisy_model():
 
 # ---- a window as deep as the loop is the full cache ----------------------------------------------------
 
+# kl and the oracle with the slow tests: the window is the cache's, not the rule's
 @pytest.mark.parametrize("policy,knobs", [("fixed", dict(threshold=8)), ("first_order", dict(threshold=0.3)),
-                                          ("kl", dict(threshold=3e-3)), ("oracle", dict(threshold=1e-2))])
+                                          pytest.param("kl", dict(threshold=3e-3), marks=pytest.mark.slow),
+                                          pytest.param("oracle", dict(threshold=1e-2), marks=pytest.mark.slow)])
 def test_window_covering_every_iteration_is_the_full_cache(noisy_model, policy, knobs):
     if policy != "fixed":
         knobs = dict(knobs, max_steps=K)
@@ -148,7 +150,10 @@ def test_window_follows_the_rule(noisy_model, policy, knobs, window, whole):
 
 # ---- batching never changes an answer, with the window on -----------------------------------------------
 
-@pytest.mark.parametrize("policy", ["first_order", "second_order", "oracle"])
+# first_order and the oracle under a window (4 and 7 s) with the slow tests; second_order's stays fast, and the
+# oracle's batching without a window (test_engine)
+@pytest.mark.parametrize("policy", [pytest.param("first_order", marks=pytest.mark.slow), "second_order",
+                                    pytest.param("oracle", marks=pytest.mark.slow)])
 def test_batched_equals_batch_size_one(noisy_model, policy):
     if policy == "oracle":
         knobs = dict(threshold=1e-2)

@@ -118,12 +118,25 @@ def test_documents_that_begin_with_an_evaluation_document_are_dropped():
     assert kept == [[1, 9, 9, 9], [1, 5, 7]] and record == {"checked_against": ["t"], "dropped": {"t": 2}}
 
 
-def test_fitting_documents_come_from_the_split_that_is_not_evaluated():
+def _gsm8k_head(folder, lines: int):
+    """The first `lines` of each GSM8K split, as a --data-dir."""
+    folder.mkdir()
+    for split in ("train", "test"):
+        head = (GSM8K_DIR / f"{split}.jsonl").read_text().splitlines()[:lines]
+        (folder / f"{split}.jsonl").write_text("\n".join(head) + "\n")
+    return folder
+
+
+# All of GSM8K (8,800 documents, 8 s of lm-eval's templating) with the slow tests; its first 40 per split fast.
+@pytest.mark.parametrize("lines", [40, pytest.param(None, marks=pytest.mark.slow)], ids=["head", "all"])
+def test_fitting_documents_come_from_the_split_that_is_not_evaluated(lines, tmp_path):
     from exitbench.harness.documents import task_documents
 
-    fitting = task_documents("gsm8k_text", str(GSM8K_DIR), split="fitting")
-    evaluation = task_documents("gsm8k_text", str(GSM8K_DIR))
-    train = [json.loads(line) for line in (GSM8K_DIR / "train.jsonl").read_text().splitlines()]
+    data = GSM8K_DIR if lines is None else _gsm8k_head(tmp_path / "gsm8k", lines)
+    fitting = task_documents("gsm8k_text", str(data), split="fitting")
+    evaluation = task_documents("gsm8k_text", str(data))
+    assert len(evaluation) == len((data / "test.jsonl").read_text().splitlines())
+    train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     assert len(fitting) == len(train) and fitting[0].startswith(train[0]["question"])
     assert not set(fitting) & set(evaluation)
     with pytest.raises(ExitbenchError, match="chains has no training or validation split"):

@@ -35,6 +35,9 @@ CHAINS_GEN = {"until": ["\n"], "max_gen_toks": 2, "do_sample": False}
 ADAPTIVE = [ExitConfig("second_order", threshold=0.1), ExitConfig("kl", threshold=1e-2)]
 CONFIGS = [ExitConfig("fixed", threshold=R), *ADAPTIVE]
 CONFIG_IDS = ["fixed16", "second_order0.1", "kl0.01"]
+# The adapter does the same whatever the rule (the engine decides the exits): fixed depth and second_order fast,
+# kl with the slow tests (its exits are checked against the engine in tests/test_engine.py and test_policies.py).
+CONFIGS_FAST = [CONFIGS[0], CONFIGS[1], pytest.param(CONFIGS[2], marks=pytest.mark.slow)]
 
 
 def docs(hop: int | None = None, n: int = 1) -> list[dict]:
@@ -79,7 +82,7 @@ def direct_tokens(ck, context: str, continuation: str) -> tuple[list[int], int]:
 
 # ---- loglikelihood -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("cfg", CONFIGS_FAST, ids=CONFIG_IDS)
 def test_loglikelihood_equals_direct_engine_score(raven, cfg):
     """Single-token, multi-token and wrong continuations, mixed in one call at batch size 4."""
     cases = []
@@ -121,7 +124,7 @@ def test_is_greedy_is_honest_on_easy_hops(raven, hop):
                 assert lp < out[right][0] - 3
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("cfg", CONFIGS_FAST, ids=CONFIG_IDS)
 def test_multiple_choice_options_match_scoring_each_alone(raven, cfg):
     """The ten options of a question share one pass inside a task; each option's result is still what the
     engine gives that option scored on its own, and the shared pass's tokens are counted once."""
@@ -278,7 +281,8 @@ def test_generate_rejects_sampling(raven):
         lm.generate_until([req("generate_until", ("f=3", {"until": [], "do_sample": True}))])
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=CONFIG_IDS[:2])
+# fixed depth's batched generation with the slow tests: an adaptive rule's rows end at different times (harder)
+@pytest.mark.parametrize("cfg", [pytest.param(CONFIGS[0], marks=pytest.mark.slow), CONFIGS[1]], ids=CONFIG_IDS[:2])
 def test_generate_batch_size_one_and_eight_agree(raven, random18, cfg):
     """Prompts of different lengths whose generations end at different times: batching changes no output
     and no exit."""

@@ -122,6 +122,37 @@ def test_shipped_task_runs_outside_a_checkout_without_include_path_or_git_noise(
     assert results["config"]["exitbench"]["exit"]["threshold"] == 4
 
 
+def test_exit_statistics_are_added_to_what_simple_evaluate_returns(tiny_checkpoint):
+    """The library half of the CLI run below: lm-eval builds the exitbench model from its name and model args,
+    and what `simple_evaluate` returns carries the exits, in its results, its config and its samples."""
+    import lm_eval
+
+    import exitbench.harness.model  # noqa: F401  (registers the model with lm-eval, as the CLI does)
+    from exitbench.harness.cli import exits_in_lm_evals_results
+    from exitbench.harness.exit_statistics import FILTER
+    from exitbench.harness.quiet import silence_git_lookup
+    from exitbench.harness.task_set import resolve_tasks
+
+    silence_git_lookup()  # as the CLI does
+    tasks = resolve_tasks(["chains"])
+    original = lm_eval.simple_evaluate
+    with exits_in_lm_evals_results():
+        results = lm_eval.simple_evaluate(model="exitbench", limit=2, log_samples=True, tasks=tasks.specs,
+                                          bootstrap_iters=0,
+                                          task_manager=tasks.manager, verbosity="ERROR",
+                                          model_args=f"checkpoint={tiny_checkpoint},policy=second_order,threshold=0.1")
+    stats = results["config"]["exitbench"]["exit_statistics"]["chains"]
+    assert stats["tokens"] > 0 and 1 <= stats["mean"] <= stats["p90"] <= stats["max"]
+    assert results["results"]["chains"][f"mean_iterations,{FILTER}"] == stats["mean"]
+    assert results["results"]["chains"][f"max_iterations,{FILTER}"] == stats["max"]
+    samples = results["samples"]["chains"]
+    assert len(samples) == 2 and all(s["exitbench"]["exit_steps"] for s in samples)
+    assert sum(s["exitbench"]["tokens"] for s in samples) == stats["tokens"]
+    assert lm_eval.simple_evaluate is original  # the wrapper lives for one CLI run only
+
+
+@pytest.mark.slow  # 17 s, most of it lm-eval's task index, which its CLI builds; the statistics themselves are
+# checked fast on what simple_evaluate returns (test_exit_statistics_are_added_to_what_simple_evaluate_returns)
 def test_exit_statistics_reach_lm_evals_table_results_and_samples(tiny_checkpoint, tmp_path, capfd):
     """What `exitbench run` records about the exits, a user of lm-eval's own CLI sees in lm-eval's outputs."""
     out = tmp_path / "lm-eval"

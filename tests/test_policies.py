@@ -99,7 +99,12 @@ def never_fires(policy):
 
 
 MODES = [pytest.param("single", id="single"), pytest.param("batched", id="batched")]
-MODE_VARIANTS = [pytest.param(m, p, r, id=f"{p}{'-relative' if r else ''}-{m}")
+# Every rule runs batched in the fast suite, each row against its own trajectory computed alone; one row per call
+# ("single") only for a latent and a decoding rule there, the others with the slow tests (batching never changes
+# an exit: tests/test_engine.py).
+SINGLE_FAST = {"first_order", "kl"}
+MODE_VARIANTS = [pytest.param(m, p, r, id=f"{p}{'-relative' if r else ''}-{m}",
+                              marks=() if m == "batched" or (p in SINGLE_FAST and not r) else pytest.mark.slow)
                  for p, r in VARIANTS for m in ("single", "batched")]
 
 
@@ -210,7 +215,7 @@ def _oracle_eps(logps):
     return [mids[0], mids[len(mids) // 3], mids[2 * len(mids) // 3], mids[-1]]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("single", marks=pytest.mark.slow), "batched"])
 def test_oracle_scoring_exit(both_inits, mode):
     model, states, logps = both_inits
     groups = [[b] for b in range(len(T0))] if mode == "single" else [list(range(len(T0)))]

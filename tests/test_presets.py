@@ -49,6 +49,36 @@ def test_an_unknown_preset_and_a_replayed_one_are_one_line():
         presets.load("../README")
 
 
+def test_a_presets_numbers_go_into_its_cells_and_beside_them_in_pareto_and_report(tmp_path):
+    """The library half of the run below, on a shipped task (no lm-eval task index to build): a sweep made from
+    a preset carries the published numbers in its cells, and the readers print them beside the measured ones."""
+    from exitbench.harness.task_set import resolve_tasks
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep import SweepConfig, run_sweep
+
+    shipped = presets.load("recurrent-tinyllama-gsm8k")
+    chains = shipped.model_copy(update={"tasks": ["chains"], "published": {
+        "source": shipped.source, "chains": {"exact_match,none": {1: 12.5}}}})
+    out = tmp_path / "preset"
+    cfg = SweepConfig(tasks=["chains"], policies=["fixed"], baselines=[1], limit=2, quiet=True, timing_repeats=0,
+                      preset=chains)
+    run_sweep(open_checkpoint("tiny-raven"), resolve_tasks(["chains"]), cfg, out, "cpu")
+    (cell,) = [json.loads(f.read_text()) for f in out.glob("*.json")]
+    assert cell["preset"]["name"] == "recurrent-tinyllama-gsm8k"
+    assert cell["preset"]["published"]["exact_match,none"]["1"] == 12.5
+    res = runner.invoke(app, ["pareto", str(out)])
+    assert res.exit_code == 0, explain(res)
+    assert "published vs measured" in res.stdout and "12.50" in res.stdout
+    assert "published numbers are for smcleish/Recurrent-TinyLlama-3T-train-recurrence-4" in " ".join(
+        res.stderr.split())
+    res = runner.invoke(app, ["report", str(out)])
+    assert res.exit_code == 0, explain(res)
+    page = (out / "report.html").read_text()
+    assert "Published vs measured" in page and "McLeish et al. 2025" in page
+
+
+@pytest.mark.slow  # 16 s: lm-eval's gsm8k_cot (its task index) on the local GSM8K; what the preset puts into the
+# cells and the readers is checked fast on a shipped task (test_a_presets_numbers_go_into_its_cells_and_beside_…)
 def test_a_preset_run_puts_the_papers_numbers_beside_its_cells(tmp_path):
     """On the embedded model the preset runs the plumbing (its task, shots, BOS rule, dtype) and the tables
     say the published numbers are for the real checkpoint."""

@@ -1,7 +1,7 @@
 """`exitbench run`: threshold sweeps over lm-eval tasks, one result cell per (task, exit config).
 
-Most checks share one small sweep (module fixture): chains (generate) and chains_lambada (loglikelihood),
-24 documents each (hops 1-12 twice), second_order at τ = 0.01 and 1, fixed depths 1, 4 and 16.
+Most checks read the session's shared sweep (tests/helpers/sweeps.py): chains (generate) and chains_lambada
+(loglikelihood), 24 documents each (hops 1-12 twice), second_order at τ = 0.01 and 1, fixed depths 1, 4 and 16.
 Subprocesses (GSM8K, lm-eval's own CLI, kill -9, torchrun, bad input) run with one intra-op thread.
 """
 from __future__ import annotations
@@ -24,20 +24,16 @@ from helpers.cli import assert_one_line_error, exitbench_cmd, explain, free_port
 from helpers.models import make_gpt2
 from helpers.paths import GSM8K_DIR, TASKS_DIR
 
-LIMIT = 24
-SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thresholds", "0.01,1",
-         "--baselines", "1,4,16", "--limit", str(LIMIT)]
-N_CELLS = 2 * (2 + 3)
+from helpers.sweeps import LIMIT, N_CELLS, SWEEP
+
 FLOAT = dict(rel=1e-9, abs=1e-12)
 FLOAT32 = dict(rel=1e-6, abs=1e-9)
 
 
-@pytest.fixture(scope="module")
-def swept(tmp_path_factory):
-    """(out dir, seconds) of the shared sweep, run once in this process."""
-    out = tmp_path_factory.mktemp("sweep") / "cells"
-    seconds = run_ok(*SWEEP, "--out", str(out))
-    return out, seconds
+@pytest.fixture
+def swept(shared_sweep):
+    """(out dir, seconds) of the session's shared sweep: read it, never write into it."""
+    return shared_sweep.out, shared_sweep.seconds
 
 
 def assert_metrics_equal(cell_task: dict, lm_eval_result: dict, what: str, bootstrapped: bool = True) -> None:
@@ -83,8 +79,8 @@ def test_sweep_writes_one_schema_cell_per_task_and_config(swept):
     assert no_tmp == []
 
 
-def test_rerun_recomputes_nothing(swept, monkeypatch):
-    out, first_seconds = swept
+def test_rerun_recomputes_nothing(shared_sweep, monkeypatch, tmp_path):
+    out, first_seconds = shared_sweep.copy(tmp_path / "cells"), shared_sweep.seconds
     before = snapshot(out)
     assert len(before) == N_CELLS
 
