@@ -76,6 +76,16 @@ def test_a_checkpoint_without_a_template_is_one_line(saved, tmp_path):
         ChatTemplate(saved.ck_dir, "tool_use")
 
 
+def assert_keyed_on_the_prompt(plain: dict, chat: dict, chat_dir) -> None:
+    """The chat cell's key holds the settings (the plain one's none), and its samples the rendered prompts."""
+    assert "prompt" not in plain["key"]
+    assert chat["key"]["prompt"] == {"apply_chat_template": True, "system_instruction": SYSTEM,
+                                     "fewshot_as_multiturn": True, "gen_kwargs": {"max_gen_toks": 3}}
+    assert chat["cell_id"] != plain["cell_id"]
+    (samples,) = chat_dir.glob("**/*samples*")
+    assert f"<bos>system said {SYSTEM}" in samples.read_text()
+
+
 def test_a_sweep_keys_on_the_prompt_settings_and_samples_the_rendered_prompts(saved, tmp_path):
     """The library half of the command below: the same sweep with and without the prompt settings."""
     from exitbench.harness.prompting import Prompting
@@ -89,12 +99,7 @@ def test_a_sweep_keys_on_the_prompt_settings_and_samples_the_rendered_prompts(sa
     chat_prompting = Prompting(True, SYSTEM, True, "max_gen_toks=3")
     (chat,) = run_sweep(ck, tasks, SweepConfig(**common, num_fewshot=1, prompting=chat_prompting),
                         tmp_path / "chat", "cpu")
-    assert "prompt" not in plain["key"]
-    assert chat["key"]["prompt"] == {"apply_chat_template": True, "system_instruction": SYSTEM,
-                                     "fewshot_as_multiturn": True, "gen_kwargs": {"max_gen_toks": 3}}
-    assert chat["cell_id"] != plain["cell_id"]
-    (samples,) = (tmp_path / "chat").glob("**/*samples*")
-    assert f"<bos>system said {SYSTEM}" in samples.read_text()
+    assert_keyed_on_the_prompt(plain, chat, tmp_path / "chat")
 
 
 def test_a_template_file_edited_after_a_run_makes_a_new_cell(saved, tmp_path):
@@ -142,12 +147,7 @@ def test_exitbench_run_keys_on_the_prompt_settings(saved, tmp_path):
     assert res.exit_code == 0, explain(res)
     (plain,) = [json.loads(f.read_text()) for f in (tmp_path / "plain").glob("*.json")]
     (chat,) = [json.loads(f.read_text()) for f in (tmp_path / "chat").glob("*.json")]
-    assert "prompt" not in plain["key"]
-    assert chat["key"]["prompt"] == {"apply_chat_template": True, "system_instruction": SYSTEM,
-                                     "fewshot_as_multiturn": True, "gen_kwargs": {"max_gen_toks": 3}}
-    assert chat["cell_id"] != plain["cell_id"]
-    (samples,) = (tmp_path / "chat").glob("**/*samples*")
-    assert f"<bos>system said {SYSTEM}" in samples.read_text()
+    assert_keyed_on_the_prompt(plain, chat, tmp_path / "chat")
     res = runner.invoke(app, ["lm-eval", "run", "--model", "exitbench", "--model_args",
                               f"pretrained={saved.ck_dir},policy=fixed,threshold=1", "--tasks", "chains", "--limit",
                               "2", "--apply_chat_template", "--system_instruction", SYSTEM])

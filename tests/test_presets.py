@@ -49,6 +49,19 @@ def test_an_unknown_preset_and_a_replayed_one_are_one_line():
         presets.load("../README")
 
 
+def assert_published_beside_measured(out, published: str) -> None:
+    """pareto's table and the report show the published number beside the measured one, and say whose it is."""
+    res = runner.invoke(app, ["pareto", str(out)])
+    assert res.exit_code == 0, explain(res)
+    assert "published vs measured" in res.stdout and published in res.stdout
+    assert "published numbers are for smcleish/Recurrent-TinyLlama-3T-train-recurrence-4" in " ".join(
+        res.stderr.split())
+    res = runner.invoke(app, ["report", str(out)])
+    assert res.exit_code == 0, explain(res)
+    page = (out / "report.html").read_text()
+    assert "Published vs measured" in page and "McLeish et al. 2025" in page
+
+
 def test_a_presets_numbers_go_into_its_cells_and_beside_them_in_pareto_and_report(tmp_path):
     """The library half of the run below, on a shipped task (no lm-eval task index to build): a sweep made from
     a preset carries the published numbers in its cells, and the readers print them beside the measured ones."""
@@ -66,15 +79,7 @@ def test_a_presets_numbers_go_into_its_cells_and_beside_them_in_pareto_and_repor
     (cell,) = [json.loads(f.read_text()) for f in out.glob("*.json")]
     assert cell["preset"]["name"] == "recurrent-tinyllama-gsm8k"
     assert cell["preset"]["published"]["exact_match,none"]["1"] == 12.5
-    res = runner.invoke(app, ["pareto", str(out)])
-    assert res.exit_code == 0, explain(res)
-    assert "published vs measured" in res.stdout and "12.50" in res.stdout
-    assert "published numbers are for smcleish/Recurrent-TinyLlama-3T-train-recurrence-4" in " ".join(
-        res.stderr.split())
-    res = runner.invoke(app, ["report", str(out)])
-    assert res.exit_code == 0, explain(res)
-    page = (out / "report.html").read_text()
-    assert "Published vs measured" in page and "McLeish et al. 2025" in page
+    assert_published_beside_measured(out, "12.50")
 
 
 @pytest.mark.slow  # 16 s: lm-eval's gsm8k_cot (its task index) on the local GSM8K; what the preset puts into the
@@ -92,12 +97,4 @@ def test_a_preset_run_puts_the_papers_numbers_beside_its_cells(tmp_path):
     assert cell["key"]["add_bos_token"] is True and cell["key"]["dtype"] == "float32"
     assert cell["preset"]["name"] == "recurrent-tinyllama-gsm8k"
     assert cell["preset"]["published"]["exact_match,flexible-extract"]["1"] == 18.9
-    res = runner.invoke(app, ["pareto", str(out)])
-    assert res.exit_code == 0, explain(res)
-    assert "published vs measured" in res.stdout and "18.90" in res.stdout
-    assert "published numbers are for smcleish/Recurrent-TinyLlama-3T-train-recurrence-4" in " ".join(
-        res.stderr.split())
-    res = runner.invoke(app, ["report", str(out)])
-    assert res.exit_code == 0, explain(res)
-    page = (out / "report.html").read_text()
-    assert "Published vs measured" in page and "McLeish et al. 2025" in page
+    assert_published_beside_measured(out, "18.90")
