@@ -84,3 +84,16 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return build_once(shared / "shared-sweep")
+
+
+# The files that take longest (measured 2026-12-03: the slow suite's Huginn- and Ouro-size checkpoints, torch.compile,
+# the end-to-end runs; the fast suite's engine matrices), run first. pytest-xdist hands whole files to workers in
+# collection order (--dist loadfile), so a long file that starts last keeps one worker busy after the other has
+# finished; longest first is the classic remedy. Order only: a stale list costs balance, never a result.
+LONGEST_FIRST = ("test_full_size.py", "test_ouro_full_size.py", "test_compile.py", "test_run.py", "test_gpt2.py",
+                 "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
