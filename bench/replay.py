@@ -15,6 +15,7 @@ tiny model's timings swing by whole seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -99,9 +100,11 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
     from exitbench.engine import ExitConfig
     from exitbench.harness.task_set import resolve_tasks
     from exitbench.models.checkpoint import open_checkpoint
-    from exitbench.runner import execute, prepare
+    from exitbench.sweep.run import execute, open_sweep
     from exitbench.store import cells
-    from exitbench.sweep import SweepConfig, cell_key, run_config
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.exact import run_config
+    from exitbench.sweep.keys import cell_key
 
     ck = open_checkpoint(checkpoint)
     tasks = resolve_tasks(task_names, data_dir)
@@ -109,7 +112,7 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
     exact_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True)
     replay_cfg = SweepConfig(tasks=task_names, policies=list(policies), limit=limit, quiet=True, replay=True)
     with tempfile.TemporaryDirectory() as tmp:
-        prepared = prepare(ck, tasks, replay_cfg, Path(tmp) / "replay", "cpu")
+        prepared = open_sweep(dataclasses.replace(replay_cfg, out=Path(tmp) / "replay"), ck, tasks)
         sweep = prepared.plan
         full = ExitConfig("fixed", threshold=depth)
         idx = list(range(len(task_names)))
@@ -118,7 +121,7 @@ def sweep_vs_full_depth(checkpoint: str, task_names: list[str], limit: int, labe
         exact = run_config(ck, tasks, idx, full, exact_cfg, sweep.model, keys, sweep.run_id)
         exact_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        outcome = execute(ck, tasks, replay_cfg, Path(tmp) / "replay", prepared)
+        outcome = execute(prepared)
         made, record_s, costs_s = outcome.cells, outcome.timings["record_s"], outcome.timings["cost_model_s"]
         replay_s = time.perf_counter() - t0
         tokens = sum(c["iterations"]["tokens"] for c, _ in exact)

@@ -1,12 +1,13 @@
 """The `exitbench` command: each command is a few lines over library calls."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
-import math
 import time
 import traceback
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -17,8 +18,8 @@ from rich.table import Table
 
 from .engine.config import ExitConfig
 from .errors import ExitbenchError
-from .harness.retime import DEFAULT_REPEATS, MAX_REPEATS
 from .runtime.validation import at_least
+from .sweep.config import RunOptions, SweepConfig
 
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -52,21 +53,35 @@ def exit_knobs(*names: str, **defaults):
     """Give a command the exit knobs `names` as options, made from ExitConfig's fields (their one definition);
     the command receives them as one dict, `knobs`. `defaults` overrides a knob's default for this command."""
     specs = {name: (kind, default, meta) for name, kind, default, meta in ExitConfig.knobs()}
+    chosen = [(name, specs[name][0], defaults.get(name, specs[name][1]), specs[name][2]) for name in names]
+    return _options(chosen, lambda values: {"knobs": values}, drop="knobs")
 
+
+def options_from(cls, name: str = "options"):
+    """Give a command the fields of dataclass `cls` as options (help and flags from each field's metadata, as
+    exit_knobs does for ExitConfig's); the command receives them as one `cls`, `name`."""
+    hints = typing.get_type_hints(cls)
+    specs = [(f.name, hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+              f.metadata) for f in dataclasses.fields(cls)]
+    return _options(specs, lambda values: {name: cls(**values)}, drop=name)
+
+
+def _options(specs, collect, drop: str):
+    """Add the options `specs` ((name, type, default, metadata)) to a command's signature, in place of its
+    parameter `drop`; `collect` turns their values into the keyword arguments the command takes instead."""
     def wrap(fn):
         signature = inspect.signature(fn)
         options = []
-        for name in names:
-            kind, default, meta = specs[name]
-            flags = meta["flags"] or (f"--{name.replace('_', '-')}",)
-            option = typer.Option(defaults.get(name, default), *flags, help=meta["help"])
+        for name, kind, default, meta in specs:
+            flags = meta.get("flags") or (f"--{name.replace('_', '-')}",)
+            option = typer.Option(default, *flags, help=meta["help"])
             options.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind))
 
         @functools.wraps(fn)
         def command(*args, **kwargs):
-            return fn(*args, knobs={name: kwargs.pop(name) for name in names}, **kwargs)
+            return fn(*args, **collect({name: kwargs.pop(name) for name, *_ in specs}), **kwargs)
 
-        kept = [p for p in signature.parameters.values() if p.name != "knobs"]
+        kept = [p for p in signature.parameters.values() if p.name != drop]
         command.__signature__ = signature.replace(parameters=kept + options)
         return command
     return wrap
@@ -259,7 +274,7 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
     from .analysis.tables import trace_table
     from .models.checkpoint import open_checkpoint
     from .store.disk import writable_output
-    from .studies.fit_exit import check_fitted_for
+    from .policies.learned import check_fitted_for
     from .studies.trace import parse_vs, trace_prompt, write_json
 
     use_threads(threads)
@@ -300,147 +315,44 @@ def trace(prompt: str = typer.Argument(..., help="Text to run; with --generate, 
 @app.command()
 @one_line_errors
 @exit_knobs(*KNOBS_SHARED_BY_A_SWEEP)
-def run(tasks: str = typer.Option("chains", "--tasks", "-t", help="Comma-separated lm-eval task names."),
-        policy: list[str] = typer.Option(["second_order"], "--policy", "-p",
-                                         help="Exit policy (repeatable), or 'all'."),
-        thresholds: Optional[str] = typer.Option(None, help="Comma-separated thresholds (default: each policy's grid)."),
-        baselines: Optional[str] = typer.Option(None, help="Fixed depths, comma-separated (default 1,2,4,…,max)."),
-        checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-        limit: Optional[float] = typer.Option(None, help="Documents per task (testing only; <1 = fraction)."),
-        num_fewshot: Optional[int] = typer.Option(None, help="Few-shot examples (default: the task's)."),
-        batch_size: int = typer.Option(16, help="Sequences run together (never changes answers)."),
-        seed: int = typer.Option(0, help="Seed of lm-eval's sampling and the initial-state noise."),
-        out: Optional[Path] = typer.Option(None, help="Result directory (default results/<checkpoint name>)."),
-        shard: Optional[str] = typer.Option(None, help="Run only cells j with j % n == i, as i/n."),
-        data_dir: Optional[Path] = typer.Option(None, help="Local GSM8K copy (train.jsonl, test.jsonl)."),
-        include_path: list[Path] = typer.Option([], help="More lm-eval task folders."),
-        log_samples: bool = typer.Option(False, "--log-samples", help="Also write each cell's samples with "
-                                         "per-sample exits."),
-        add_bos_token: Optional[bool] = typer.Option(None, "--add-bos-token/--no-add-bos-token",
-                                                     help="Force BOS on (or off) every request, as lm-eval's hf "
-                                                     "model's add_bos_token (default: the tokenizer decides)."),
-        device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default auto: cuda when "
-                                             "available)."),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress and no lm-eval chatter; warnings and the "
-                                   "table still print."),
-        replay: bool = typer.Option(False, "--replay", help="Every cell from one recording pass (mode: replay; "
-                                    "see the README on when to trust it)."),
-        verify: bool = typer.Option(False, "--verify", help="With --replay: rerun each policy's frontier cells "
-                                    "exactly into OUT/verify and print replay vs exact."),
-        verify_cells: Optional[str] = typer.Option(None, "--verify-cells", help="With --verify: more cells to "
-                                                   "rerun exactly, as policy:threshold pairs (kl:1e-3,…)."),
-        apply_chat_template: bool = typer.Option(False, "--apply-chat-template", help="Render prompts with the "
-                                                 "tokenizer's chat template, as lm-eval's --apply_chat_template."),
-        chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Which of several named chat "
-                                                    "templates (implies --apply-chat-template)."),
-        system_instruction: Optional[str] = typer.Option(None, "--system-instruction", help="A system prompt "
-                                                         "before every request (lm-eval's --system_instruction)."),
-        fewshot_as_multiturn: Optional[bool] = typer.Option(None, "--fewshot-as-multiturn/--no-fewshot-as-multiturn",
-                                                            help="Few-shot examples as chat turns [lm-eval's default]."),
-        gen_kwargs: Optional[str] = typer.Option(None, "--gen-kwargs", help="Generation settings k=v,… over each "
-                                                 "task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512."),
-        preset: Optional[str] = typer.Option(None, "--preset", help="A family's published protocol (`exitbench "
-                                             "presets`): task, shots, template, dtype, depths; flags override it."),
-        compile_step: bool = CompileOpt, threads: Optional[int] = ThreadsOpt,
-        timing_repeats: int = typer.Option(DEFAULT_REPEATS, "--timing-repeats", help="After each cell, time its first requests "
-                                           "again this often beside full depth, alternately: a paired time ratio "
-                                           "with its spread (0: none; replay cells never)."),
-        memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse, before the first "
-                                          "cell, a sweep whose memory plan exceeds the device's free memory."),
-        knobs: dict = None, ctx: typer.Context = None):
+@options_from(RunOptions)
+def run(options: RunOptions = None, knobs: dict = None, ctx: typer.Context = None):
     """Run lm-eval tasks under each exit policy and threshold (plus fixed depths): one result cell each.
 
     The exit knobs (--min-steps, --patience, …) apply to every policy of the sweep that takes them."""
-    from .analysis.tables import replay_table, reuse_note, summary_table
-    from .harness.prompting import Prompting
-    from .harness.task_set import resolve_tasks
-    from .models.checkpoint import open_checkpoint
-    from .models.embedded import resolve
-    from .engine.memory import check_sweep_fits
-    from .runner import check_mode, execute, prepare
-    from .runtime.devices import resolve_device
-    from .runtime.distributed import finish_distributed, init_distributed
-    from .runtime.files import writable_dir
+    from .runtime.distributed import finish_distributed
     from .runtime.progress import SweepProgress
-    from .runtime.provenance import busy_at_start
     from .runtime.signals import Terminated, terminate_raises
-    from .studies.fit_exit import check_fitted_for
-    from .sweep import SweepConfig, grid, parse_shard, parse_thresholds, summary_rows
+    from .sweep.run import execute, open_sweep
 
-    use_threads(threads)
-    chosen = None
-    if preset is not None:
-        from . import presets
-
-        chosen = presets.load(preset)
-        options = presets.apply(chosen, dict(tasks=tasks, num_fewshot=num_fewshot, policy=policy, dtype=dtype,
-                                             apply_chat_template=apply_chat_template, baselines=baselines,
-                                             system_instruction=system_instruction, add_bos_token=add_bos_token,
-                                             fewshot_as_multiturn=fewshot_as_multiturn, checkpoint=checkpoint),
-                                given_on_command_line(ctx))
-        tasks, num_fewshot, policy, dtype = options["tasks"], options["num_fewshot"], options["policy"], options["dtype"]
-        apply_chat_template, baselines = options["apply_chat_template"], options["baselines"]
-        system_instruction, add_bos_token = options["system_instruction"], options["add_bos_token"]
-        fewshot_as_multiturn, checkpoint = options["fewshot_as_multiturn"], options["checkpoint"]
-    cfg = SweepConfig(tasks=[t.strip() for t in tasks.split(",") if t.strip()], policies=policy,
-                      thresholds=parse_thresholds(thresholds), baselines=_int_list(baselines, "--baselines"),
-                      limit=_limit(limit), num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
-                      shard=parse_shard(shard), log_samples=log_samples, exit=knobs, quiet=quiet,
-                      add_bos_token=add_bos_token, replay=replay,
-                      prompting=Prompting(chat_template or apply_chat_template, system_instruction,
-                                          fewshot_as_multiturn, gen_kwargs), preset=chosen,
-                      timing_repeats=timing_repeats)
-    check_mode(cfg, verify, verify_cells)
-    at_least("--batch-size", batch_size)
-    at_least("--timing-repeats", timing_repeats, 0)
-    if timing_repeats > MAX_REPEATS:  # each repeat reruns an eighth of every task twice: a bound, not a hang
-        raise ExitbenchError(f"--timing-repeats {timing_repeats}: at most {MAX_REPEATS} (each repeat times the "
-                             "cell and full depth again; more repeats do not narrow this machine's noise, see "
-                             "bench/RESULTS.md)")
-    if num_fewshot is not None:
-        at_least("--num-fewshot", num_fewshot, 0)
-    device = resolve_device(device)
-    rank0 = init_distributed()[0] == 0
-    out = out or Path("results") / resolve(checkpoint).name
-    if rank0:
-        writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
-        import torch
-
-        busy = busy_at_start(torch.get_num_threads())
-        if busy:
-            err_console.print(f"warning: {busy}", highlight=False, soft_wrap=True)
-    task_set = resolve_tasks(cfg.tasks, data_dir, include_path)
-    ck = open_checkpoint(checkpoint, dtype, device, allow_nonfinite=allow_nonfinite)
-    cfg.prompting.check_for(ck.path)
-    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(),  # bad thresholds fail
-                   ck.model.gated)  # before the fingerprint
-    check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
-    if compile_step:
-        ck.model.compile_loops()
-    prepared = prepare(ck, task_set, cfg, out, ck.model.device.type, verify=verify, verify_cells=verify_cells)
-    if memory_check:
-        check_sweep_fits(ck.model, configs, batch_size, device)
-    note = reuse_note(prepared.plan.reused(), out)
-    if rank0 and note:
-        err_console.print(note, highlight=False)
+    use_threads(options.threads)
+    cfg = SweepConfig.from_options(options, knobs, given_on_command_line(ctx))
+    sweep = open_sweep(cfg, warn=lambda text: err_console.print(text, highlight=False, soft_wrap=True))
     try:
-        with terminate_raises(), SweepProgress(console, err_console, len(prepared.plan.cells), enabled=rank0,
-                                               quiet=quiet) as progress:
-            outcome = execute(ck, task_set, cfg, out, prepared, progress)
+        with terminate_raises(), SweepProgress(console, err_console, len(sweep.plan.cells), enabled=sweep.rank0,
+                                               quiet=cfg.quiet) as progress:
+            outcome = execute(sweep, progress)
     except (KeyboardInterrupt, Terminated) as stop:
-        if rank0:
-            err_console.print(interrupted_note(out, [key for _, _, key in prepared.plan.cells]), highlight=False)
+        if sweep.rank0:
+            err_console.print(interrupted_note(sweep.out, [key for _, _, key in sweep.plan.cells]), highlight=False)
         raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
-    if rank0:
-        reused = {c["cell_id"] for c in prepared.plan.reused()}
-        console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {out}"))
-        from .analysis.pareto import timing_notes
-
-        for note in timing_notes(outcome.cells):
-            err_console.print(f"warning: {note}", highlight=False)
-    if outcome.verified is not None:
-        console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({out / 'verify'})"))
+    if sweep.rank0:
+        show_outcome(sweep, outcome)
     finish_distributed()
+
+
+def show_outcome(sweep, outcome) -> None:
+    """The run table, its timing warnings and, when verified, replay vs exact."""
+    from .analysis.pareto import timing_notes
+    from .analysis.tables import replay_table, summary_table
+    from .sweep.run import summary_rows
+
+    reused = {c["cell_id"] for c in sweep.plan.reused()}
+    console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {sweep.out}"))
+    for note in timing_notes(outcome.cells):
+        err_console.print(f"warning: {note}", highlight=False)
+    if outcome.verified is not None:
+        console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({sweep.out / 'verify'})"))
 
 
 @app.command()
@@ -733,8 +645,8 @@ def calibrate(epsilon: float = typer.Option(0.05, "--epsilon", help="Tolerated r
     from .store.disk import writable_output
     from .studies.calibrate import calibrate as run_calibration
     from .studies.calibrate import check_calibratable, write_report
-    from .studies.fit_exit import check_fitted_for
-    from .sweep import parse_thresholds
+    from .policies.learned import check_fitted_for
+    from .sweep.config import parse_thresholds
 
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
     policy = config.policy
@@ -835,32 +747,6 @@ def policies():
 def _skip_note(skipped: list[Path]) -> None:
     err_console.print(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})",
                       highlight=False)
-
-
-def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    """None when the option was not given (the default depths); an empty value is an error, as for --thresholds."""
-    if text is None:
-        return None
-    if not text.strip():
-        raise ExitbenchError(f"{flag} is empty; give comma-separated whole numbers, e.g. 1,4,16, or leave the "
-                             "option out for the default depths (1,2,4,…,max)")
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ExitbenchError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ExitbenchError(f"{flag}: every depth must be ≥ 1, got {text}")
-    return values
-
-
-def _limit(limit: Optional[float]) -> Optional[float]:
-    if limit is None:
-        return None
-    # `not limit > 0` also catches nan, which every comparison fails and lm-eval would only trip over later.
-    if not limit > 0 or not math.isfinite(limit):
-        raise ExitbenchError(f"--limit must be a finite number > 0 (documents per task, or a fraction < 1 of "
-                             f"them), got {limit:g}; leave it out for every document")
-    return int(limit) if limit >= 1 else limit
 
 
 # No help option of its own: `--help` belongs to lm-eval, which prints its options.

@@ -90,14 +90,15 @@ def test_a_sweep_keys_on_the_prompt_settings_and_samples_the_rendered_prompts(sa
     """The library half of the command below: the same sweep with and without the prompt settings."""
     from exitbench.harness.prompting import Prompting
     from exitbench.models.checkpoint import open_checkpoint
-    from exitbench.sweep import SweepConfig, run_sweep
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.schedule import run_cells
 
     ck, tasks = open_checkpoint(str(saved.ck_dir)), resolve_tasks(["chains"])
     common = dict(tasks=["chains"], policies=["fixed"], baselines=[1], limit=2, log_samples=True, quiet=True,
                   timing_repeats=0)
-    (plain,) = run_sweep(ck, tasks, SweepConfig(**common), tmp_path / "plain", "cpu")
+    (plain,) = run_cells(ck, tasks, SweepConfig(**common), tmp_path / "plain", "cpu")
     chat_prompting = Prompting(True, SYSTEM, True, "max_gen_toks=3")
-    (chat,) = run_sweep(ck, tasks, SweepConfig(**common, num_fewshot=1, prompting=chat_prompting),
+    (chat,) = run_cells(ck, tasks, SweepConfig(**common, num_fewshot=1, prompting=chat_prompting),
                         tmp_path / "chat", "cpu")
     assert_keyed_on_the_prompt(plain, chat, tmp_path / "chat")
 
@@ -110,7 +111,8 @@ def test_a_template_file_edited_after_a_run_makes_a_new_cell(saved, tmp_path):
     from exitbench.harness.prompting import Prompting
     from exitbench.models.checkpoint import open_checkpoint
     from exitbench.store import cells
-    from exitbench.sweep import SweepConfig, run_sweep
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.schedule import run_cells
 
     ck_dir = shutil.copytree(saved.ck_dir, tmp_path / "ck")
     tasks, out = resolve_tasks(["chains"]), tmp_path / "cells"
@@ -120,7 +122,7 @@ def test_a_template_file_edited_after_a_run_makes_a_new_cell(saved, tmp_path):
     for template in (None, TEMPLATE.replace(" said ", " says "), TEMPLATE.replace(" said ", " wrote ")):
         if template:
             (ck_dir / "chat_template.jinja").write_text(template)
-        (cell,) = run_sweep(open_checkpoint(str(ck_dir)), tasks, cfg, out, "cpu")
+        (cell,) = run_cells(open_checkpoint(str(ck_dir)), tasks, cfg, out, "cpu")
         samples = out / cells.filename(cell).replace(".json", ".samples.jsonl")
         rendered.append(json.loads(samples.read_text().splitlines()[0])["arguments"])
     assert len(list(out.glob("*.json"))) == 3  # three templates, three cells

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.policies.distribution import KL
-from exitbench.sweep import SweepConfig, run_sweep
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.schedule import run_cells
 from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import ACC, PPL
@@ -143,12 +144,12 @@ def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
 
     ck = open_checkpoint(None)
     cfg = SweepConfig(tasks=["chains_lambada"], policies=["kl"], thresholds=[1e-4], baselines=[16], limit=16)
-    run_sweep(ck, tasks, cfg, tmp_path / "base", "cpu")
-    run_sweep(ck, tasks, cfg, tmp_path / "same", "cpu")
+    run_cells(ck, tasks, cfg, tmp_path / "base", "cpu")
+    run_cells(ck, tasks, cfg, tmp_path / "same", "cpu")
     assert check(tmp_path / "same", tmp_path / "base").exit_code == 0
     original = KL.signal
     monkeypatch.setattr(KL, "signal", lambda self, s, memory, logp: original(self, s, memory, logp) * 1e-3)
-    run_sweep(ck, tasks, cfg, tmp_path / "degraded", "cpu")
+    run_cells(ck, tasks, cfg, tmp_path / "degraded", "cpu")
     res = check(tmp_path / "degraded", tmp_path / "base")
     assert res.exit_code == 1 and "chains_lambada kl τ=0.0001" in res.stdout
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from exitbench.engine import ExitConfig, ExitEngine
-from exitbench.sweep import SweepConfig, cell_key
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.keys import cell_key
 
 from helpers.models import make_gpt2, make_tiny_raven, random_ids
 

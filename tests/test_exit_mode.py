@@ -15,7 +15,8 @@ from exitbench.errors import ExitbenchError
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.policies import REGISTRY
 from exitbench.store.cells import series
-from exitbench.sweep import SweepConfig, cell_key
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.keys import cell_key
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -15,7 +15,7 @@ from exitbench.errors import CheckpointError
 from exitbench.models import hub
 from exitbench.models.checkpoint import open_checkpoint
 from exitbench.models.embedded import EMBEDDED_DIR, resolve, source_label
-from exitbench.sweep import model_record
+from exitbench.sweep.keys import model_record
 
 from helpers.cli import assert_one_line_error, exitbench_cmd, subprocess_env
 

@@ -14,7 +14,8 @@ from exitbench.engine import ExitConfig
 from exitbench.errors import ExitbenchError
 from exitbench.engine.memory import plan
 from exitbench.models import AttnContext, LoopGroup, Raven, RavenConfig
-from exitbench.sweep import SweepConfig, cell_key, grid
+from exitbench.sweep.config import SweepConfig, grid
+from exitbench.sweep.keys import cell_key
 
 from helpers.cli import assert_one_line_error
 from helpers.engine import (engine, exit_steps, logprobs_close, mixed_prompts, mixed_requests, spread_threshold,

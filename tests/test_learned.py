@@ -11,8 +11,8 @@ import torch
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
+from exitbench.policies.learned import check_fitted_for
 from exitbench.studies.fit_exit import (
-    check_fitted_for,
     drop_evaluation_overlap,
     fit,
     overlapping,
@@ -21,7 +21,8 @@ from exitbench.studies.fit_exit import (
     write_exit_model,
 )
 from exitbench.policies.learned import FEATURES
-from exitbench.sweep import SweepConfig, cell_key, grid
+from exitbench.sweep.config import SweepConfig, grid
+from exitbench.sweep.keys import cell_key
 
 from helpers.cli import assert_one_line_error, runner
 from helpers.engine import TEST_EXIT_MODEL, direct_trajectory, exit_model_file, learned_risk, tiny

@@ -67,7 +67,8 @@ def test_a_presets_numbers_go_into_its_cells_and_beside_them_in_pareto_and_repor
     a preset carries the published numbers in its cells, and the readers print them beside the measured ones."""
     from exitbench.harness.task_set import resolve_tasks
     from exitbench.models.checkpoint import open_checkpoint
-    from exitbench.sweep import SweepConfig, run_sweep
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.schedule import run_cells
 
     shipped = presets.load("recurrent-tinyllama-gsm8k")
     chains = shipped.model_copy(update={"tasks": ["chains"], "published": {
@@ -75,7 +76,7 @@ def test_a_presets_numbers_go_into_its_cells_and_beside_them_in_pareto_and_repor
     out = tmp_path / "preset"
     cfg = SweepConfig(tasks=["chains"], policies=["fixed"], baselines=[1], limit=2, quiet=True, timing_repeats=0,
                       preset=chains)
-    run_sweep(open_checkpoint("tiny-raven"), resolve_tasks(["chains"]), cfg, out, "cpu")
+    run_cells(open_checkpoint("tiny-raven"), resolve_tasks(["chains"]), cfg, out, "cpu")
     (cell,) = [json.loads(f.read_text()) for f in out.glob("*.json")]
     assert cell["preset"]["name"] == "recurrent-tinyllama-gsm8k"
     assert cell["preset"]["published"]["exact_match,none"]["1"] == 12.5

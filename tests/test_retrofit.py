@@ -16,6 +16,7 @@ per 6-token prompt from a batch-1 loop of full forwards at r = 4. The file's met
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -298,18 +299,18 @@ def test_state_scale_follows_init_values():
 
 
 def test_a_sweep_runs_exactly_and_by_replay_on_a_retrofitted_checkpoint(tmp_path):
-    """The library half of the commands below: the sweep's one entry (exitbench.runner), exact and by replay,
+    """The library half of the commands below: the sweep's one entry (exitbench.sweep.run), exact and by replay,
     with a decoding and a decoding-free rule, on the OLMo fixture."""
     from exitbench.harness.task_set import resolve_tasks
-    from exitbench.runner import execute, prepare
-    from exitbench.sweep import SweepConfig
+    from exitbench.sweep.run import execute, open_sweep
+    from exitbench.sweep.config import SweepConfig
 
     ck, tasks = open_checkpoint(str(fixture("olmo"))), resolve_tasks(["chains_lambada"])
     for mode in ("exact", "replay"):
         cfg = SweepConfig(tasks=["chains_lambada"], policies=["second_order", "kl"], thresholds=[0.3], baselines=[4],
                           limit=2, exit={"max_steps": 6}, quiet=True, timing_repeats=0, replay=mode == "replay")
         out = tmp_path / mode
-        done = execute(ck, tasks, cfg, out, prepare(ck, tasks, cfg, out, "cpu")).cells
+        done = execute(open_sweep(dataclasses.replace(cfg, out=out), ck, tasks)).cells
         assert {(c["policy"]["policy"], c["policy"]["threshold"]) for c in done} == {
             ("fixed", 4), ("second_order", 0.3), ("kl", 0.3)}, mode
         assert all(c["model"]["architecture"] == "huginn_raven" and c["iterations"]["max"] <= 6 for c in done), mode

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from exitbench.store import cells
-from exitbench import sweep
+from exitbench.sweep import schedule
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
 from helpers.cli import assert_one_line_error, exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
@@ -87,7 +87,7 @@ def test_rerun_recomputes_nothing(shared_sweep, monkeypatch, tmp_path):
     def boom(*args, **kwargs):
         raise AssertionError("a finished cell was recomputed")
 
-    monkeypatch.setattr(sweep, "run_config", boom)
+    monkeypatch.setattr(schedule, "run_config", boom)
     res, seconds = run_cli(*SWEEP, "--out", str(out))
     assert res.exit_code == 0, explain(res)
     assert snapshot(out) == before
@@ -120,7 +120,8 @@ def test_shards_split_the_plan_without_overlap(tmp_path):
     """What `--shard i/n` runs, without running it: the shared sweep's plan dealt out over two shards is
     disjoint, together the unsharded plan, and the odd-sized grid puts a config's two tasks on both shards."""
     from exitbench.models.checkpoint import open_checkpoint
-    from exitbench.sweep import SweepConfig, parse_shard, plan
+    from exitbench.sweep.config import SweepConfig, parse_shard
+    from exitbench.sweep.schedule import plan
     from exitbench.harness.task_set import resolve_tasks
 
     ck = open_checkpoint(None)

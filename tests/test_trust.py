@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from exitbench.store import cells, disk as results
 from exitbench.cli import app
 from exitbench.models.embedded import EMBEDDED_DIR
-from exitbench.sweep import SweepConfig, plan, run_sweep
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.schedule import plan, run_cells
 from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import held_by_another_sweep, load_cells
@@ -244,9 +245,9 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(tmp_path, monkeypatch):
     resume, exit 143; the second cell never starts and leaves no claim behind."""
     import signal
 
-    import exitbench.sweep
+    import exitbench.sweep.schedule
 
-    real, calls = exitbench.sweep.run_config, []
+    real, calls = exitbench.sweep.schedule.run_config, []
 
     def then_terminated(*args, **kwargs):
         calls.append(1)
@@ -254,7 +255,7 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, delivered to this process's handler
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(exitbench.sweep, "run_config", then_terminated)
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", then_terminated)
     out = tmp_path / "out"
     before = signal.getsignal(signal.SIGTERM)
     res = runner.invoke(app, ["run", *SMALL, "--timing-repeats", "0", "--out", str(out)])
@@ -266,16 +267,16 @@ def test_sigterm_stops_a_sweep_as_ctrl_c_does(tmp_path, monkeypatch):
 
 def test_a_sweep_whose_plan_cannot_fit_is_refused_before_its_first_cell(tmp_path, monkeypatch):
     import exitbench.runtime.devices as devices
-    import exitbench.sweep
+    import exitbench.sweep.schedule
 
     def no_compute(*a, **k):
         raise AssertionError("a cell ran")
 
     monkeypatch.setattr(devices, "available_memory", lambda device: 1000)  # 1 kB free
-    monkeypatch.setattr(exitbench.sweep, "run_config", no_compute)
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", no_compute)
     res = runner.invoke(app, ["run", *SMALL, "--out", str(tmp_path / "o")])
     assert_one_line_error(res, ["needs at least", "GB free", "--no-memory-check"])
-    monkeypatch.setattr(exitbench.sweep, "run_config", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     res = runner.invoke(app, ["run", *SMALL, "--no-memory-check", "--out", str(tmp_path / "o")])
     assert res.exit_code == 130, explain(res)  # past the check: the first cell started
 
@@ -300,10 +301,10 @@ def test_a_kill_between_samples_and_cell_leaves_no_cell(tmp_path, monkeypatch):
 
     monkeypatch.setattr(results, "atomic_write", dies_at_the_cell)
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(ck, ck_tasks, cfg, out, "cpu")
+        run_cells(ck, ck_tasks, cfg, out, "cpu")
     assert calls[0].endswith(results.SAMPLES_SUFFIX) and not list(out.glob("*.json"))
     monkeypatch.setattr(results, "atomic_write", real_write)
-    done = run_sweep(ck, ck_tasks, cfg, out, "cpu")
+    done = run_cells(ck, ck_tasks, cfg, out, "cpu")
     assert len(done) == 2 and all(results.samples_path(out / cells.filename(c)).exists() for c in done)
 
 
@@ -358,7 +359,7 @@ def small_sweep():
 def test_a_cell_another_sweep_holds_is_collected_not_recomputed(tmp_path, small_sweep):
     ck, tasks, cfg = small_sweep
     reference = tmp_path / "reference"
-    made = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, reference, "cpu")}
+    made = {c["policy"]["policy"]: c for c in run_cells(ck, tasks, cfg, reference, "cpu")}
     out = tmp_path / "out"
     out.mkdir()
     sweep = plan(ck, tasks, cfg, out, "cpu")
@@ -369,7 +370,7 @@ def test_a_cell_another_sweep_holds_is_collected_not_recomputed(tmp_path, small_
     (tmp_path / "theirs.json").write_text(json.dumps(theirs))
     proc = _hold(out, cells.cell_id(fixed_key), 3, str(out / cells.filename(theirs)), str(tmp_path / "theirs.json"))
     try:
-        done = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.2)}
+        done = {c["policy"]["policy"]: c for c in run_cells(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.2)}
     finally:
         proc.wait(timeout=30)
     assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not computed twice
@@ -381,13 +382,13 @@ def test_a_cell_claimed_through_another_file_is_collected_once_written(tmp_path,
     this test holds refuses the sweep's own claim on the cell just as another sweep's would. The holder writes
     the cell (atomically) and lets go 0.5 s into the sweep; the sweep collects that cell and computes the rest."""
     ck, tasks, cfg = small_sweep
-    made = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, tmp_path / "reference", "cpu")}
+    made = {c["policy"]["policy"]: c for c in run_cells(ck, tasks, cfg, tmp_path / "reference", "cpu")}
     out = tmp_path / "out"
     out.mkdir()
     sweep = plan(ck, tasks, cfg, out, "cpu")
     fixed_key = next(key for _, c, key in sweep.cells if c.policy == "fixed")
     with held_by_another_sweep(out, fixed_key, made["fixed"], tmp_path / "theirs.json", 0.5):
-        done = {c["policy"]["policy"]: c for c in run_sweep(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.05)}
+        done = {c["policy"]["policy"]: c for c in run_cells(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.05)}
     assert done["fixed"]["run"]["run_id"] == "the-other-sweep"  # collected, not computed twice
     assert done["second_order"]["run"]["run_id"] == sweep.run_id
     assert not list(out.glob(".*.lock"))
@@ -400,7 +401,7 @@ def test_a_dead_sweeps_claim_is_taken_over(tmp_path, small_sweep):
     sweep = plan(ck, tasks, cfg, out, "cpu")
     proc = _hold(out, cells.cell_id(sweep.cells[0][2]), 1)  # dies after 1 s without writing its cell
     t0 = time.monotonic()
-    done = run_sweep(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.2)
+    done = run_cells(ck, tasks, cfg, out, "cpu", sweep=sweep, poll_s=0.2)
     proc.wait(timeout=30)
     assert len(done) == 2 and all(c["run"]["run_id"] == sweep.run_id for c in done)
     assert time.monotonic() - t0 >= 1.0
@@ -441,7 +442,7 @@ def test_nan_weights_are_refused_at_load_unless_allowed(raven_copy, tmp_path, ca
 
 def test_finite_runs_count_no_nonfinite_tokens(tmp_path, small_sweep):
     ck, tasks, cfg = small_sweep
-    for cell in run_sweep(ck, tasks, cfg, tmp_path / "out", "cpu"):
+    for cell in run_cells(ck, tasks, cfg, tmp_path / "out", "cpu"):
         assert cell["numerics"] == {"nonfinite_tokens": 0}
 
 
@@ -520,12 +521,12 @@ def test_progress_off_a_terminal_is_a_line_per_cell(tmp_path, capfd):
 def test_a_run_on_a_busy_machine_says_so_before_it_computes(tmp_path, capfd, monkeypatch):
     """Load above the cores as the run starts: one warning, before the first cell, with advice that fits the
     threads the run uses; nothing when the machine is idle (the session's patched load)."""
-    import exitbench.sweep
+    import exitbench.sweep.schedule
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt  # the first cell: what was said by then was said before any compute
 
-    monkeypatch.setattr(exitbench.sweep, "run_config", stop)
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", stop)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * os.cpu_count(), 0.0, 0.0))
     before = torch.get_num_threads()
     try:
@@ -545,11 +546,11 @@ def test_a_run_on_a_busy_machine_says_so_before_it_computes(tmp_path, capfd, mon
 def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep):
     ck, tasks, cfg = small_sweep
     out = tmp_path / "out"
-    run_sweep(ck, tasks, cfg, out, "cpu")
+    run_cells(ck, tasks, cfg, out, "cpu")
     code, lines, _ = invoke(["pareto", str(out)], capfd)
     assert code == 0 and not any("different runs" in line for line in lines)
     # a later run adds a threshold to the same directory: its speed-up divides by the older run's full depth
-    run_sweep(ck, tasks, SweepConfig(**{**cfg.__dict__, "thresholds": [1.0]}), out, "cpu")
+    run_cells(ck, tasks, SweepConfig(**{**cfg.__dict__, "thresholds": [1.0]}), out, "cpu")
     code, lines, _ = invoke(["pareto", str(out)], capfd)
     assert code == 0 and any("warning:" in line and "different runs" in line for line in lines), lines
 

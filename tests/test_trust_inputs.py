@@ -70,7 +70,8 @@ def test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes(tmp_path):
     """The exit model is replaced after the sweep was planned: the cells must be computed with the model their
     key names (the one read at planning), not with the new file's."""
     from exitbench.models.checkpoint import open_checkpoint
-    from exitbench.sweep import SweepConfig, plan, run_sweep
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.schedule import plan, run_cells
     from exitbench.harness.task_set import resolve_tasks
 
     model_file = tmp_path / "exit.json"
@@ -83,7 +84,7 @@ def test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes(tmp_path):
     raw = json.loads(model_file.read_text())
     raw["bias"] += 50.0  # a model that says "settled" everywhere: its exits would differ at once
     model_file.write_text(json.dumps(raw))
-    made = [c for c in run_sweep(ck, tasks, cfg, out, "cpu", sweep=planned) if c["policy"]["policy"] == "learned"]
+    made = [c for c in run_cells(ck, tasks, cfg, out, "cpu", sweep=planned) if c["policy"]["policy"] == "learned"]
     assert len(made) == 1
     keyed = made[0]["key"]["exit"]["exit_model"]
     assert keyed == "sha256:" + made[0]["policy"]["exit_model_sha256"], "computed with other bytes than keyed"

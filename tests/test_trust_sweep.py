@@ -24,8 +24,9 @@ from typer.testing import CliRunner
 from exitbench.store import cells, disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
-from exitbench.replay import ReplaySweep
-from exitbench.sweep import SweepConfig, plan
+from exitbench.sweep.replay import ReplaySweep
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.schedule import plan
 from exitbench.harness.task_set import resolve_tasks
 
 from helpers.cells import held_by_another_sweep
@@ -209,7 +210,7 @@ def test_verify_cells_of_the_sweep_are_accepted():
     """The refusal above is of cells the sweep lacks: named cells that are in it pass, whatever the spelling of
     their threshold (1e-1 is 0.1; an iteration count 3 is 3.0)."""
     from exitbench.engine import ExitConfig
-    from exitbench.replay import check_named, parse_named
+    from exitbench.sweep.config import check_named, parse_named
 
     configs = [ExitConfig("fixed", threshold=16), ExitConfig("second_order", threshold=0.1),
                ExitConfig("argmax_stability", threshold=3)]
@@ -319,7 +320,7 @@ def test_the_model_itself_says_it_has_no_chat_template():
 def test_ctrl_c_says_what_is_kept_and_that_a_rerun_resumes(tmp_path, monkeypatch):
     """Interrupted mid-sweep, `run` says how many of its cells are on disk and that the same command resumes,
     and exits 130 (the shell's code for SIGINT), not silently."""
-    import exitbench.runner
+    import exitbench.sweep.run
 
     runner = CliRunner()
     args = ["run", "--tasks", "chains_lambada", "--limit", "2", "--baselines", "4", "--out", str(tmp_path), "--quiet"]
@@ -329,7 +330,7 @@ def test_ctrl_c_says_what_is_kept_and_that_a_rerun_resumes(tmp_path, monkeypatch
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(exitbench.runner, "execute", interrupted)
+    monkeypatch.setattr(exitbench.sweep.run, "execute", interrupted)
     res = runner.invoke(app, [*args, "-p", "second_order", "--thresholds", "0.1,0.2"])
     assert res.exit_code == 130, explain(res)
     assert "interrupted: 2 of the sweep's 3 cells are finished and kept in" in " ".join(res.stderr.split())

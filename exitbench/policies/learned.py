@@ -249,3 +249,21 @@ class Learned(ExitPolicy):
 
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         return self.model.risk(features(s, memory))
+
+
+def check_fitted_for(ck: Any, exit_model: "ExitModel | str | Path | None") -> None:
+    """An exit model reads the feature scales of the checkpoint it was fitted on: refuse another one. The
+    commands hand it the exit model their config already read (`ExitConfig.fitted_exit_model`), so a run
+    reads the file once; a path is read here."""
+    if not exit_model:
+        return
+    if not isinstance(exit_model, ExitModel):
+        exit_model = load_exit_model(exit_model)
+    from ..store.identity import checkpoint_identity
+
+    fitted = exit_model.checkpoint
+    here = checkpoint_identity(ck.path).short
+    if fitted.get("fingerprint") != here:
+        raise ExitbenchError(f"--exit-model {exit_model.path} was fitted on checkpoint {fitted.get('fingerprint')} "
+                             f"({fitted.get('path')}), not on {ck.path} ({here}); "
+                             f"fit one for it with `exitbench fit-exit -c {ck.path}`")

@@ -304,24 +304,6 @@ def write_exit_model(content: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def check_fitted_for(ck, exit_model: ExitModel | str | Path | None) -> None:
-    """An exit model reads the feature scales of the checkpoint it was fitted on: refuse another one. The
-    commands hand it the exit model their config already read (`ExitConfig.fitted_exit_model`), so a run
-    reads the file once; a path is read here."""
-    if not exit_model:
-        return
-    if not isinstance(exit_model, ExitModel):
-        exit_model = load_exit_model(exit_model)
-    from ..store.identity import checkpoint_identity
-
-    fitted = exit_model.checkpoint
-    here = checkpoint_identity(ck.path).short
-    if fitted.get("fingerprint") != here:
-        raise ExitbenchError(f"--exit-model {exit_model.path} was fitted on checkpoint {fitted.get('fingerprint')} "
-                             f"({fitted.get('path')}), not on {ck.path} ({here}); "
-                             f"fit one for it with `exitbench fit-exit -c {ck.path}`")
-
-
 def provenance(ck, source: dict[str, Any], docs: Sequence[list[int]], disjoint: dict[str, Any], seed: int
                ) -> dict[str, Any]:
     from ..store.identity import checkpoint_identity

@@ -13,52 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..analysis import pareto
-from ..engine import ExitConfig
-from ..errors import ExitbenchError
-from ..runtime.files import atomic_write
-from ..store import cells, disk
-from ..sweep import cell_key, run_config
+from ...analysis import pareto
+from ...runtime.files import atomic_write
+from ...store import cells, disk
+from ..exact import run_config
+from ..keys import cell_key
 from .sweep import ReplaySweep
 
 REPORT = "replay-vs-exact.json"
 SCHEMA = "exitbench.replay_verification"
-
-
-def parse_named(text: str | None) -> list[tuple[str, float]]:
-    """`policy:threshold` pairs, comma-separated (e.g. kl:1e-3,second_order:0.316); None: the option not given."""
-    if text is not None and not text.replace(",", "").strip():
-        raise ExitbenchError("--verify-cells is empty; name policy:threshold pairs (e.g. kl:1e-3) or leave the "
-                             "option out")
-    out = []
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        name, sep, tau = part.strip().partition(":")
-        try:
-            out.append((name, float(tau)))
-        except ValueError:
-            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}"
-                                 ) from None
-        if not sep:
-            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}")
-    return out
-
-
-def check_named(named: list[tuple[str, float]], configs: list[ExitConfig]) -> None:
-    """Each named cell is one the sweep has: a name or threshold it lacks would otherwise verify nothing, without
-    a word. Checked when the sweep is planned, before any cell is computed."""
-    have: dict[str, set[float]] = {}
-    for c in configs:
-        if c.threshold is not None:
-            have.setdefault(c.policy, set()).add(float(c.threshold))
-    for name, tau in named:
-        if tau in have.get(name, ()):
-            continue
-        swept = "; ".join(f"{p} at {', '.join(f'{t:g}' for t in sorted(ts))}" for p, ts in have.items())
-        what = (f"policy {name!r} is not in this sweep" if name not in have
-                else f"{name} has no threshold {tau:g} in this sweep")
-        raise ExitbenchError(f"--verify-cells {name}:{tau:g}: {what}; the sweep has {swept}")
 
 
 def chosen(cell_list: list[dict[str, Any]], named: list[tuple[str, float]]) -> list[dict[str, Any]]:

@@ -8,6 +8,6 @@ costs.py      the per-iteration costs a replay cell's estimated wall-clock is ma
 sweep.py      the replay sweep; verify.py: frontier cells rerun exactly, replay vs exact
 """
 from .sweep import ReplaySweep
-from .verify import check_named, parse_named, verify_frontier
+from .verify import verify_frontier
 
-__all__ = ["ReplaySweep", "check_named", "parse_named", "verify_frontier"]
+__all__ = ["ReplaySweep", "verify_frontier"]

@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine import ExitConfig
-from ..engine.recorder import Recorder, check_recordable
-from ..errors import ExitbenchError
-from ..harness.quiet import lm_eval_output
-from ..harness.task_set import TaskSet
-from ..models import Checkpoint
-from ..runtime.distributed import init_distributed
-from ..runtime.provenance import run_metadata
-from ..store import cells, disk
-from ..sweep import SweepConfig, SweepPlan, claim_cells, resolved_policy, task_cells
+from ...engine import ExitConfig
+from ...engine.recorder import Recorder
+from ...harness.quiet import lm_eval_output
+from ...harness.task_set import TaskSet
+from ...models import Checkpoint
+from ...runtime.provenance import run_metadata
+from ...store import cells, disk
+from ..config import SweepConfig, check_replayable
+from ..exact import resolved_policy, task_cells
+from ..schedule import SweepPlan, claim_cells
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
 
@@ -47,18 +47,6 @@ def _compiled_templates():
         yield
     finally:
         utils.env.from_string = original
-
-
-def check_replayable(cfg: SweepConfig) -> None:
-    if cfg.shard != (0, 1) or init_distributed()[1] > 1:
-        raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
-                             "torchrun, or run without --replay")
-    check_recordable(cfg.exit, "run")
-    if cfg.preset is not None:
-        raise ExitbenchError("--preset reproduces published fixed-depth numbers exactly; run it without --replay")
-    if cfg.prompting.key_dict():
-        raise ExitbenchError("--replay does not take --apply-chat-template, --system-instruction, "
-                             "--fewshot-as-multiturn or --gen-kwargs yet; run those cells exactly (without --replay)")
 
 
 def _load_tasks(tasks: TaskSet, indices: list[int], cfg: SweepConfig) -> dict:
@@ -177,7 +165,7 @@ class ReplaySweep:
     def run(self, out: Path, poll_s: float = 1.0) -> list[dict[str, Any]]:
         """Every cell of the plan not on disk yet; returns all of the plan's cells.
 
-        Cells are claimed as the exact sweep claims them (`exitbench.sweep.run_sweep`), one exit config's cells
+        Cells are claimed as the exact sweep claims them (`exitbench.sweep.schedule.run_cells`), one exit config's cells
         right before they are replayed: a second sweep into the same directory replays the configs this one
         has not claimed (recording on its own if it has to), and collects the cells this one writes.
         """

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..engine import ExitConfig, ExitEngine
-from ..engine.recorder import variant_key
-from ..models import LoopedLM
-from ..policies import ExitPolicy
+from ...engine import ExitConfig, ExitEngine
+from ...engine.recorder import variant_key
+from ...models import LoopedLM
+from ...policies import ExitPolicy
 
 
 @dataclass

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import numpy as np
 from lm_eval.api.model import LM
 
-from ..engine import ExitConfig, TokenRecord
-from ..engine.flops import FlopModel
-from ..engine.recorder import Recorder, Sequence_, Trajectories
-from ..harness.model import ExitbenchLM
-from ..models import Checkpoint
-from ..store import cells
+from ...engine import ExitConfig, TokenRecord
+from ...engine.flops import FlopModel
+from ...engine.recorder import Recorder, Sequence_, Trajectories
+from ...harness.model import ExitbenchLM
+from ...models import Checkpoint
+from ...store import cells
 from .costs import CostModel
 
 

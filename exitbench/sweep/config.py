@@ -1,0 +1,371 @@
+"""What a sweep is: its config, the command line's text form of it, and every refusal of its options.
+
+`RunOptions` is `exitbench run`'s options as typed (the CLI derives its flags from these fields, as it derives
+the exit knobs from ExitConfig's); `SweepConfig.from_options` parses them, applies a preset, and refuses what
+cannot run, all before a checkpoint loads. `grid` is the sweep's exit configs; `check_depths` and
+`check_named` are the refusals that need the loaded model, made when the sweep is planned.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from ..engine import ExitConfig
+from ..engine.recorder import check_recordable
+from ..errors import ExitbenchError
+from ..harness import retime
+from ..harness.prompting import Prompting
+from ..policies import REGISTRY, check_policy_name
+from ..runtime.distributed import init_distributed
+from ..runtime.validation import at_least
+
+
+def option(help: str, *flags: str) -> dict[str, Any]:
+    """A command-line option's metadata: its help and, where they differ from --field-name, its flags."""
+    return {"help": help, "flags": flags}
+
+
+@dataclass
+class RunOptions:
+    """`exitbench run`'s options as the command line gives them (text, unparsed)."""
+    tasks: str = field(default="chains", metadata=option("Comma-separated lm-eval task names.", "--tasks", "-t"))
+    policy: list[str] = field(default_factory=lambda: ["second_order"], metadata=option(
+        "Exit policy (repeatable), or 'all'.", "--policy", "-p"))
+    thresholds: Optional[str] = field(default=None, metadata=option(
+        "Comma-separated thresholds (default: each policy's grid)."))
+    baselines: Optional[str] = field(default=None, metadata=option(
+        "Fixed depths, comma-separated (default 1,2,4,…,max)."))
+    checkpoint: Optional[str] = field(default=None, metadata=option(
+        "Checkpoint directory or embedded name (default: the embedded tiny-raven).", "--checkpoint", "-c"))
+    dtype: str = field(default="auto", metadata=option(
+        "auto (the checkpoint's own torch_dtype), float32, bfloat16 or float16."))
+    allow_nonfinite: bool = field(default=False, metadata=option(
+        "Load weights that hold NaN or inf (for studying broken checkpoints); refused by default.",
+        "--allow-nonfinite"))
+    limit: Optional[float] = field(default=None, metadata=option(
+        "Documents per task (testing only; <1 = fraction)."))
+    num_fewshot: Optional[int] = field(default=None, metadata=option("Few-shot examples (default: the task's)."))
+    batch_size: int = field(default=16, metadata=option("Sequences run together (never changes answers)."))
+    seed: int = field(default=0, metadata=option("Seed of lm-eval's sampling and the initial-state noise."))
+    out: Optional[Path] = field(default=None, metadata=option(
+        "Result directory (default results/<checkpoint name>)."))
+    shard: Optional[str] = field(default=None, metadata=option("Run only cells j with j % n == i, as i/n."))
+    data_dir: Optional[Path] = field(default=None, metadata=option("Local GSM8K copy (train.jsonl, test.jsonl)."))
+    include_path: list[Path] = field(default_factory=list, metadata=option("More lm-eval task folders."))
+    log_samples: bool = field(default=False, metadata=option(
+        "Also write each cell's samples with per-sample exits.", "--log-samples"))
+    add_bos_token: Optional[bool] = field(default=None, metadata=option(
+        "Force BOS on (or off) every request, as lm-eval's hf model's add_bos_token (default: the tokenizer "
+        "decides).", "--add-bos-token/--no-add-bos-token"))
+    device: Optional[str] = field(default=None, metadata=option(
+        "auto, cpu, cuda, cuda:N or mps (default auto: cuda when available)."))
+    quiet: bool = field(default=False, metadata=option(
+        "No progress and no lm-eval chatter; warnings and the table still print.", "--quiet"))
+    replay: bool = field(default=False, metadata=option(
+        "Every cell from one recording pass (mode: replay; see the README on when to trust it).", "--replay"))
+    verify: bool = field(default=False, metadata=option(
+        "With --replay: rerun each policy's frontier cells exactly into OUT/verify and print replay vs exact.",
+        "--verify"))
+    verify_cells: Optional[str] = field(default=None, metadata=option(
+        "With --verify: more cells to rerun exactly, as policy:threshold pairs (kl:1e-3,…).", "--verify-cells"))
+    apply_chat_template: bool = field(default=False, metadata=option(
+        "Render prompts with the tokenizer's chat template, as lm-eval's --apply_chat_template.",
+        "--apply-chat-template"))
+    chat_template: Optional[str] = field(default=None, metadata=option(
+        "Which of several named chat templates (implies --apply-chat-template).", "--chat-template"))
+    system_instruction: Optional[str] = field(default=None, metadata=option(
+        "A system prompt before every request (lm-eval's --system_instruction).", "--system-instruction"))
+    fewshot_as_multiturn: Optional[bool] = field(default=None, metadata=option(
+        "Few-shot examples as chat turns [lm-eval's default].", "--fewshot-as-multiturn/--no-fewshot-as-multiturn"))
+    gen_kwargs: Optional[str] = field(default=None, metadata=option(
+        "Generation settings k=v,… over each task's (lm-eval's --gen_kwargs), e.g. max_gen_toks=512.",
+        "--gen-kwargs"))
+    preset: Optional[str] = field(default=None, metadata=option(
+        "A family's published protocol (`exitbench presets`): task, shots, template, dtype, depths; flags "
+        "override it.", "--preset"))
+    compile_step: bool = field(default=False, metadata=option(
+        "torch.compile each loop group's step (dynamic shapes): faster iterations after a one-off compilation "
+        "of tens of seconds.", "--compile"))
+    threads: Optional[int] = field(default=None, metadata=option(
+        "torch CPU threads for the model (default: torch's, one per core; on a busy machine fewer threads time "
+        "more steadily); recorded in each result.", "--threads"))
+    timing_repeats: int = field(default=retime.DEFAULT_REPEATS, metadata=option(
+        "After each cell, time its first requests again this often beside full depth, alternately: a paired "
+        "time ratio with its spread (0: none; replay cells never).", "--timing-repeats"))
+    memory_check: bool = field(default=True, metadata=option(
+        "Refuse, before the first cell, a sweep whose memory plan exceeds the device's free memory.",
+        "--memory-check/--no-memory-check"))
+
+
+@dataclass
+class SweepConfig:
+    tasks: list[str]
+    policies: list[str]
+    thresholds: list[float] | None = None
+    baselines: list[int] | None = None
+    limit: int | float | None = None
+    num_fewshot: int | None = None
+    batch_size: int = 16
+    seed: int = 0
+    shard: tuple[int, int] = (0, 1)
+    log_samples: bool = False
+    # Exit knobs every cell shares (ExitConfig fields other than policy and threshold, which the sweep varies).
+    exit: dict[str, Any] = field(default_factory=dict)
+    bootstrap_iters: int = 1000
+    add_bos_token: bool | None = None
+    quiet: bool = False  # lm-eval's own chatter (warnings, bootstrap lines, request bars) silenced
+    replay: bool = False  # cells computed from one recording pass (exitbench.sweep.replay), keyed apart from exact
+    prompting: Prompting = field(default_factory=Prompting)  # chat template, system instruction, gen_kwargs
+    preset: Any = None  # the presets.Preset the options came from: its published numbers go into each cell
+    # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
+    # a cell's key: they add numbers to the cell and change none of its others.
+    timing_repeats: int = retime.DEFAULT_REPEATS
+    extra: dict[str, Any] = field(default_factory=dict)
+    # Where and how the sweep runs (sweep/run.py): none of these is in a cell's key.
+    checkpoint: str | None = None  # directory or embedded name; None: the embedded default
+    dtype: str = "auto"
+    allow_nonfinite: bool = False
+    device: str | None = None
+    out: Path | None = None  # None: results/<checkpoint name>
+    data_dir: Path | None = None
+    include_path: list[Path] = field(default_factory=list)
+    verify: bool = False  # replay: rerun each policy's frontier exactly
+    verify_cells: list[tuple[str, float]] = field(default_factory=list)  # more (policy, threshold) to rerun
+    compile_step: bool = False
+    memory_check: bool = True
+
+    @classmethod
+    def from_options(cls, options: RunOptions, knobs: dict[str, Any], given: set[str] = frozenset()
+                     ) -> "SweepConfig":
+        """The sweep `exitbench run` was asked for, every option parsed and refused here, before a checkpoint
+        loads. `given`: the options typed on the command line, which a preset never overrides."""
+        chosen = None
+        if options.preset is not None:
+            from .. import presets
+
+            chosen = presets.load(options.preset)
+            picked = {f.name: getattr(options, f.name) for f in fields(options)}
+            options = RunOptions(**presets.apply(chosen, picked, given))
+        o = options
+        cfg = cls(tasks=[t.strip() for t in o.tasks.split(",") if t.strip()], policies=o.policy,
+                  thresholds=parse_thresholds(o.thresholds), baselines=parse_depths(o.baselines, "--baselines"),
+                  limit=parse_limit(o.limit), num_fewshot=o.num_fewshot, batch_size=o.batch_size, seed=o.seed,
+                  shard=parse_shard(o.shard), log_samples=o.log_samples, exit=knobs, quiet=o.quiet,
+                  add_bos_token=o.add_bos_token, replay=o.replay, preset=chosen,
+                  prompting=Prompting(o.chat_template or o.apply_chat_template, o.system_instruction,
+                                      o.fewshot_as_multiturn, o.gen_kwargs),
+                  timing_repeats=o.timing_repeats, checkpoint=o.checkpoint, dtype=o.dtype,
+                  allow_nonfinite=o.allow_nonfinite, device=o.device, out=o.out, data_dir=o.data_dir,
+                  include_path=list(o.include_path), compile_step=o.compile_step, memory_check=o.memory_check)
+        cfg.verify_cells = check_mode(cfg, o.verify, o.verify_cells)
+        cfg.verify = o.verify or bool(cfg.verify_cells)
+        cfg.check_counts()
+        return cfg
+
+    def check_counts(self) -> None:
+        at_least("--batch-size", self.batch_size)
+        at_least("--timing-repeats", self.timing_repeats, 0)
+        if self.timing_repeats > retime.MAX_REPEATS:  # each repeat reruns an eighth of every task twice
+            raise ExitbenchError(f"--timing-repeats {self.timing_repeats}: at most {retime.MAX_REPEATS} (each "
+                                 "repeat times the cell and full depth again; more repeats do not narrow this "
+                                 "machine's noise, see bench/RESULTS.md)")
+        if self.num_fewshot is not None:
+            at_least("--num-fewshot", self.num_fewshot, 0)
+
+
+def check_mode(cfg: SweepConfig, verify: bool = False, verify_cells: str | None = None) -> list[tuple[str, float]]:
+    """What the chosen mode refuses, from the options alone (before a checkpoint loads); the named cells."""
+    if (verify or verify_cells) and not cfg.replay:
+        raise ExitbenchError("--verify checks a replay sweep against exact runs; add --replay")
+    if not cfg.replay:
+        return []
+    check_replayable(cfg)  # before planning, which may build the tasks to count their documents
+    return parse_named(verify_cells)
+
+
+def check_replayable(cfg: SweepConfig) -> None:
+    if cfg.shard != (0, 1) or init_distributed()[1] > 1:
+        raise ExitbenchError("--replay runs in one process (its cost is one recording pass); drop --shard and "
+                             "torchrun, or run without --replay")
+    check_recordable(cfg.exit, "run")
+    if cfg.preset is not None:
+        raise ExitbenchError("--preset reproduces published fixed-depth numbers exactly; run it without --replay")
+    if cfg.prompting.key_dict():
+        raise ExitbenchError("--replay does not take --apply-chat-template, --system-instruction, "
+                             "--fewshot-as-multiturn or --gen-kwargs yet; run those cells exactly (without --replay)")
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ExitbenchError(f"--shard must look like i/n (e.g. 0/4), got {text!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise ExitbenchError(f"--shard {text}: need 0 ≤ i < n (shards are numbered from 0)")
+    return i, n
+
+
+def parse_thresholds(text: str | None) -> list[float] | None:
+    """None when the option was not given (each policy's own grid); an empty value is an error, not the grid."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise ExitbenchError("--thresholds is empty; give comma-separated numbers, e.g. 1e-4,1e-3, or leave the "
+                             "option out for each policy's own grid")
+    out = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ExitbenchError(f"--thresholds must be comma-separated numbers, e.g. 1e-4,1e-3; "
+                                 f"{part.strip()!r} is not a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ExitbenchError(f"--thresholds: every threshold must be a finite number > 0, got {part.strip()}")
+        out.append(value)
+    return out
+
+
+def parse_depths(text: str | None, flag: str) -> list[int] | None:
+    """None when the option was not given (the default depths); an empty value is an error, as for --thresholds."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise ExitbenchError(f"{flag} is empty; give comma-separated whole numbers, e.g. 1,4,16, or leave the "
+                             "option out for the default depths (1,2,4,…,max)")
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ExitbenchError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ExitbenchError(f"{flag}: every depth must be ≥ 1, got {text}")
+    return values
+
+
+def parse_limit(limit: float | None) -> int | float | None:
+    if limit is None:
+        return None
+    # `not limit > 0` also catches nan, which every comparison fails and lm-eval would only trip over later.
+    if not limit > 0 or not math.isfinite(limit):
+        raise ExitbenchError(f"--limit must be a finite number > 0 (documents per task, or a fraction < 1 of "
+                             f"them), got {limit:g}; leave it out for every document")
+    return int(limit) if limit >= 1 else limit
+
+
+def parse_named(text: str | None) -> list[tuple[str, float]]:
+    """`policy:threshold` pairs, comma-separated (e.g. kl:1e-3,second_order:0.316); None: the option not given."""
+    if text is not None and not text.replace(",", "").strip():
+        raise ExitbenchError("--verify-cells is empty; name policy:threshold pairs (e.g. kl:1e-3) or leave the "
+                             "option out")
+    out = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, tau = part.strip().partition(":")
+        try:
+            out.append((name, float(tau)))
+        except ValueError:
+            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}"
+                                 ) from None
+        if not sep:
+            raise ExitbenchError(f"--verify-cells wants policy:threshold pairs (e.g. kl:1e-3), got {part.strip()!r}")
+    return out
+
+
+def expand_policies(names: list[str]) -> list[str]:
+    if not names:
+        raise ExitbenchError("--policy names no policy; give one or more, or 'all'")
+    if "all" in names:
+        return [n for n in REGISTRY if n != "fixed"]
+    for n in names:
+        check_policy_name(n)  # unknown names fail here, with the closest match
+    return [n for n in dict.fromkeys(names) if n != "fixed"]
+
+
+def default_baselines(max_steps: int) -> list[int]:
+    rs, r = [], 1
+    while r < max_steps:
+        rs.append(r)
+        r *= 2
+    return rs + [max_steps]
+
+
+def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...]] | None = None,
+         gated: bool = False) -> list[ExitConfig]:
+    """Exit configs of the sweep: fixed-depth baselines first, then each policy over its thresholds (`grids`:
+    the model's own default grids, `LoopedLM.exit_grids`, else the rule's). The shared exit knobs go to the
+    policies that take them; a baseline keeps those that change how it runs (prefill, warm start, KV window).
+    `gated`: the model has a trained exit gate, so 'all' includes the gate rules."""
+    swept = {name for name, *_ in ExitConfig.knobs(swept=True)}
+    shared = {k: v for k, v in cfg.exit.items() if k not in swept}
+    unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
+    if unknown:
+        raise ExitbenchError(f"unknown exit knob {unknown[0]!r} for a sweep")
+    configs = [ExitConfig.fixed_depth(r, {**shared, "seed": cfg.seed})
+               for r in (cfg.baselines or default_baselines(default_steps))]
+    names = _runnable(cfg, shared, gated)
+    for name in names:
+        configs += [ExitConfig.for_policy(name, tau, {**shared, "seed": cfg.seed})
+                    for tau in _thresholds(REGISTRY[name], name, cfg.thresholds, grids)]
+    unique = {tuple(sorted(c.to_dict().items())): c for c in configs}
+    return list(unique.values())
+
+
+def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str]:
+    """The policies asked for that this sweep can run ('all': those without a missing exit model or gate)."""
+    names = expand_policies(cfg.policies)
+    if "all" in cfg.policies and not shared.get("exit_model"):
+        names = [n for n in names if not REGISTRY[n].needs_exit_model]
+    if "all" in cfg.policies and not gated:
+        names = [n for n in names if not REGISTRY[n].needs_gate]
+    if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
+        raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
+                             f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
+                             "the oracle has no threshold to sweep")
+    return names
+
+
+def _thresholds(cls: Any, name: str, given: list[float] | None, grids: dict[str, tuple[float, ...]] | None
+                ) -> list[float]:
+    if cls.retrospective:
+        return [cls.default_threshold]
+    out = []
+    for tau in given or list((grids or {}).get(name, cls.default_grid)):
+        if cls.integer_threshold and float(tau) != int(tau):
+            raise ExitbenchError(f"--thresholds {tau:g}: {name} counts iterations, so its thresholds must be "
+                                 "whole numbers; sweep it in a run of its own")
+        out.append(int(tau) if cls.integer_threshold else tau)
+    return out
+
+
+def check_depths(configs: list[ExitConfig], groups: list[Any]) -> None:
+    """Every config's depths within each loop group's maximum, and its step knobs consistent, checked when the
+    sweep is planned: the engine would refuse the same config only when its cell came up, after the cells
+    before it had been computed."""
+    for config in configs:
+        for g, policy in zip(groups, config.bound_policies(groups)):  # min_steps > max_steps fails here too
+            if policy.max_steps <= g.max_steps:
+                continue
+            what = (f"--baselines {policy.max_steps}: a fixed depth of {policy.max_steps}" if config.policy == "fixed"
+                    else f"--max-steps {policy.max_steps}")
+            raise ExitbenchError(f"{what} exceeds the {g.name} group's maximum of {g.max_steps} iterations (the "
+                                 f"checkpoint's configured maximum); give at most {g.max_steps}")
+
+
+def check_named(named: list[tuple[str, float]], configs: list[ExitConfig]) -> None:
+    """Each named cell is one the sweep has: a name or threshold it lacks would otherwise verify nothing, without
+    a word. Checked when the sweep is planned, before any cell is computed."""
+    have: dict[str, set[float]] = {}
+    for c in configs:
+        if c.threshold is not None:
+            have.setdefault(c.policy, set()).add(float(c.threshold))
+    for name, tau in named:
+        if tau in have.get(name, ()):
+            continue
+        swept = "; ".join(f"{p} at {', '.join(f'{t:g}' for t in sorted(ts))}" for p, ts in have.items())
+        what = (f"policy {name!r} is not in this sweep" if name not in have
+                else f"{name} has no threshold {tau:g} in this sweep")
+        raise ExitbenchError(f"--verify-cells {name}:{tau:g}: {what}; the sweep has {swept}")

@@ -1,0 +1,201 @@
+"""Scheduling a sweep's cells: the plan (this shard's cells, those already on disk), claims that let several
+processes share one directory, and ranks that agree under torchrun.
+
+A cell already on disk is skipped, so an interrupted sweep resumes where it stopped, and `--shard i/n` lets a
+scheduler fan cells out. Under torchrun every rank runs every cell on its share of the documents (lm-eval
+shards them) and only rank 0 writes.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..engine import ExitConfig
+from ..harness.task_set import TaskSet
+from ..models import Checkpoint
+from ..runtime.distributed import init_distributed
+from ..store import cells, disk
+from .config import SweepConfig, check_depths, grid
+from .exact import evaluation_error, run_config
+from .keys import cell_key, model_record
+
+
+@dataclass
+class SweepPlan:
+    cells: list[tuple[int, ExitConfig, dict[str, Any]]]   # (task index, exit config, key) of this shard
+    done: dict[str, disk.Stored]                       # cell_id → a finished cell on disk
+    model: dict[str, Any]                                 # model_record of the checkpoint
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    n_docs: dict[str, int] = field(default_factory=dict)  # task → evaluation documents, where a limit needs them
+    full: ExitConfig | None = None  # the deepest fixed depth: what each cell's repeated timings are paired with
+    configs: list[ExitConfig] = field(default_factory=list)  # the sweep's exit configs, every task's alike
+
+    def reused(self) -> list[dict[str, Any]]:
+        """The cells of this shard already on disk: a rerun reuses them instead of computing them again."""
+        return [self.done[cells.cell_id(key)].cell for _, _, key in self.cells if cells.cell_id(key) in self.done]
+
+
+def exit_configs(ck: Checkpoint, cfg: SweepConfig) -> list[ExitConfig]:
+    """The sweep's exit configs on this checkpoint: its default depth and grids, within its loop groups' depths."""
+    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(), ck.model.gated)
+    check_depths(configs, ck.model.loop_groups())
+    return configs
+
+
+def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
+         configs: list[ExitConfig] | None = None) -> SweepPlan:
+    """This shard's cells with their keys, and those of them already on disk."""
+    configs = exit_configs(ck, cfg) if configs is None else configs
+    model = model_record(ck)
+    world = init_distributed()[1]
+    n_docs = document_counts(tasks, cfg)
+    everything = [(t, c, cell_key(model, name, tasks.fingerprints[name], c, cfg, device, world, n_docs.get(name)))
+                  for t, name in enumerate(tasks.names) for c in configs]
+    i, n = cfg.shard
+    mine = [cell for j, cell in enumerate(everything) if j % n == i]
+    # A cell asked for with samples is finished only with its samples file beside it.
+    done = {cid: stored for cid, stored in disk.existing(out).items()
+            if stored.has_samples or not cfg.log_samples}
+    full = max((c for c in configs if c.policy == "fixed"), key=lambda c: c.threshold)
+    return SweepPlan(mine, done, model, n_docs=n_docs, full=full, configs=configs)
+
+
+def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
+    """Each task's evaluation documents (lm-eval's `eval_docs`; a group's largest subtask), which only a limit
+    needs: without one, no task is built here."""
+    if cfg.limit is None:
+        return {}
+    from ..harness.quiet import lm_eval_output
+
+    counts = {}
+    # Quiet: whatever lm-eval warns of while loading a task it warns of again when the cells load it, and
+    # datasets' bars belong to the data the cells read next.
+    with lm_eval_output(quiet=True):
+        for name, spec in zip(tasks.names, tasks.specs):
+            try:
+                loaded = tasks.manager.load([spec])
+            except (ConnectionError, OSError, ValueError) as exc:
+                raise evaluation_error([name], exc) from None
+            sizes = [len(task.eval_docs) for task in loaded["tasks"].values()]
+            if sizes:
+                counts[name] = max(sizes)
+    return counts
+
+
+def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
+              progress: Any | None = None, sweep: SweepPlan | None = None, poll_s: float = 1.0
+              ) -> list[dict[str, Any]]:
+    """Run every cell of this shard that is not on disk yet; return all of this shard's cells.
+
+    Cells of one exit config share a single lm-eval call over their tasks (lm-eval's per-call setup would
+    otherwise dominate a small model's sweep); each task still gets its own cell file. A cell another process
+    has claimed is left to it and collected once written (or computed here, should that process die).
+    """
+    sweep = sweep or plan(ck, tasks, cfg, out, device)
+    rank0 = init_distributed()[0] == 0
+    finished: dict[str, dict[str, Any]] = {}
+    waiting: list[tuple[int, ExitConfig, dict]] = []
+    for t, exit_cfg, key in sweep.cells:
+        cid = cells.cell_id(key)
+        if cid in sweep.done:
+            finished[cid] = sweep.done[cid].cell
+            if progress:
+                progress.cell_skipped(cid)
+        else:
+            waiting.append((t, exit_cfg, key))
+    if waiting and rank0:
+        out.mkdir(parents=True, exist_ok=True)
+    settled: set[str] = set()
+    while waiting:
+        computed_any = False
+        for group in _by_exit_config(waiting):
+            # Claim a group's cells right before computing them, so a second sweep into the same directory
+            # takes the next group instead of idling. Rank 0 claims; every rank then runs the same cells,
+            # since lm-eval's calls are collective.
+            claims = [disk.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
+            granted = _agree(claim_cells(claims, out, cfg.log_samples) if rank0 else None)
+            mine = [(*item, claims[j] if rank0 else None) for j, item in enumerate(group) if granted[j]]
+            try:
+                if mine:
+                    _run_group(ck, tasks, cfg, out, sweep, mine, progress, finished)
+                    settled.update(cells.cell_id(key) for _, _, key, _ in mine)  # on every rank alike
+                    computed_any = True
+            finally:
+                for *_, claim in mine:
+                    if claim is not None:
+                        claim.release()
+        # What is left was claimed by another process: collect what it wrote, retry the rest (its owner may
+        # have died and freed the claim).
+        stored = disk.existing(out) if rank0 else {}
+        left = []
+        for t, exit_cfg, key in waiting:
+            cid = cells.cell_id(key)
+            if cid in settled:
+                continue
+            there = stored.get(cid)
+            if _agree(there is not None and (there.has_samples or not cfg.log_samples)):
+                if there is not None:
+                    finished[cid] = there.cell
+                if progress:
+                    progress.cell_finished(f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {tasks.names[t]} "
+                                           "(computed by another run)")
+            else:
+                left.append((t, exit_cfg, key))
+        waiting = left
+        if waiting and not computed_any:
+            time.sleep(poll_s)  # every remaining cell is another process's: wait until it writes them
+    return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
+
+
+def claim_cells(claims: list[disk.Claim], out: Path, log_samples: bool) -> list[bool]:
+    """Which cells this process now owns. A cell written by another run between our look at the directory and
+    our claim is let go: it is done, and left for the collection step."""
+    granted = [c.acquire() for c in claims]
+    if any(granted):
+        stored = disk.written(out, [c.cid for c, ok in zip(claims, granted) if ok])
+        for j, claim in enumerate(claims):
+            there = stored.get(claim.cid)
+            if granted[j] and there is not None and (there.has_samples or not log_samples):
+                claim.release()
+                granted[j] = False
+    return granted
+
+
+def _by_exit_config(items: list[tuple[int, ExitConfig, dict]]) -> list[list[tuple[int, ExitConfig, dict]]]:
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(cells.cell_id(item[1].to_dict()), []).append(item)
+    return list(groups.values())
+
+
+def _agree(value: Any) -> Any:
+    """Rank 0's value on every rank (itself in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
+    exit_cfg = group[0][1]
+    label = f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {', '.join(tasks.names[t] for t, *_ in group)}"
+    if progress:
+        progress.cell_started(label)
+    produced = run_config(ck, tasks, [t for t, *_ in group], exit_cfg, cfg, sweep.model, [k for _, _, k, _ in group],
+                          sweep.run_id, on_requests=progress.requests if progress else None, full=sweep.full)
+    for cell, samples in produced:
+        cell = cells.strict(cell)
+        disk.write(out, cell, samples)
+        finished[cell["cell_id"]] = cell
+        if progress and cell.get("numerics", {}).get("nonfinite_tokens"):
+            progress.warn(f"{cells.filename(cell)}: {cell['numerics']['nonfinite_tokens']} of "
+                          f"{cell['iterations']['tokens']} tokens had a NaN or infinity in their states or logits")
+    if progress:
+        for _ in group:
+            progress.cell_finished(label)
