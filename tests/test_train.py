@@ -14,7 +14,9 @@ from exitbench.training import synthetic
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 from exitbench.models import load_checkpoint
-from exitbench.training.train import TrainConfig, sample_recurrence, train
+from exitbench.training.config import TrainConfig
+from exitbench.training.recipe import sample_recurrence
+from exitbench.training.train import train
 
 from helpers.cli import assert_one_line_error
 
@@ -180,7 +182,8 @@ def test_looped_gpt2_trains_on_text_deterministically_and_resumes(tmp_path, gsm8
 
 def test_looped_gpt2_training_lowers_the_loss(tmp_path, gsm8k_dir):
     """The text recipe learns: the loss after training is well below the loss of the initial model."""
-    from exitbench.training.train import TextRecipe, TrainState
+    from exitbench.training.gpt2 import Gpt2Recipe as TextRecipe
+    from exitbench.training.recipe import TrainState
 
     cfg = text_cfg(tmp_path / "l", gsm8k_dir, steps=40, lr=3e-3)
     recipe = TextRecipe(cfg)

@@ -13,7 +13,7 @@ import torch
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..training import synthetic
-from ..training.train import CHAINS_ARCHS
+from ..training.config import CHAINS_ARCHS
 
 
 def synthetic_training(ck: Checkpoint) -> dict[str, Any] | None:
