@@ -21,6 +21,7 @@ What the recording sees, and so what replay is exact for:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -83,6 +84,76 @@ def variant_key(policy: ExitPolicy) -> str:
     return policy.variant
 
 
+@dataclass
+class _Chunk:
+    """A batch of sequences as one pass runs them: the padded ids (B, L), the first position any row scores
+    (`lo`: the chunk [lo, L) is what is kept), and every row's scored positions, flattened: their row, their
+    column within the chunk, and which chunk positions are scored ((B, L − lo, 1))."""
+
+    ids: torch.Tensor
+    lo: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+    scored: torch.Tensor
+
+    @classmethod
+    def of(cls, seqs: list[Sequence_], device) -> _Chunk:
+        L = max(len(s.inputs) for s in seqs)
+        lo = min(s.first for s in seqs)
+        ids = torch.tensor([s.inputs + [0] * (L - len(s.inputs)) for s in seqs], device=device)
+        rows = torch.tensor([b for b, s in enumerate(seqs) for _ in range(s.first, len(s.inputs))], device=device)
+        cols = torch.tensor([p - lo for s in seqs for p in range(s.first, len(s.inputs))], device=device)
+        scored = (torch.arange(lo, L, device=device).unsqueeze(0)
+                  >= torch.tensor([s.first for s in seqs], device=device).unsqueeze(1)).unsqueeze(-1)
+        return cls(ids, lo, rows, cols, scored)
+
+
+@dataclass
+class _Readings:
+    """What a recording pass reads at each iteration, for all scored positions of the batch at once; one
+    entry per iteration k in each list."""
+
+    signals: list[dict[str, list[torch.Tensor]]]  # [g][variant]
+    top: list[list[torch.Tensor]]                 # [g]
+    picked: list[list[list[torch.Tensor]]]        # [member][g]
+    quality: list[list[torch.Tensor]]             # [member]
+    finite: list[torch.Tensor]
+
+    @classmethod
+    def empty(cls, G: int, variants: dict[str, ExitPolicy], members: int) -> _Readings:
+        return cls(signals=[{key: [] for key in variants} for _ in range(G)], top=[[] for _ in range(G)],
+                   picked=[[[] for _ in range(G)] for _ in range(members)], quality=[[] for _ in range(members)],
+                   finite=[])
+
+    def per_sequence(self, seqs: list[Sequence_], fixed_picked: dict[int, list[torch.Tensor]],
+                     fixed_top: dict[int, torch.Tensor]) -> list[Trajectories]:
+        """The readings on the host, (n, K) arrays, cut into each sequence's Trajectories."""
+        G = len(self.top)
+        bounds = np.cumsum([0] + [len(s.inputs) - s.first for s in seqs])
+        host = lambda xs: torch.stack(xs, 1).cpu().numpy() if xs else None  # noqa: E731
+        sig = [{key: host(v) for key, v in self.signals[g].items() if v} for g in range(G)]
+        tops = [host(self.top[g]) for g in range(G)]
+        picks = [[host(self.picked[m][g]) for g in range(G)] for m in range(len(self.picked))]
+        qual = [host(q) for q in self.quality]
+        fin = host(self.finite)
+        fp = {r: [v.cpu().numpy() for v in vs] for r, vs in fixed_picked.items()}
+        ft = {r: v.cpu().numpy() for r, v in fixed_top.items()}
+        out = []
+        for b, s in enumerate(seqs):
+            a, z = bounds[b], bounds[b + 1]
+            members = range(len(s.members))
+            out.append(Trajectories(
+                positions=list(range(s.first, len(s.inputs))),
+                signals=[{key: v[a:z] for key, v in sig[g].items()} for g in range(G)],
+                top=[None if tops[g] is None else tops[g][a:z] for g in range(G)],
+                picked=[[None if picks[m][g] is None else picks[m][g][a:z] for g in range(G)] for m in members],
+                quality=[qual[m][a:z] for m in members],
+                finite=fin[a:z],
+                fixed_picked={r: [v[m][a:z] for m in members] for r, v in fp.items()},
+                fixed_top={r: v[a:z] for r, v in ft.items()}))
+        return out
+
+
 class Recorder:
     def __init__(self, model: LoopedLM, depth: int, variants: Sequence[ExitPolicy], baselines: Sequence[int],
                  seed: int, readout_steps: list[int], oracle: bool):
@@ -103,101 +174,84 @@ class Recorder:
     @torch.no_grad()
     def record(self, seqs: list[Sequence_]) -> list[Trajectories]:
         """Record a batch of sequences (one row each)."""
-        import time
+        chunk = _Chunk.of(seqs, self.model.device)
+        cache, kept, whole = self._walk(chunk)
+        targets = [torch.tensor([t for s in seqs for t in (s.members[m] if m < len(s.members) else s.members[0])],
+                                device=self.model.device) for m in range(max(len(s.members) for s in seqs))]
+        readings = _Readings.empty(len(self.groups), self.variants, len(targets))
+        for g in range(len(self.groups)):
+            self._read_group(g, kept[g], chunk, cache, targets, readings)
+        fixed_picked, fixed_top = self._baselines(seqs, chunk.ids, whole, chunk.rows, chunk.cols + chunk.lo, targets)
+        return readings.per_sequence(seqs, fixed_picked, fixed_top)
 
+    def _walk(self, chunk: _Chunk) -> tuple[Any, list[list[torch.Tensor]], dict[int, torch.Tensor]]:
+        """Every position through every loop group to depth K: the cache, each group's states at iterations
+        0 … K over the chunk [lo, L) ([g][k] → (B, L − lo, d)), and on one group each baseline depth's state at
+        every position (r → s_r)."""
         model, K, G = self.model, self.K, len(self.groups)
-        device = model.device
-        B = len(seqs)
-        L = max(len(s.inputs) for s in seqs)
-        lo = min(s.first for s in seqs)
-        ids = torch.tensor([s.inputs + [0] * (L - len(s.inputs)) for s in seqs], device=device)
-        # The scored positions of every row, flattened: row index and position within the chunk [lo, L).
-        rows = torch.tensor([b for b, s in enumerate(seqs) for _ in range(s.first, len(s.inputs))], device=device)
-        cols = torch.tensor([p - lo for s in seqs for p in range(s.first, len(s.inputs))], device=device)
-        scored = (torch.arange(lo, L, device=device).unsqueeze(0)
-                  >= torch.tensor([s.first for s in seqs], device=device).unsqueeze(1)).unsqueeze(-1)
-
+        B, L = chunk.ids.shape
         t0 = time.perf_counter()
         cache = model.new_cache(B, L, [K] * G)
-        kept: list[list[torch.Tensor]] = [[] for _ in range(G)]  # [g][k] → (B, L − lo, d)
-        whole: dict[int, torch.Tensor] = {}                      # baseline r → s_r at every position (one group)
+        kept: list[list[torch.Tensor]] = [[] for _ in range(G)]
+        whole: dict[int, torch.Tensor] = {}
 
         def on_state(g: int, k: int, s: torch.Tensor) -> None:
-            kept[g].append(s[:, lo:])
+            kept[g].append(s[:, chunk.lo:])
             if G == 1 and k in self.baselines:
                 whole[k] = s
 
         noise = self._noise(B, L)
-        model.walk(model.embed(ids, 0), AttnContext(start=0, cache=cache), [K] * G, noise=noise, on_state=on_state)
+        model.walk(model.embed(chunk.ids, 0), AttnContext(start=0, cache=cache), [K] * G, noise=noise,
+                   on_state=on_state)
         self.seconds["walk"] += time.perf_counter() - t0
+        return cache, kept, whole
 
-        targets = [torch.tensor([t for s in seqs for t in (s.members[m] if m < len(s.members) else s.members[0])],
-                                device=device) for m in range(max(len(s.members) for s in seqs))]
-        signals: list[dict[str, list[np.ndarray]]] = [{key: [] for key in self.variants} for _ in range(G)]
-        top: list[list[torch.Tensor]] = [[] for _ in range(G)]
-        picked: list[list[list[torch.Tensor]]] = [[[] for _ in range(G)] for _ in targets]
-        quality: list[list[torch.Tensor]] = [[] for _ in targets]
-        finite: list[torch.Tensor] = []
-        for g in range(G):
-            states = kept[g]
+    def _read_group(self, g: int, states: list[torch.Tensor], chunk: _Chunk, cache, targets: list[torch.Tensor],
+                    readings: _Readings) -> None:
+        """Loop group g at every iteration k: the readout where it is read, and every variant's signal."""
+        t0 = time.perf_counter()
+        memory = {key: p.start(states[0][chunk.rows, chunk.cols], self.model.output_size)
+                  for key, p in self.variants.items()}
+        self.seconds["signals"] += time.perf_counter() - t0
+        for k in range(1, self.K + 1):
+            s_k = states[k][chunk.rows, chunk.cols]
+            logp64 = None
+            if self.read_group[g]:
+                logp64 = self._readout(g, states[k], states[self.K], s_k, chunk, cache, targets, readings)
             t0 = time.perf_counter()
-            memory = {key: p.start(states[0][rows, cols], model.output_size) for key, p in self.variants.items()}
+            for key, policy in self.variants.items():
+                if policy.needs_logits and logp64 is None:
+                    continue
+                value = policy.signal(s_k, memory[key], logp64).double()
+                if k < policy.defined_from:
+                    value = torch.full_like(value, policy.never)
+                readings.signals[g][key].append(value)
             self.seconds["signals"] += time.perf_counter() - t0
-            for k in range(1, K + 1):
-                s_k = states[k][rows, cols]
-                logp64 = None
-                if self.read_group[g]:
-                    t0 = time.perf_counter()
-                    # Prefix positions of the chunk keep their full-depth state; scored ones exit at k.
-                    mixed = torch.where(scored, states[k], states[K])
-                    x = model.walk(self.groups[g].finish(mixed), AttnContext(start=lo, cache=cache),
-                                   self.readout_steps, start=self.bounds[g] + 1)
-                    logits = model.head(x[rows, cols])
-                    # As the engine: float32 log-probabilities for quality, float64 for the rules and the oracle.
-                    logp32 = torch.log_softmax(logits.float(), -1)
-                    logp64 = torch.log_softmax(logits.double(), -1)
-                    top[g].append(logp32.argmax(-1))
-                    for m, tgt in enumerate(targets):
-                        picked[m][g].append(logp64.gather(1, tgt.unsqueeze(1)).squeeze(1))
-                        if g == G - 1:
-                            quality[m].append(logp32.gather(1, tgt.unsqueeze(1)).squeeze(1))
-                    if g == G - 1:
-                        finite.append(torch.isfinite(s_k).all(-1) & torch.isfinite(logits).all(-1))
-                    self.seconds["readout"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for key, policy in self.variants.items():
-                    if policy.needs_logits and logp64 is None:
-                        continue
-                    value = policy.signal(s_k, memory[key], logp64).double()
-                    if k < policy.defined_from:
-                        value = torch.full_like(value, policy.never)
-                    signals[g][key].append(value)
-                self.seconds["signals"] += time.perf_counter() - t0
 
-        fixed_picked, fixed_top = self._baselines(seqs, ids, whole, rows, cols + lo, targets)
-        out = []
-        bounds = np.cumsum([0] + [len(s.inputs) - s.first for s in seqs])
-        host = lambda xs: torch.stack(xs, 1).cpu().numpy() if xs else None  # noqa: E731
-        sig = [{key: host(v) for key, v in signals[g].items() if v} for g in range(G)]
-        tops = [host(top[g]) for g in range(G)]
-        picks = [[host(picked[m][g]) for g in range(G)] for m in range(len(targets))]
-        qual = [host(q) for q in quality]
-        fin = host(finite)
-        fp = {r: [v.cpu().numpy() for v in vs] for r, vs in fixed_picked.items()}
-        ft = {r: v.cpu().numpy() for r, v in fixed_top.items()}
-        for b, s in enumerate(seqs):
-            a, z = bounds[b], bounds[b + 1]
-            members = range(len(s.members))
-            out.append(Trajectories(
-                positions=list(range(s.first, len(s.inputs))),
-                signals=[{key: v[a:z] for key, v in sig[g].items()} for g in range(G)],
-                top=[None if tops[g] is None else tops[g][a:z] for g in range(G)],
-                picked=[[None if picks[m][g] is None else picks[m][g][a:z] for g in range(G)] for m in members],
-                quality=[qual[m][a:z] for m in members],
-                finite=fin[a:z],
-                fixed_picked={r: [v[m][a:z] for m in members] for r, v in fp.items()},
-                fixed_top={r: v[a:z] for r, v in ft.items()}))
-        return out
+    def _readout(self, g: int, state: torch.Tensor, deepest: torch.Tensor, s_k: torch.Tensor, chunk: _Chunk,
+                 cache, targets: list[torch.Tensor], readings: _Readings) -> torch.Tensor:
+        """The scored positions exit group g at `state`'s iteration: the rest of the model and the head read
+        them, and the readings keep the argmax, each member's target log-probability and (last group)
+        quality and finiteness. Returns the float64 log-probabilities the rules read."""
+        model, last = self.model, g == len(self.groups) - 1
+        t0 = time.perf_counter()
+        # Prefix positions of the chunk keep their full-depth state; scored ones exit at k.
+        mixed = torch.where(chunk.scored, state, deepest)
+        x = model.walk(self.groups[g].finish(mixed), AttnContext(start=chunk.lo, cache=cache),
+                       self.readout_steps, start=self.bounds[g] + 1)
+        logits = model.head(x[chunk.rows, chunk.cols])
+        # As the engine: float32 log-probabilities for quality, float64 for the rules and the oracle.
+        logp32 = torch.log_softmax(logits.float(), -1)
+        logp64 = torch.log_softmax(logits.double(), -1)
+        readings.top[g].append(logp32.argmax(-1))
+        for m, tgt in enumerate(targets):
+            readings.picked[m][g].append(logp64.gather(1, tgt.unsqueeze(1)).squeeze(1))
+            if last:
+                readings.quality[m].append(logp32.gather(1, tgt.unsqueeze(1)).squeeze(1))
+        if last:
+            readings.finite.append(torch.isfinite(s_k).all(-1) & torch.isfinite(logits).all(-1))
+        self.seconds["readout"] += time.perf_counter() - t0
+        return logp64
 
     def _noise(self, B: int, L: int):
         """Initial-state noise for B rows of L positions, keyed by position as the engine keys it."""
@@ -220,3 +274,4 @@ class Recorder:
             top[r] = logp.argmax(-1)
             picked[r] = [logp.gather(1, tgt.unsqueeze(1)).squeeze(1) for tgt in targets]
         return picked, top
+
