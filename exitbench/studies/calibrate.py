@@ -11,6 +11,7 @@ threshold will serve. Documents, not tokens, are the units: tokens of one docume
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -165,6 +166,43 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
     per split (exitbench.replay: every position's context at full depth, where the exact run reads an exited
     token's own depth), instead of one exact run per threshold. Under a KV window (`kv_window`) the reference is
     full depth under the same window: the risk is what the exits cost in the cache regime that will serve."""
+    _check_request(config, thresholds, epsilon, delta, test_fraction, batch_size, replay)
+    engines = {tau: ExitEngine(model, _at_threshold(config, tau))
+               for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
+    cal, test = split([list(d) for d in docs], test_fraction, seed)
+    if not cal:
+        raise ExitbenchError("calibrate: no calibration documents left after the held-out split")
+    reference = ExitEngine(model, ExitConfig.fixed_depth(config.max_steps, config.to_dict()))
+    batches = -(-len(cal) // batch_size)
+    progress = _Progress(on_progress, 2 * batches if replay else batches * (len(engines) + 1))
+    run = functools.partial(_per_threshold, model, config, reference, engines, replay, batch_size, progress.tick)
+    taus = list(engines)
+    ref_preds, ref_iters, runs = run(cal, taus)
+    full_depth = sum(ref_iters) / len(ref_iters)
+    rows = [{"threshold": tau, **_measured(preds, ref_preds, iters, epsilon)}
+            for tau, (preds, iters) in zip(taus, runs)]
+    accepted = fixed_sequence([r["p_value"] for r in rows], delta)
+    for i, r in enumerate(rows):
+        r["accepted"] = i < accepted
+    chosen = rows[accepted - 1] if accepted else None
+    held_out = None
+    if chosen is not None and test:
+        progress.total += 2 * -(-len(test) // batch_size)
+        test_ref, _, ((test_preds, test_iters),) = run(test, [chosen["threshold"]])
+        held_out = {"documents": len(test), **_measured(test_preds, test_ref, test_iters)}
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "config": config.to_dict(),
+            "reference": reference.config.to_dict(),
+            "mode": "replay" if replay else "exact",
+            "epsilon": epsilon, "delta": delta, "loss": "share of a document's scored tokens whose exit prediction "
+            "differs from full depth", "documents": {"calibration": len(cal), "held_out": len(test)},
+            "tokens": {"calibration": sum(len(d) - 1 for d in cal)}, "full_depth_iterations": full_depth,
+            "documents_needed": documents_needed(epsilon, delta),
+            "thresholds": rows, "chosen": chosen, "held_out": held_out, "run": run_metadata(seed=seed)}
+
+
+def _check_request(config: ExitConfig, thresholds: Sequence[float], epsilon: float, delta: float,
+                   test_fraction: float, batch_size: int, replay: bool) -> None:
+    """Refuse what calibrate cannot do before anything runs."""
     check_calibratable(config.policy)
     for name, value in (("epsilon", epsilon), ("delta", delta)):
         if not isinstance(value, (int, float)) or not 0 < value < 1:
@@ -176,62 +214,46 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
         raise ExitbenchError(f"calibrate: policy {config.policy!r} has no threshold grid; pass --thresholds")
     if replay:
         check_recordable(config.to_dict(), "calibrate")
-    engines = {tau: ExitEngine(model, ExitConfig.from_dict({**config.to_dict(), "threshold": tau}))
-               for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
-    cal, test = split([list(d) for d in docs], test_fraction, seed)
-    if not cal:
-        raise ExitbenchError("calibrate: no calibration documents left after the held-out split")
-    reference = ExitEngine(model, ExitConfig.fixed_depth(config.max_steps, config.to_dict()))
-    batches = -(-len(cal) // batch_size)
-    total, done = batches * (len(engines) + 1), 0
 
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if on_progress is not None:
-            on_progress(done, total)
 
-    taus = list(engines)
+def _at_threshold(config: ExitConfig, tau: float) -> ExitConfig:
+    return ExitConfig.from_dict({**config.to_dict(), "threshold": tau})
+
+
+class _Progress:
+    """Batches done out of those planned (`total`, which grows when the held-out split is planned), told to
+    `on_progress` after each batch."""
+
+    def __init__(self, on_progress: Callable[[int, int], None] | None, total: int):
+        self.on_progress, self.total, self.done = on_progress, total, 0
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total)
+
+
+def _per_threshold(model, config: ExitConfig, reference: ExitEngine, engines: dict[float, ExitEngine],
+                   replay: bool, batch_size: int, tick: Callable[[], None], docs: list[list[int]],
+                   taus: list[float]) -> tuple[list[list[int]], list[float], list[tuple[list[list[int]], list[float]]]]:
+    """On `docs`: the reference's predictions and iterations, and each threshold's (predictions, iterations),
+    from one recording pass (`replay`) or one exact run each."""
     if replay:
-        total = 2 * batches
-        configs = [ExitConfig.from_dict({**config.to_dict(), "threshold": tau}) for tau in taus]
-        ref_preds, ref_iters, runs = replayed_predictions(model, cal, configs, reference.policies[0].max_steps,
-                                                          config.seed, batch_size, tick)
-    else:
-        ref_preds, ref_iters = predictions(reference, cal, batch_size, tick)
-        runs = [predictions(engines[tau], cal, batch_size, tick) for tau in taus]
-    full_depth = sum(ref_iters) / len(ref_iters)
-    rows = []
-    for tau, (preds, iters) in zip(taus, runs):
-        losses = disagreement(preds, ref_preds)
-        risk = sum(losses) / len(losses)
-        rows.append({"threshold": tau, "risk": risk, "p_value": hb_pvalue(risk, len(losses), epsilon),
-                     "mean_iterations": sum(iters) / len(iters)})
-    accepted = fixed_sequence([r["p_value"] for r in rows], delta)
-    for i, r in enumerate(rows):
-        r["accepted"] = i < accepted
-    chosen = rows[accepted - 1] if accepted else None
-    held_out = None
-    if chosen is not None and test:
-        total += 2 * -(-len(test) // batch_size)
-        if replay:
-            chosen_config = ExitConfig.from_dict({**config.to_dict(), "threshold": chosen["threshold"]})
-            test_ref, _, ((test_preds, test_iters),) = replayed_predictions(
-                model, test, [chosen_config], reference.policies[0].max_steps, config.seed, batch_size, tick)
-        else:
-            test_ref, _ = predictions(reference, test, batch_size, tick)
-            test_preds, test_iters = predictions(engines[chosen["threshold"]], test, batch_size, tick)
-        losses = disagreement(test_preds, test_ref)
-        held_out = {"documents": len(test), "risk": sum(losses) / len(losses),
-                    "mean_iterations": sum(test_iters) / len(test_iters)}
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "config": config.to_dict(),
-            "reference": reference.config.to_dict(),
-            "mode": "replay" if replay else "exact",
-            "epsilon": epsilon, "delta": delta, "loss": "share of a document's scored tokens whose exit prediction "
-            "differs from full depth", "documents": {"calibration": len(cal), "held_out": len(test)},
-            "tokens": {"calibration": sum(len(d) - 1 for d in cal)}, "full_depth_iterations": full_depth,
-            "documents_needed": documents_needed(epsilon, delta),
-            "thresholds": rows, "chosen": chosen, "held_out": held_out, "run": run_metadata(seed=seed)}
+        configs = [_at_threshold(config, tau) for tau in taus]
+        return replayed_predictions(model, docs, configs, reference.policies[0].max_steps, config.seed, batch_size,
+                                    tick)
+    ref_preds, ref_iters = predictions(reference, docs, batch_size, tick)
+    return ref_preds, ref_iters, [predictions(engines[tau], docs, batch_size, tick) for tau in taus]
+
+
+def _measured(preds: Sequence[list[int]], reference: Sequence[list[int]], iters: Sequence[float],
+              epsilon: float | None = None) -> dict[str, float]:
+    """The risk of `preds` against the reference, its p-value under ε where ε is given, and the mean
+    iterations."""
+    losses = disagreement(preds, reference)
+    risk = sum(losses) / len(losses)
+    pvalue = {} if epsilon is None else {"p_value": hb_pvalue(risk, len(losses), epsilon)}
+    return {"risk": risk, **pvalue, "mean_iterations": sum(iters) / len(iters)}
 
 
 def write_report(report: dict[str, Any], path: Path) -> Path:
