@@ -258,7 +258,8 @@ def test_gsm8k_redirect_reads_the_local_copy():
     import lm_eval
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from exitbench.harness.task_set import GSM8K_HUB, _redirect_gsm8k, task_fingerprint
+    from exitbench.harness.task_set import GSM8K_HUB, _redirect_gsm8k
+    from exitbench.store.task_fingerprint import task_fingerprint
 
     yaml_path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml"
     original = load_yaml(yaml_path)

@@ -45,6 +45,19 @@ def describe(exc: ValidationError) -> str:
     return f"{where}: {message[0].lower() + message[1:]}, got {shown}"
 
 
+def one_line(exc: BaseException) -> str:
+    """An error as one line: YAML errors as what went wrong and where, others with their lines joined."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError):
+        def at(what: str | None, mark: Any) -> str | None:
+            return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if what and mark else what
+
+        return ", ".join(p for p in (at(exc.problem, exc.problem_mark), at(exc.context, exc.context_mark)) if p)
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def at_least(what: str, value: int, low: int = 1) -> int:
     """`value` when it is ≥ `low`, else the one-line error every command gives for it (a batch size, a count)."""
     if value < low:
