@@ -42,9 +42,10 @@ def exitbench(*args: str) -> None:
 
 def matched(directory: Path) -> dict[str, list[dict]]:
     """Per task · metric, the matched-quality rows at TOLERANCE (exact cells preferred over replay twins)."""
-    from exitbench.analysis import pareto
+    from exitbench.analysis.frontier import report
+    from exitbench.store.loading import load
 
-    rep = pareto.report(pareto.load([directory]))
+    rep = report(load([directory]))
     return {group: [r for r in entry["matched_quality"] if r["tolerance"] == TOLERANCE]
             for group, entry in rep.items()}
 
@@ -53,7 +54,7 @@ def wall_clock(ck_args: list[str], task: str, task_args: list[str], rows: list[d
                exit_model: Path, out: Path) -> dict[str, float]:
     """ms per token at batch size 1 of full depth, second_order and learned at their matched thresholds: exact
     cells of one run (the two rules share the run's threshold list, so each also gets the other's τ)."""
-    from exitbench.analysis import pareto
+    from exitbench.store.loading import load
 
     chosen = {r["policy"]: r["threshold"] for r in rows if r["policy"] in ("second_order", "learned")}
     limit = [] if "--limit" in task_args else ["--limit", "100"]  # 100 documents: enough for a time per token
@@ -62,7 +63,7 @@ def wall_clock(ck_args: list[str], task: str, task_args: list[str], rows: list[d
               "--thresholds", f"{chosen['second_order']:g},{chosen['learned']:g}", "--baselines", f"{full:g}",
               "--out", str(out), "--quiet")
     ms = {}
-    for cell in pareto.load([out]):
+    for cell in load([out]):
         name, tau = cell["policy"]["policy"], cell["policy"]["threshold"]
         if tau == chosen.get(name) or (name == "fixed" and tau == full):
             ms[name] = 1e3 * cell["wall_clock"]["per_token_s"]
@@ -108,7 +109,7 @@ def by_hop(model_file: Path, tau: float, programs: int = 128) -> list[dict]:
 
 
 def main() -> None:
-    from exitbench.analysis import pareto
+    from exitbench.store.loading import load
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
@@ -132,7 +133,7 @@ def main() -> None:
                       str(model_file), "--replay", "--out", str(out), "--quiet")
             for group, rows in matched(out).items():
                 task = group.split(" · ")[0]
-                full = max(c["policy"]["threshold"] for c in pareto.load([out])
+                full = max(c["policy"]["threshold"] for c in load([out])
                            if c["policy"]["policy"] == "fixed" and c["task"]["name"] == task)
                 timed = wall_clock(spec["checkpoint"], task, task_args, rows, full, model_file,
                                    work / name / f"bs1-{task}")

@@ -418,61 +418,36 @@ def pareto(directories: list[Path] = typer.Argument(..., help="Result directorie
            cost: str = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops."),
            model: Optional[str] = ModelOpt):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
-    from .analysis import pareto as par
-    from .analysis.tables import pareto_tables, published_table
+    from .analysis import notes, tables
+    from .analysis.frontier import report as frontiers
+    from .analysis.plot import check_plot_target, plot as draw_plot
     from .presets import published_rows
     from .store.disk import writable_output
+    from .store.loading import load, model_label
 
-    par.check_table(table)
+    tables.check_table(table)
     if plot is not None:
-        par.check_plot_target(plot, cost)
+        check_plot_target(plot, cost)
         writable_output(plot, "--plot")
-    cell_list = par.load(directories, on_skip=_skip_note, model=model)
-    err_console.print(f"model: {par.model_label(cell_list[0])}", highlight=False)
-    rep = par.report(cell_list)
+    cell_list = load(directories, on_skip=_skip_note, model=model)
+    err_console.print(f"model: {model_label(cell_list[0])}", highlight=False)
+    rep = frontiers(cell_list)
     if fmt == "rich":
-        for t in pareto_tables(rep, table):
+        for t in tables.pareto_tables(rep, table):
             console.print(t)
     else:
-        print(par.format_tables(rep, fmt, table))
-    split = par.split_note(par.groups(cell_list))
-    if split:
-        err_console.print(f"note: {split}", highlight=False)
-    replayed = par.replay_points(rep)
-    if replayed:
-        err_console.print(f"note: frontiers of {', '.join(replayed)} rest on replay cells (marked ᴿ; wall-clock "
-                          "there is estimated); `exitbench run --replay --verify` reruns them exactly",
-                          highlight=False)
-    broken = par.nonfinite(cell_list)
-    if broken:
-        err_console.print(f"warning: {len(broken)} cells had tokens whose states or logits went NaN or infinite "
-                          f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted",
-                          highlight=False)
-    for note in par.timing_notes(cell_list) + [n for n in [par.drift_note(rep)] if n]:
-        err_console.print(f"warning: {note}", highlight=False)
-    mixed = par.mixed_runs(rep)
-    if mixed:
-        err_console.print(f"warning: speed-ups in {', '.join(mixed)} divide timings measured by different runs "
-                          "(a rerun reused older cells); rerun into a fresh --out to compare wall-clock",
-                          highlight=False)
+        print(tables.format_tables(rep, fmt, table))
+    for note in notes.notes(cell_list, rep, notes.PARETO):
+        err_console.print(str(note), highlight=False)
     published = published_rows(cell_list)
     if published and fmt == "rich":
-        console.print(published_table(published))
+        console.print(tables.published_table(published))
     elif published and fmt == "md":
-        from tabulate import tabulate
-
-        shown = [{k: v for k, v in r.items() if k not in ("source", "same_model")} for r in published]
-        print("\n" + tabulate(shown, headers="keys", tablefmt="github", floatfmt=".2f"))
-    others = sorted({r["published_for"] for r in published if not r["same_model"]})
-    if others:
-        err_console.print(f"note: the published numbers are for {', '.join(others)}; these cells ran "
-                          f"{par.model_label(cell_list[0])}, so the rows show the protocol's plumbing, not a "
-                          "reproduction", highlight=False)
-    if published and any(r["limit"] is not None for r in published):
-        err_console.print("note: some measured numbers use --limit; the published ones use every document",
-                          highlight=False)
+        print(tables.published_markdown(published))
+    for note in notes.notes(cell_list, rep, notes.PUBLISHED):
+        err_console.print(str(note), highlight=False)
     if plot is not None:
-        par.plot(cell_list, plot, cost)
+        draw_plot(cell_list, plot, cost)
         err_console.print(f"wrote {plot}")
 
 
@@ -581,21 +556,22 @@ def check(run_dir: Path = typer.Argument(..., metavar="RUN", help="The sweep to 
                                                        "its directory mixes models (default: --model).")):
     """Exit 1 when RUN regressed against BASELINE (quality, iterations, frontier; wall-clock if asked); 0 when
     not, 2 on unusable input, 3 on a crash."""
-    from .analysis import pareto
     from .analysis.check import Tolerances, comparable_baseline, compare
+    from .analysis.notes import timing_notes
     from .analysis.tables import regression_table
+    from .store.loading import load, load_paths
 
     for name, value in (("--quality-tol", quality_tol), ("--iterations-tol", iterations_tol), ("--wall-tol", wall_tol)):
         if not value >= 0:
             raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
     # strict: a gate never skips a file it cannot read, on either side
-    run_cells = pareto.load([run_dir], model=model, strict=True)
-    base_cells = comparable_baseline(pareto.load_paths([baseline], model=baseline_model or model, strict=True))
+    run_cells = load([run_dir], model=model, strict=True)
+    base_cells = comparable_baseline(load_paths([baseline], model=baseline_model or model, strict=True))
     verdict = compare(run_cells, base_cells, Tolerances(quality_tol, iterations_tol, wall_tol if wall_clock else None),
                       present_only)
     if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
         for where, cell_list in ((run_dir, run_cells), (baseline, base_cells)):
-            for note in pareto.timing_notes(cell_list):
+            for note in timing_notes(cell_list):
                 err_console.print(f"warning: {where}: {note}", highlight=False)
     if verdict.regressions:
         console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "

@@ -6,7 +6,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from exitbench.analysis import pareto
+from exitbench.analysis import frontier, notes, plot
+from exitbench.store import cells, loading
 from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
@@ -15,7 +16,7 @@ from helpers.cells import ACC, PPL, hand_made_cell, paired, write_cells
 
 
 def one_group(cell_list):
-    (points,) = pareto.groups(cell_list).values()
+    (points,) = frontier.groups(cell_list).values()
     return points
 
 
@@ -25,22 +26,22 @@ def by_policy(points):
 
 def test_frontier_higher_is_better():
     pts = one_group(ACC)
-    assert by_policy(pareto.frontier(pts, "iterations", True)) == [
+    assert by_policy(frontier.frontier(pts, "iterations", True)) == [
         ("fixed", 4), ("oracle", 0.01)]
     # By wall-clock the oracle is slow, so the cheap adaptive points come back.
-    assert by_policy(pareto.frontier(pts, "wall_clock", True)) == [
+    assert by_policy(frontier.frontier(pts, "wall_clock", True)) == [
         ("fixed", 4), ("second_order", 1.0), ("second_order", 0.1), ("kl", 1e-3)]
 
 
 def test_frontier_lower_is_better():
     pts = one_group(PPL)
-    assert by_policy(pareto.frontier(pts, "iterations", False)) == [("fixed", 1), ("oracle", 0.01)]
-    assert by_policy(pareto.frontier(pts, "wall_clock", False)) == [
+    assert by_policy(frontier.frontier(pts, "iterations", False)) == [("fixed", 1), ("oracle", 0.01)]
+    assert by_policy(frontier.frontier(pts, "wall_clock", False)) == [
         ("fixed", 1), ("first_order", 1.0), ("first_order", 0.1), ("fixed", 16)]
 
 
 def test_matched_quality_rows_and_speedups():
-    rows = pareto.matched_quality(one_group(ACC))
+    rows = frontier.matched_quality(one_group(ACC))
     exact = {r["policy"]: r for r in rows if r["tolerance"] == 0.0}
     assert set(exact) == {"fixed", "kl", "oracle"}
     assert exact["kl"]["threshold"] == 1e-3 and exact["kl"]["mean_iterations"] == 6
@@ -53,7 +54,7 @@ def test_matched_quality_rows_and_speedups():
 
 
 def test_matched_quality_lower_is_better():
-    rows = pareto.matched_quality(one_group(PPL))
+    rows = frontier.matched_quality(one_group(PPL))
     assert {r["policy"] for r in rows if r["tolerance"] == 0.0} == {"fixed", "oracle"}
     half = {r["policy"]: r for r in rows if r["tolerance"] == 0.005}
     assert half["first_order"]["threshold"] == 0.1 and half["first_order"]["speedup"] == pytest.approx(2.0)
@@ -80,7 +81,7 @@ def test_cli_formats_and_plot(tmp_path):
     # Every cost axis is named in its rows (not overwritten by the cost value), and costs are numbers.
     assert {r.split(",")[1] for r in rows} == {"iterations", "wall_clock", "flops"}
     assert all(float(r.split(",")[-2]) > 0 and r.endswith(",exact") for r in rows)
-    fig = pareto.plot(ACC + PPL, tmp_path / "p.png")
+    fig = plot.plot(ACC + PPL, tmp_path / "p.png")
     axes = fig.axes
     assert len(axes) == 2 and (tmp_path / "p.png").stat().st_size > 0
     assert axes[0].get_xlabel() == "mean iterations per token" and "higher is better" in axes[0].get_ylabel()
@@ -96,7 +97,7 @@ def test_frontier_labels_never_overprint(tmp_path):
                hand_made_cell("c", "acc", True, "fixed", 1, 0.30, 1, 0.1e-3)]  # stretches both axes
     crowded += [hand_made_cell("c", "acc", True, "second_order", 0.1 * (i + 1), 0.90 - 0.001 * i, 15 - 0.1 * i,
                                1e-3) for i in range(12)]
-    fig = pareto.draw(crowded)
+    fig = plot.draw(crowded)
     texts = fig.axes[0].texts
     assert 1 <= len(texts) < 14
     renderer = fig.canvas.get_renderer()
@@ -107,7 +108,7 @@ def test_frontier_labels_never_overprint(tmp_path):
 def test_refuses_other_files_and_empty_dirs(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"schema": "something-else"}))
     with pytest.raises(ExitbenchError, match="no result cells.*1 JSON file.*not cells"):
-        pareto.load([tmp_path])
+        loading.load([tmp_path])
     old = dict(ACC[0], schema_version=0)
     (tmp_path / "x.json").write_text(json.dumps(old))
     res = CliRunner().invoke(app, ["pareto", str(tmp_path)])
@@ -115,11 +116,11 @@ def test_refuses_other_files_and_empty_dirs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ExitbenchError, match="no result cells"):
-        pareto.load([empty])
+        loading.load([empty])
 
 
 def test_per_policy_frontiers():
-    rep = pareto.report(ACC)["t · acc"]
+    rep = frontier.report(ACC)["t · acc"]
     per = rep["policy_frontiers"]["iterations"]
     assert [(p["threshold"]) for p in per["kl"]] == [1e-2, 1e-3]       # 5 → 0.80, 6 → 0.90: both kept
     assert [(p["threshold"]) for p in per["second_order"]] == [0.1]      # τ=1 costs more for less
@@ -135,20 +136,20 @@ def test_cells_of_different_setups_never_share_a_frontier(tmp_path):
         out = copy.deepcopy(cell_list)
         for c in out:
             c["key"].update(key)
-            c["cell_id"] = pareto.cells.cell_id(c["key"])
+            c["cell_id"] = cells.cell_id(c["key"])
         return out
 
     mixed = ACC + variant(ACC, limit=100) + variant(ACC, batch_size=1)
-    grouped = pareto.groups(mixed)
+    grouped = frontier.groups(mixed)
     assert len(grouped) == 3 and all(len(pts) == len(ACC) for pts in grouped.values())
-    names = sorted(pareto.group_names(grouped).values())
+    names = sorted(frontier.group_names(grouped).values())
     assert names == ["t · acc · limit 100 · batch none", "t · acc · limit none · batch 1",
                      "t · acc · limit none · batch none"]
-    assert "limit" in pareto.split_note(grouped) and "batch" in pareto.split_note(grouped)
-    assert pareto.split_note(pareto.groups(ACC)) is None
-    assert sorted(pareto.report(mixed)) == names
+    assert "limit" in notes.split_note(grouped) and "batch" in notes.split_note(grouped)
+    assert notes.split_note(frontier.groups(ACC)) is None
+    assert sorted(frontier.report(mixed)) == names
     # What a check compares ignores how it was timed: batch size alone does not split there.
-    assert len(pareto.groups(mixed, pareto.MEASURED)) == 2
+    assert len(frontier.groups(mixed, frontier.MEASURED)) == 2
     write_cells(tmp_path / "cells", mixed)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "cells"), "--format", "md"])
     assert res.exit_code == 0, res.output
@@ -161,15 +162,15 @@ def test_cells_timed_on_a_busy_machine_are_flagged(tmp_path):
     hot = copy.deepcopy(ACC)
     for c in hot:
         c.setdefault("run", {})["load"] = {"start": 0.3, "end": 0.4, "cpus": 2}
-    assert pareto.busy_note(hot) is None  # an idle 2-core machine
+    assert notes.busy_note(hot) is None  # an idle 2-core machine
     hot[2]["run"]["load"] = {"start": 5.0, "end": 7.5, "cpus": 2}
-    note = pareto.busy_note(hot)
+    note = notes.busy_note(hot)
     assert note.startswith("1 of 7 cells") and "load up to 7.5 on 2 cores" in note and "kl" in note
     assert "--threads 1" in note  # threads not recorded: fewer may help
     hot[2]["run"]["machine"] = {"cpu_threads": 1}
-    assert "--threads 1" not in pareto.busy_note(hot)  # it ran on one already: only an idle machine helps
+    assert "--threads 1" not in notes.busy_note(hot)  # it ran on one already: only an idle machine helps
     hot[2]["run"]["machine"] = {"cpu_threads": 2}
-    assert "--threads 1" in pareto.busy_note(hot)
+    assert "--threads 1" in notes.busy_note(hot)
     write_cells(tmp_path / "c", hot)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c"), "--format", "md"])
     assert res.exit_code == 0 and "busy machine" in res.output
@@ -181,24 +182,24 @@ def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(
     cell_list = copy.deepcopy(ACC)
     kl = cell_list[2]  # kl τ=1e-3: 0.8 ms/token against full depth's 1.0, a speed-up of 1.25
     paired(kl, [0.76, 0.8, 0.84])
-    (row,) = [r for r in pareto.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
+    (row,) = [r for r in frontier.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
     assert row["speedup"] == pytest.approx(1.25) and row["paired_speedup"] == pytest.approx(1.25)
     assert row["speedup_spread"] == pytest.approx(0.1)
-    assert pareto.timing_notes(cell_list) == [] and pareto.drift_note(pareto.report(cell_list)) is None
+    assert notes.timing_notes(cell_list) == [] and notes.drift_note(frontier.report(cell_list)) is None
     # Repeats paired with another depth than this group's full depth say nothing of its speed-up.
     paired(kl, [0.76, 0.8, 0.84], full_depth=8)
-    (row,) = [r for r in pareto.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
+    (row,) = [r for r in frontier.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "kl"]
     assert row["paired_speedup"] is None and row["speedup_spread"] is None
 
     # Repeats that scatter wide: the speed-up is unreliable, and pareto says so.
     paired(kl, [0.5, 0.8, 1.3])
-    note = pareto.spread_note(cell_list)
+    note = notes.spread_note(cell_list)
     assert note.startswith("1 of 7 cells' repeated timings spread more than 50%") and "up to 100%" in note
     assert "t kl τ=0.001" in note
     # The two evaluations divided say 1.25×, the repeats beside full depth 0.4×: the machine changed speed
     # between the cells.
     paired(kl, [2.4, 2.5, 2.6])
-    drift = pareto.drift_note(pareto.report(cell_list))
+    drift = notes.drift_note(frontier.report(cell_list))
     assert drift.startswith("1 speed-ups disagree") and "1.25× from the evaluations, 0.40× repeated" in drift
     write_cells(tmp_path / "c", cell_list)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c")])

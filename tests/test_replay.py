@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from exitbench.store import cells
-from exitbench.analysis import pareto
+from exitbench.store import cells, loading
 from exitbench.models.checkpoint import open_checkpoint
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.policies import REGISTRY
@@ -156,7 +155,7 @@ def test_verify_reruns_the_frontier_exactly_and_pareto_prefers_exact(replay_and_
     verified, others = cells.scan((out / "verify").glob("*.json"))
     assert [p.name for p in others] == ["replay-vs-exact.json"]
     assert len(verified) == len(rows) and all(c.get("mode", "exact") == "exact" for _, c in verified)
-    loaded = pareto.load([out])
+    loaded = loading.load([out])
     ids = {c["cell_id"] for c in loaded}
     assert {r["exact_cell"] for r in rows} <= ids and not ({r["replay_cell"] for r in rows} & ids)
 

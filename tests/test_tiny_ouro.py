@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exitbench.analysis import pareto
+from exitbench.store import loading
 from exitbench.models import checkpoint, embedded
 from exitbench.store.identity import checkpoint_identity
 from exitbench.studies.depth import depth_report
@@ -70,7 +70,7 @@ def test_stage_two_gate_exits_earlier_on_easy_tokens_than_on_hard_ones(ouro):
 
 
 def test_committed_sweep_is_of_this_model_and_has_every_part_the_issue_names():
-    cells = pareto.load([REPO / "results" / NAME])
+    cells = loading.load([REPO / "results" / NAME])
     fingerprint = checkpoint_identity(embedded.resolve(NAME)).short
     assert {c["model"]["fingerprint"] for c in cells} == {fingerprint}
     policies = {c["policy"]["policy"] for c in cells}
@@ -80,11 +80,11 @@ def test_committed_sweep_is_of_this_model_and_has_every_part_the_issue_names():
     assert modes == {"physical", "select"}
     qs = {c["policy"]["threshold"] for c in cells if c["policy"]["policy"] == "qexit"}
     assert len(qs) >= 5
-    stage1 = pareto.load([REPO / "results" / f"{NAME}-stage1"])
+    stage1 = loading.load([REPO / "results" / f"{NAME}-stage1"])
     assert {c["policy"]["policy"] for c in stage1} >= {"qexit", "fixed"}
     # The report opens with the three embedded models: report.yaml names the other two's sweeps, and the
     # stage-I gate's.
     from exitbench.analysis.compare import compare_dirs
 
-    others = [pareto.load([d])[0]["model"]["source"] for d in compare_dirs(REPO / "results" / NAME, None)]
+    others = [loading.load([d])[0]["model"]["source"] for d in compare_dirs(REPO / "results" / NAME, None)]
     assert sorted(others) == ["embedded:tiny-looped-gpt2", "embedded:tiny-ouro/stage-1", "embedded:tiny-raven"]

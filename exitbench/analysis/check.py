@@ -21,7 +21,9 @@ from typing import Any, Callable
 
 from ..errors import ExitbenchError
 from ..store import cells
-from . import pareto
+from ..store.loading import model_label
+from .frontier import MEASURED, TOLERANCES, full_depth, groups, matched_quality, paired_timing, setup, within
+from .notes import nonfinite
 
 
 @dataclass
@@ -60,7 +62,7 @@ def label(cell: dict[str, Any]) -> str:
 def _worse(run: float | None, base: float | None, tol: float, higher: bool) -> bool:
     if base is None:
         return False
-    return run is None or not pareto.within(run, base, tol, higher)
+    return run is None or not within(run, base, tol, higher)
 
 
 def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
@@ -70,7 +72,7 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
 
 def _paired_ratio(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
     """The cell's time ratio from its repeats paired with `full`'s depth (harness/retime.py), if it has them."""
-    rep = pareto.paired_timing(cell, full["policy"]["threshold"])
+    rep = paired_timing(cell, full["policy"]["threshold"])
     return rep["ratio"] if rep else None
 
 
@@ -138,9 +140,9 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
     def add(what: str, cell_label: str, base_value: Any, run_value: Any) -> None:
         regressions.append({"what": what, "cell": cell_label, "baseline": base_value, "run": run_value})
 
-    full_run = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(run_cells, pareto.MEASURED).items()
+    full_run = {g: full_depth(pts).cell for g, pts in groups(run_cells, MEASURED).items()
                 if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
-    full_base = {g: pareto.full_depth(pts).cell for g, pts in pareto.groups(base_cells, pareto.MEASURED).items()
+    full_base = {g: full_depth(pts).cell for g, pts in groups(base_cells, MEASURED).items()
                  if any(p.cell["policy"]["policy"] == "fixed" for p in pts)}
     compared = missing = 0
     for base in sorted(base_cells, key=label):
@@ -158,7 +160,7 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
         if b_it is not None and r_it is not None and r_it > b_it * (1 + tol.iterations):
             add("mean iterations", name, b_it, r_it)
         if tol.wall is not None:
-            group = (base["task"]["name"], base["quality"]["metric"], pareto.setup(base, pareto.MEASURED))
+            group = (base["task"]["name"], base["quality"]["metric"], setup(base, MEASURED))
             if group in full_run and group in full_base:
                 b_t, r_t = relative_times(base, full_base[group], cell, full_run[group])
                 if b_t and r_t and r_t > b_t * (1 + tol.wall):
@@ -166,8 +168,8 @@ def compare(run_cells: list[dict[str, Any]], base_cells: list[dict[str, Any]], t
     if not compared:
         raise ExitbenchError(nothing_compared(run_cells, given_base))
     frontier, points = compare_frontiers(run_cells, base_cells, tol)
-    replayed = (sum(pareto.mode(c) == "replay" for c in run_cells), sum(pareto.mode(c) == "replay" for c in base_cells))
-    broken = (len(pareto.nonfinite(run_cells)), len(pareto.nonfinite(base_cells)))
+    replayed = (sum(cells.mode(c) == "replay" for c in run_cells), sum(cells.mode(c) == "replay" for c in base_cells))
+    broken = (len(nonfinite(run_cells)), len(nonfinite(base_cells)))
     return Verdict(regressions + frontier, all_base, compared, missing, all_base - len(base_cells), points, replayed,
                    broken)
 
@@ -199,7 +201,7 @@ def nothing_compared(run_cells: list[dict[str, Any]], base_cells: list[dict[str,
         differ = [f"{dim} (run: {shown(values(run_cells, dim))}; baseline: {shown(values(base_cells, dim))})"
                   for dim in DIMENSIONS if values(run_cells, dim) != values(base_cells, dim)]
     why = "; ".join(differ) or "the exit knobs"
-    models = {pareto.model_label(c) for c in run_cells} | {pareto.model_label(c) for c in base_cells}
+    models = {model_label(c) for c in run_cells} | {model_label(c) for c in base_cells}
     return (f"nothing to check: none of the run's {len(run_cells)} cells measures what one of the baseline's "
             f"{len(base_cells)} does; they differ in {why} (models: {', '.join(sorted(models))}); rerun the sweep "
             "with the baseline's options")
@@ -210,17 +212,17 @@ def compare_frontiers(run_cells, base_cells, tol: Tolerances) -> tuple[list[dict
     out = []
     points = 0
     # A check compares what was measured; the run may time it on another device or batch size.
-    run_groups = pareto.groups(run_cells, pareto.MEASURED)
-    for group, base_points in pareto.groups(base_cells, pareto.MEASURED).items():
+    run_groups = groups(run_cells, MEASURED)
+    for group, base_points in groups(base_cells, MEASURED).items():
         if group not in run_groups or not any(p.cell["policy"]["policy"] == "fixed" for p in run_groups[group]):
             continue  # the missing cells are reported one by one
         # Both against the baseline's full-depth quality: a run whose full depth improved is not penalised
         # for policies that now trail it by more than ε.
-        reference = pareto.full_depth(base_points).quality
-        base_rows = {(r["tolerance"], r["policy"]): r for r in pareto.matched_quality(base_points)}
-        loosened = {eps + tol.quality: eps for eps in pareto.TOLERANCES}
+        reference = full_depth(base_points).quality
+        base_rows = {(r["tolerance"], r["policy"]): r for r in matched_quality(base_points)}
+        loosened = {eps + tol.quality: eps for eps in TOLERANCES}
         run_rows = {(loosened[r["tolerance"]], r["policy"]): r
-                    for r in pareto.matched_quality(run_groups[group], tolerances=list(loosened), reference=reference)}
+                    for r in matched_quality(run_groups[group], tolerances=list(loosened), reference=reference)}
         for (eps, policy), b in sorted(base_rows.items()):
             points += 1
             where = f"{group[0]} {policy} at ε={100 * eps:g}%"

@@ -2,7 +2,7 @@
 other models' sweeps to stand beside (`report --compare DIR`, or a `report.yaml` in the sweep's directory).
 
 Only what was measured the same way is compared: the (task, metric, setup) groups that every model's cells
-share (pareto.MEASURED: documents, few-shot, task data, dtype, exit mode, window, prefill, prompt). Each model's
+share (frontier.MEASURED: documents, few-shot, task data, dtype, exit mode, window, prefill, prompt). Each model's
 frontier of quality against mean iterations per token is drawn with its fixed-depth curve, and a table gives
 each model's full-depth quality and the cheapest cell of each policy within 1% of it.
 """
@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 from ..errors import ExitbenchError
-from . import pareto
+from ..store.loading import load
+from . import frontier
 
 COMPARE_FILE = "report.yaml"  # `compare: [DIR, …]`, relative to the sweep's directory
 TOLERANCE = 0.01
@@ -50,19 +51,19 @@ def short_name(cell: dict[str, Any]) -> str:
     return source.split(":", 1)[1] if source.startswith("embedded:") else Path(source).name
 
 
-def shared_groups(models: list[list[dict[str, Any]]]) -> dict[pareto.Group, list[list[pareto.Point]]]:
+def shared_groups(models: list[list[dict[str, Any]]]) -> dict[frontier.Group, list[list[frontier.Point]]]:
     """The groups every model has cells in, each model's points there."""
-    grouped = [pareto.groups(cells, pareto.MEASURED) for cells in models]
+    grouped = [frontier.groups(cells, frontier.MEASURED) for cells in models]
     common = set(grouped[0]).intersection(*grouped[1:])
     return {key: [g[key] for g in grouped] for key in sorted(common)}
 
 
-def summary_rows(name: str, points: list[pareto.Point]) -> list[dict[str, Any]]:
-    rows = [r for r in pareto.matched_quality(points) if r["tolerance"] == TOLERANCE]
+def summary_rows(name: str, points: list[frontier.Point]) -> list[dict[str, Any]]:
+    rows = [r for r in frontier.matched_quality(points) if r["tolerance"] == TOLERANCE]
     return [{"model": name, **r} for r in sorted(rows, key=lambda r: r["mean_iterations"])]
 
 
-def draw(key: pareto.Group, names: list[str], per_model: list[list[pareto.Point]]):
+def draw(key: frontier.Group, names: list[str], per_model: list[list[frontier.Point]]):
     """Quality against mean iterations per token: per model the exit policies' frontier (solid), its oracle
     (star) and its fixed depths (dashed)."""
     import matplotlib
@@ -77,7 +78,7 @@ def draw(key: pareto.Group, names: list[str], per_model: list[list[pareto.Point]
     for i, (name, points) in enumerate(zip(names, per_model)):
         color = colors[i % len(colors)]
         # The oracle reads the answer, so it is a bound drawn apart, not a point a policy can reach.
-        front = pareto.frontier([p for p in points if p.policy != "oracle"], "iterations", higher)
+        front = frontier.frontier([p for p in points if p.policy != "oracle"], "iterations", higher)
         ax.plot([p.cost("iterations") for p in front], [p.quality for p in front], color=color, marker="o",
                 linewidth=2, label=f"{name}: frontier of the exit policies")
         for p in (p for p in points if p.policy == "oracle"):
@@ -99,10 +100,10 @@ def draw(key: pareto.Group, names: list[str], per_model: list[list[pareto.Point]
 
 
 def models(directory: Path, cell_list: list[dict[str, Any]], dirs: list[Path]) -> tuple[list[str], list[list]]:
-    """(names, cells) of this sweep's model and each compared sweep's (one model each, `pareto.load`)."""
+    """(names, cells) of this sweep's model and each compared sweep's (one model each, `loading.load`)."""
     names, cells = [short_name(cell_list[0])], [cell_list]
     for d in dirs:
-        other = pareto.load([d])
+        other = load([d])
         names.append(short_name(other[0]))
         cells.append(other)
     return names, cells

@@ -25,7 +25,9 @@ from ..errors import ExitbenchError
 from ..presets import published_rows
 from ..runtime.files import atomic_write
 from ..store.disk import samples_path
-from . import compare, exitmap, pareto
+from ..store.loading import load_paths, model_label
+from . import compare, exitmap, frontier, notes
+from .plot import draw
 
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
 COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token",
@@ -33,18 +35,18 @@ COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-cl
 
 
 # ---- choosing what to show ------------------------------------------------------------------------------------
-def operating_points(points: list[pareto.Point], matched: list[dict[str, Any]]) -> dict[str, pareto.Point]:
+def operating_points(points: list[frontier.Point], matched: list[dict[str, Any]]) -> dict[str, frontier.Point]:
     """One cell per policy: its matched-quality cell at 1%, or (a policy that never gets within 1%) its best
     quality; fixed depth at full depth. These are the cells the histograms and exit maps compare."""
     chosen = {r["policy"]: r["threshold"] for r in matched if r["tolerance"] == MATCHED_TOLERANCE}
-    by_policy: dict[str, list[pareto.Point]] = {}
+    by_policy: dict[str, list[frontier.Point]] = {}
     for p in points:
         by_policy.setdefault(p.policy, []).append(p)
     higher = points[0].cell["quality"]["higher_is_better"]
     out = {}
     for name, pts in sorted(by_policy.items()):
         if name == "fixed":
-            out[name] = pareto.full_depth(points)
+            out[name] = frontier.full_depth(points)
         elif name in chosen:
             out[name] = next(p for p in pts if p.threshold == chosen[name])
         else:
@@ -98,7 +100,7 @@ def disagreement(samples: list[dict[str, Any]], metric: str | None) -> tuple[boo
     return len(scores) > 1, max(means) - min(means)
 
 
-def doc_maps(points: dict[str, pareto.Point], paths: dict[str, Path], docs: int) -> tuple[list[str], str | None]:
+def doc_maps(points: dict[str, frontier.Point], paths: dict[str, Path], docs: int) -> tuple[list[str], str | None]:
     """HTML blocks of the `docs` documents where the policies' operating points disagree most, and a note on
     what was left out (policies without samples at their operating point)."""
     with_samples = {name: p for name, p in points.items() if samples_path(paths[p.cell["cell_id"]]).exists()}
@@ -141,7 +143,7 @@ def file_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode()
 
 
-def histogram_figure(task: str, points: dict[str, pareto.Point]):
+def histogram_figure(task: str, points: dict[str, frontier.Point]):
     """Small multiples: per policy at its operating point, the share of tokens at each iteration count."""
     import matplotlib
 
@@ -203,7 +205,7 @@ def matched_table(entry: dict[str, Any]) -> str:
     at: dict[str, dict[float, dict[str, Any]]] = {}
     for r in entry["matched_quality"]:
         at.setdefault(r["policy"], {})[r["tolerance"]] = r
-    others = [t for t in pareto.TOLERANCES if t != MATCHED_TOLERANCE]
+    others = [t for t in frontier.TOLERANCES if t != MATCHED_TOLERANCE]
     rows = []
     for policy, rs in at.items():
         main = rs.get(MATCHED_TOLERANCE, {})
@@ -251,25 +253,15 @@ def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
     headers = ["task", "policy", "τ", "quality", "mean iterations", "fingerprint", "git revision", "run",
                "started", "file"] + (["mode"] if modes else [])
     rows = []
-    for path, cell, f in sorted(per_cell, key=lambda t: (t[1]["task"]["name"], pareto.Point(t[1]).policy,
+    for path, cell, f in sorted(per_cell, key=lambda t: (t[1]["task"]["name"], frontier.Point(t[1]).policy,
                                                          t[1]["policy"]["threshold"])):
-        row = [cell["task"]["name"], pareto.Point(cell).policy, cell["policy"]["threshold"], cell["quality"]["value"],
+        row = [cell["task"]["name"], frontier.Point(cell).policy, cell["policy"]["threshold"], cell["quality"]["value"],
                cell["iterations"]["mean"], f["fingerprint"], f["git revision"][:12], cell["run"].get("run_id"),
                cell["run"]["started"], str(path.relative_to(root))]
         rows.append(row + ([cell.get("mode", "exact")] if modes else []))
     return (table(["field", "value", "cells"], summary, numeric={2})
             + f"<details><summary>every cell ({len(rows)})</summary>"
             + table(headers, rows, numeric={2, 3, 4}) + "</details>")
-
-
-def mode_note(cell_list: list[dict[str, Any]]) -> str | None:
-    """Cells measured by replay rather than exact runs say so; a cell without a mode is exact."""
-    counts = Counter(c.get("mode", "exact") for c in cell_list)
-    if set(counts) <= {"exact"}:
-        return None
-    return ("measurement mode: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
-            + " cells (replay cells are estimated from recorded trajectories; the cell table's mode column says "
-              "which is which)")
 
 
 # ---- the page -------------------------------------------------------------------------------------------------
@@ -305,55 +297,89 @@ document.querySelectorAll('table.sortable th').forEach(function (th, i) {
 
 def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] | None = None,
           model: str | None = None, compare_with: list[Path] | None = None) -> str:
-    """The report page of the result cells under `directory` (of one model: `pareto.select_model`), as HTML;
+    """The report page of the result cells under `directory` (of one model: `loading.select_model`), as HTML;
     opening with other models' frontiers beside this one's when `compare_with` (or DIR/report.yaml) names
     their sweeps."""
     directory = Path(directory)
     others = compare.compare_dirs(directory, compare_with)
-    found = pareto.load_paths([directory], on_skip, model)
+    found = load_paths([directory], on_skip, model)
     cell_list = [c for _, c in found]
     paths = {c["cell_id"]: p for p, c in found}
-    rep = pareto.report(cell_list)
-    by_key = pareto.groups(cell_list)
-    names = pareto.group_names(by_key)
+    rep = frontier.report(cell_list)
+    by_key = frontier.groups(cell_list)
+    names = frontier.group_names(by_key)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
-    sections: list[tuple[str, str, list[str]]] = []
-
-    notes = [n for n in (mode_note(cell_list), pareto.split_note(by_key), *pareto.timing_notes(cell_list),
-                         pareto.drift_note(rep)) if n]
-    tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
-    policies = ", ".join(sorted({pareto.Point(c).policy for c in cell_list}))
-    overview = [f"<p>{len(cell_list)} cells of model {html.escape(pareto.model_label(cell_list[0]))} · tasks "
-                f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
-    overview += [f'<p class="note">{html.escape(n)}</p>' for n in notes]
-    sections.append(("overview", "Overview", overview))
+    sections: list[tuple[str, str, list[str]]] = [("overview", "Overview", overview_parts(cell_list, rep))]
     if others:
         sections.append(("models", "Models compared", comparison_parts(cell_list, others, directory)))
     published = published_rows(cell_list)
     if published:  # first: does this setup reproduce the paper, before any exit frontier is trusted
         sections.append(("published", "Published vs measured", published_parts(published)))
+    sections.append(("frontiers", "Frontiers", frontier_parts(cell_list, grouped)))
+    sections.append(("matched", "Matched quality", matched_parts(rep)))
+    hists, maps = per_task_parts(grouped, names, rep, paths, docs)
+    sections.append(("histograms", "Iterations per token", [
+        f"<p>Each policy at its operating point: its cheapest cell within {100 * MATCHED_TOLERANCE:g}% of full "
+        "depth, else its best quality; fixed depth at full depth.</p>", *hists]))
+    sections.append(("exitmaps", "Exit maps", [
+        "<p>The documents where the policies (at the operating points above) disagree most: different scores "
+        "first, then the widest spread of mean iterations. Each scored or generated token is shaded by the step "
+        "it exited at; the grey context before it ran at full depth. Hover a token for its numbers.</p>", *maps]))
+    sections.append(("geometry", "Geometry", geometry_parts(directory)))
+    sections.append(("provenance", "Provenance", [provenance(found, directory)]))
+    return page(f"exitbench report: {directory}", sections)
 
-    frontier = []
+
+def page(title: str, sections: list[tuple[str, str, list[str]]]) -> str:
+    """The whole HTML document: the title, a link per section, and the sections (id, heading, HTML parts)."""
+    nav = "".join(f'<a href="#{sid}">{html.escape(heading)}</a>' for sid, heading, _ in sections)
+    body = "\n".join(f'<h2 id="{sid}">{html.escape(heading)}</h2>\n' + "\n".join(parts)
+                     for sid, heading, parts in sections)
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{html.escape(title)}</title><style>{STYLE}{exitmap.STYLE}</style></head>\n"
+            f"<body><h1>{html.escape(title)}</h1><nav>{nav}</nav>\n{body}\n<script>{SCRIPT}</script></body></html>\n")
+
+
+def overview_parts(cell_list: list[dict[str, Any]], rep: dict[str, Any]) -> list[str]:
+    """How many cells of which model, tasks and policies, then the notes and warnings on them."""
+    tasks = ", ".join(sorted({c["task"]["name"] for c in cell_list}))
+    policies = ", ".join(sorted({frontier.Point(c).policy for c in cell_list}))
+    overview = [f"<p>{len(cell_list)} cells of model {html.escape(model_label(cell_list[0]))} · tasks "
+                f"{html.escape(tasks)} · policies {html.escape(policies)}</p>"]
+    return overview + [f'<p class="note">{html.escape(n.text)}</p>'
+                       for n in notes.notes(cell_list, rep, notes.REPORT)]
+
+
+def frontier_parts(cell_list: list[dict[str, Any]], grouped: list[tuple[frontier.Group, list[frontier.Point]]]
+                   ) -> list[str]:
+    """A frontier figure per cost axis that some cell measured; a note for an axis that none did."""
+    parts = []
     for axis, title in COST_TITLES.items():
         if not any(p.cost(axis) is not None for _, pts in grouped for p in pts):
-            frontier.append(f'<p class="note">no cell measured {title}</p>')
+            parts.append(f'<p class="note">no cell measured {title}</p>')
             continue
-        frontier.append(f'<h3>quality against {title}</h3><img alt="frontier over {axis}" '
-                        f'src="{png_uri(pareto.draw(cell_list, axis))}">')
-    sections.append(("frontiers", "Frontiers", frontier))
+        parts.append(f'<h3>quality against {title}</h3><img alt="frontier over {axis}" '
+                     f'src="{png_uri(draw(cell_list, axis))}">')
+    return parts
 
-    matched = []
-    for group, entry in rep.items():
-        matched.append(f"<h3>{html.escape(group)} <small class=muted>(higher is better: "
-                       f"{entry['higher_is_better']})</small></h3>{matched_table(entry)}")
-    sections.append(("matched", "Matched quality", [
-        f"<p>Each policy's cheapest cell within ε of full-depth quality (relative): at ε = "
-        f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; click a "
-        "column head to sort by it. The speed-up divides full depth's wall-clock per token by the cell's; the "
-        "spread of repeats is the range of the cell's paired timings beside full depth over their median, for a "
-        "cell that was retimed (exitbench run --timing-repeats; the column is left out where none was).</p>",
-        *matched]))
 
+def matched_parts(rep: dict[str, Any]) -> list[str]:
+    """What the matched-quality tables hold, then one table per group."""
+    intro = (f"<p>Each policy's cheapest cell within ε of full-depth quality (relative): at ε = "
+             f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; "
+             "click a column head to sort by it. The speed-up divides full depth's wall-clock per token by the "
+             "cell's; the spread of repeats is the range of the cell's paired timings beside full depth over their "
+             "median, for a cell that was retimed (exitbench run --timing-repeats; the column is left out where "
+             "none was).</p>")
+    tables = [f"<h3>{html.escape(group)} <small class=muted>(higher is better: {entry['higher_is_better']})"
+              f"</small></h3>{matched_table(entry)}" for group, entry in rep.items()]
+    return [intro, *tables]
+
+
+def per_task_parts(grouped: list[tuple[frontier.Group, list[frontier.Point]]], names: dict[frontier.Group, str],
+                   rep: dict[str, Any], paths: dict[str, Path], docs: int) -> tuple[list[str], list[str]]:
+    """Per group: the iteration histograms of its policies' operating points, and its documents' exit maps."""
     hists, maps = [], []
     for key, points in grouped:
         task = key[0]
@@ -365,24 +391,7 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
         if note:
             maps.append(f'<p class="note">{html.escape(note)}</p>')
         maps += blocks
-    sections.append(("histograms", "Iterations per token", [
-        f"<p>Each policy at its operating point: its cheapest cell within {100 * MATCHED_TOLERANCE:g}% of full "
-        "depth, else its best quality; fixed depth at full depth.</p>", *hists]))
-    sections.append(("exitmaps", "Exit maps", [
-        "<p>The documents where the policies (at the operating points above) disagree most: different scores "
-        "first, then the widest spread of mean iterations. Each scored or generated token is shaded by the step "
-        "it exited at; the grey context before it ran at full depth. Hover a token for its numbers.</p>", *maps]))
-
-    sections.append(("geometry", "Geometry", geometry_parts(directory)))
-    sections.append(("provenance", "Provenance", [provenance(found, directory)]))
-
-    nav = "".join(f'<a href="#{sid}">{html.escape(title)}</a>' for sid, title, _ in sections)
-    body = "\n".join(f'<h2 id="{sid}">{html.escape(title)}</h2>\n' + "\n".join(parts) for sid, title, parts in sections)
-    title = f"exitbench report: {directory}"
-    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{html.escape(title)}</title><style>{STYLE}{exitmap.STYLE}</style></head>\n"
-            f"<body><h1>{html.escape(title)}</h1><nav>{nav}</nav>\n{body}\n<script>{SCRIPT}</script></body></html>\n")
+    return hists, maps
 
 
 def comparison_parts(cell_list: list[dict[str, Any]], others: list[Path], directory: Path) -> list[str]:

@@ -1,12 +1,16 @@
-"""Every table exitbench prints on a terminal: sweeps, frontiers, regressions, geometry, calibration, traces and
-the depth report. Commands build reports; this module only lays them out."""
+"""Every table exitbench prints: on a terminal (rich) sweeps, frontiers, regressions, geometry, calibration,
+traces and the depth report; as text (md, csv, json) the frontiers and the published numbers. Commands build
+reports; this module only lays them out."""
 from __future__ import annotations
 
 from typing import Any
 
 from rich.table import Table
 
-from .pareto import collapse_tolerances
+from ..errors import ExitbenchError
+from .frontier import collapse_tolerances, table_rows
+
+TABLES = ("frontier", "matched")
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -117,6 +121,46 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
 def _marked(row: dict[str, Any]) -> str:
     """A policy name, with a mark when its number comes from a replay cell rather than an exact run."""
     return row["policy"] + (" ᴿ" if row.get("mode") == "replay" else "")
+
+
+def check_table(table: str | None) -> None:
+    if table is not None and table not in TABLES:
+        raise ExitbenchError(f"--table must be one of {', '.join(TABLES)}; got {table!r}")
+
+
+def format_tables(rep: dict[str, Any], fmt: str, table: str | None = None) -> str:
+    """md / csv / json text of a report (the terminal's are `pareto_tables`). CSV is one table per stream (the
+    frontier unless `table` says matched); md and json hold both unless `table` picks one."""
+    import json
+
+    from tabulate import tabulate
+
+    check_table(table)
+    if fmt == "json":
+        if table is None:
+            return json.dumps(rep, indent=2)
+        front, matched = table_rows(rep)
+        return json.dumps(front if table == "frontier" else matched, indent=2)
+    if fmt not in ("md", "csv"):
+        raise ExitbenchError(f"--format must be one of rich, md, csv, json; got {fmt!r}")
+    front, matched = table_rows(rep)
+    if fmt == "csv":
+        import csv
+        import io
+
+        rows = matched if table == "matched" else front
+        buf = io.StringIO()
+        if rows:
+            writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        return buf.getvalue()
+    parts = []
+    if table in (None, "frontier"):
+        parts.append("## Pareto frontiers\n\n" + tabulate(front, headers="keys", tablefmt="github", floatfmt=".4g"))
+    if table in (None, "matched"):
+        parts.append("## Matched quality\n\n" + tabulate(matched, headers="keys", tablefmt="github", floatfmt=".4g"))
+    return "\n\n".join(parts) + "\n"
 
 
 def regression_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -283,6 +327,14 @@ def published_table(rows: list[dict[str, Any]]) -> Table:
         t.add_row(r["preset"], r["task"], r["metric"], str(r["depth"]), f"{r['published']:.2f}", measured,
                   "all" if r["limit"] is None else f"{r['limit']:g}")
     return t
+
+
+def published_markdown(rows: list[dict[str, Any]]) -> str:
+    """`published_table` as a markdown table, after a blank line (pareto --format md)."""
+    from tabulate import tabulate
+
+    shown = [{k: v for k, v in r.items() if k not in ("source", "same_model")} for r in rows]
+    return "\n" + tabulate(shown, headers="keys", tablefmt="github", floatfmt=".2f")
 
 
 def presets_table(presets: list) -> Table:

@@ -65,6 +65,11 @@ def filename(cell: dict[str, Any]) -> str:
     return f"{cell['task']['name']}__{series(p)}-{threshold}__{cell['cell_id']}.json"
 
 
+def mode(cell: dict[str, Any]) -> str:
+    """"replay" for a cell computed from a recording (exitbench.replay), "exact" otherwise (older cells too)."""
+    return cell.get("mode", "exact")
+
+
 def is_cell(obj: Any) -> bool:
     """Whether a parsed JSON document claims to be a cell (other exitbench reports carry other schema tags)."""
     return isinstance(obj, dict) and obj.get("schema") == SCHEMA

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...analysis import pareto
+from ...analysis import frontier
 from ...runtime.files import atomic_write
 from ...store import cells, disk
 from ..exact import run_config
@@ -28,13 +28,13 @@ def chosen(cell_list: list[dict[str, Any]], named: list[tuple[str, float]]) -> l
     """Each policy's frontier cells per task (quality vs mean iterations), and the named ones; not the cells
     exact by construction (fixed depth on one loop group, scored)."""
     picked: dict[str, dict] = {}
-    for points in pareto.groups(cell_list).values():
+    for points in frontier.groups(cell_list).values():
         higher = points[0].cell["quality"]["higher_is_better"]
-        by_policy: dict[str, list[pareto.Point]] = {}
+        by_policy: dict[str, list[frontier.Point]] = {}
         for p in points:
             by_policy.setdefault(p.policy, []).append(p)
         for pts in by_policy.values():
-            for p in pareto.frontier(pts, "iterations", higher):
+            for p in frontier.frontier(pts, "iterations", higher):
                 picked[p.cell["cell_id"]] = p.cell
     for c in cell_list:
         if (c["policy"]["policy"], c["policy"]["threshold"]) in {(n, float(t)) for n, t in named}:

@@ -1,0 +1,214 @@
+"""What the readers of result cells say beside their tables, as data: notes (how to read the numbers) and
+warnings (numbers not to be trusted as they are), on a set of cells and their frontiers (`frontier.report`).
+
+Every such text is written here, once. A reader picks the topics it prints: `pareto` PARETO (and PUBLISHED after
+its published table), the report page REPORT, `run` and `check --wall-clock` TIMING (`timing_notes`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..store import cells
+from ..store.loading import model_label
+from .frontier import collapse_tolerances, groups, report, split_setups
+
+# How far a speed-up from two evaluations may stray from its paired repeats' before it says more about the
+# machine than the exit: the repeats time a cell's first requests, whose exits differ from the whole set's,
+# and on an idle machine the two agree within DRIFT on every embedded model's cells (bench/RESULTS.md).
+DRIFT = 2.0
+
+
+@dataclass(frozen=True)
+class Note:
+    level: str  # "note" or "warning"
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.text}"
+
+
+def notes(cell_list: list[dict[str, Any]], rep: dict[str, Any] | None = None,
+          topics: tuple[str, ...] | None = None) -> list[Note]:
+    """The notes and warnings these cells call for on `topics` (names of TOPICS, in the order given; default
+    every topic `pareto` prints). `rep`: their frontiers, computed here when a topic needs them and none are
+    given."""
+    topics = PARETO + PUBLISHED if topics is None else topics
+    if rep is None and set(topics) & ON_FRONTIERS:
+        rep = report(cell_list)
+    found = []
+    for topic in topics:
+        level, write = TOPICS[topic]
+        text = write(cell_list, rep)
+        if text:
+            found.append(Note(level, text))
+    return found
+
+
+def timing_notes(cell_list: list[dict[str, Any]]) -> list[str]:
+    """Every warning on how far the cells' wall-clock can be trusted (the machine's load, the repeats' spread)."""
+    return [note.text for note in notes(cell_list, topics=TIMING)]
+
+
+# ---- one text per topic (None: nothing to say) ----------------------------------------------------------------
+def mode_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """Cells measured by replay rather than exact runs say so; a cell without a mode is exact."""
+    counts = Counter(cells.mode(c) for c in cell_list)
+    if set(counts) <= {"exact"}:
+        return None
+    return ("measurement mode: " + ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+            + " cells (replay cells are estimated from recorded trajectories; the cell table's mode column says "
+              "which is which)")
+
+
+def split_note(keys) -> str | None:
+    """A line saying which task/metric pairs were split into setups, and by what."""
+    split = split_setups(keys)
+    if not split:
+        return None
+    fields = sorted({name for names in split.values() for name in names})
+    return (f"cells of {', '.join(f'{t} · {m}' for t, m in sorted(split))} were measured under different setups "
+            f"({', '.join(fields)}) and are kept in separate frontiers; write each experiment to its own --out "
+            "to keep them apart")
+
+
+def replay_points(rep: dict[str, Any]) -> dict[str, int]:
+    """Per group, how many of its frontier points (any cost axis) and matched-quality rows are replay cells."""
+    out = {}
+    for group, entry in rep.items():
+        n = sum(p["mode"] == "replay" for pts in entry["frontiers"].values() for p in pts)
+        n += sum(r["mode"] == "replay" for r in entry["matched_quality"])
+        if n:
+            out[group] = n
+    return out
+
+
+def replay_note(rep: dict[str, Any]) -> str | None:
+    """A line naming the groups whose frontiers rest on replay cells, and how to rerun them exactly."""
+    replayed = replay_points(rep)
+    if not replayed:
+        return None
+    return (f"frontiers of {', '.join(replayed)} rest on replay cells (marked ᴿ; wall-clock there is estimated); "
+            "`exitbench run --replay --verify` reruns them exactly")
+
+
+def nonfinite(cell_list: list[dict[str, Any]]) -> list[str]:
+    """The cells (by file name) some of whose tokens went NaN or infinite: their numbers rest on broken
+    arithmetic, however they were made or reused."""
+    return [cells.filename(c) for c in cell_list if (c.get("numerics") or {}).get("nonfinite_tokens")]
+
+
+def nonfinite_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line when some cells' tokens went NaN or infinite (`nonfinite`)."""
+    broken = nonfinite(cell_list)
+    if not broken:
+        return None
+    return (f"{len(broken)} cells had tokens whose states or logits went NaN or infinite "
+            f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted")
+
+
+def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cells timed while other work competed for the cores (their run's recorded load)."""
+    from ..runtime.provenance import busy
+
+    return [c for c in cell_list if busy(c.get("run", {}).get("load"))]
+
+
+def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line when some cells were timed on a busy machine (None when none were)."""
+    from ..runtime.provenance import threads_advice
+
+    hot = busy_cells(cell_list)
+    if not hot:
+        return None
+    used = {c.get("run", {}).get("machine", {}).get("cpu_threads") for c in hot}
+    peak = lambda c: max(c["run"]["load"]["start"] or 0, c["run"]["load"]["end"] or 0)  # noqa: E731
+    worst = max(hot, key=peak)
+    return (f"{len(hot)} of {len(cell_list)} cells were timed on a busy machine (load up to "
+            f"{peak(worst):g} on {worst['run']['load']['cpus']} cores, e.g. "
+            f"{worst['task']['name']} {worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their "
+            f"wall-clock and speed-ups are unreliable; {threads_advice(1 if used == {1} else None)}")
+
+
+def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line when some cells' repeated timings spread too far for their ratio to be read."""
+    from ..harness.retime import UNRELIABLE_SPREAD, wide_spread
+
+    wide = [c for c in cell_list if wide_spread(c)]
+    if not wide:
+        return None
+    worst = max(wide, key=lambda c: c["wall_clock"]["repeats"]["spread"])
+    return (f"{len(wide)} of {len(cell_list)} cells' repeated timings spread more than "
+            f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
+            f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
+            f"{worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their speed-ups are unreliable; "
+            "rerun them on an idle machine, with --threads 1 or more --timing-repeats")
+
+
+def drift_note(rep: dict[str, Any]) -> str | None:
+    """A warning line where a matched-quality speed-up (the two cells' evaluations divided) and the same
+    cell's paired repeats disagree by more than DRIFT: the machine's speed changed between the evaluations
+    (the repeats time both sides within seconds of each other), so the speed-up measures the machine."""
+    off = [(group, r) for group, entry in rep.items() for r in collapse_tolerances(entry["matched_quality"])
+           if r["speedup"] and r.get("paired_speedup")
+           and max(r["speedup"] / r["paired_speedup"], r["paired_speedup"] / r["speedup"]) > DRIFT]
+    if not off:
+        return None
+    group, r = off[0]
+    return (f"{len(off)} speed-ups disagree with their cells' paired repeats by more than {DRIFT:g}× (e.g. "
+            f"{group} {r['policy']} τ={r['threshold']:g}: {r['speedup']:.2f}× from the evaluations, "
+            f"{r['paired_speedup']:.2f}× repeated beside full depth): the machine's speed changed between "
+            "the cells; rerun them on an idle machine")
+
+
+def mixed_note(rep: dict[str, Any]) -> str | None:
+    """A warning line naming the groups whose matched-quality speed-ups divide timings of different runs."""
+    mixed = [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
+    if not mixed:
+        return None
+    return (f"speed-ups in {', '.join(mixed)} divide timings measured by different runs (a rerun reused older "
+            "cells); rerun into a fresh --out to compare wall-clock")
+
+
+def published_model_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """Where a preset's published numbers are for another model than the cells': what the rows show."""
+    from ..presets import published_rows
+
+    others = sorted({r["published_for"] for r in published_rows(cell_list) if not r["same_model"]})
+    if not others:
+        return None
+    return (f"the published numbers are for {', '.join(others)}; these cells ran {model_label(cell_list[0])}, so "
+            "the rows show the protocol's plumbing, not a reproduction")
+
+
+def published_limit_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """Where measured numbers beside published ones cover fewer documents than the paper's."""
+    from ..presets import published_rows
+
+    if not any(r["limit"] is not None for r in published_rows(cell_list)):
+        return None
+    return "some measured numbers use --limit; the published ones use every document"
+
+
+# ---- the topics -----------------------------------------------------------------------------------------------
+Writer = Callable[[list[dict[str, Any]], dict[str, Any] | None], str | None]
+# Each topic's level and text, from the cells and their frontiers.
+TOPICS: dict[str, tuple[str, Writer]] = {
+    "mode": ("note", lambda cell_list, rep: mode_note(cell_list)),
+    "setups": ("note", lambda cell_list, rep: split_note(groups(cell_list))),
+    "replay": ("note", lambda cell_list, rep: replay_note(rep)),
+    "nonfinite": ("warning", lambda cell_list, rep: nonfinite_note(cell_list)),
+    "busy": ("warning", lambda cell_list, rep: busy_note(cell_list)),
+    "spread": ("warning", lambda cell_list, rep: spread_note(cell_list)),
+    "drift": ("warning", lambda cell_list, rep: drift_note(rep)),
+    "mixed": ("warning", lambda cell_list, rep: mixed_note(rep)),
+    "published model": ("note", lambda cell_list, rep: published_model_note(cell_list)),
+    "published limit": ("note", lambda cell_list, rep: published_limit_note(cell_list)),
+}
+ON_FRONTIERS = {"replay", "drift", "mixed"}  # the topics read from the frontiers
+# What each reader prints, in its order.
+PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "drift", "mixed")
+PUBLISHED = ("published model", "published limit")  # pareto, under the published numbers' table
+REPORT = ("mode", "setups", "busy", "spread", "drift")
+TIMING = ("busy", "spread")

@@ -1,0 +1,95 @@
+"""`pareto --plot`: quality against cost, one panel per (task, metric), a curve per policy and the frontier."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ExitbenchError
+from .frontier import COSTS, Point, frontier, group_names, groups
+
+
+def check_plot_target(path: Path, axis: str) -> None:
+    """Bad plot arguments fail before any cell is read."""
+    if axis not in COSTS:
+        raise ExitbenchError(f"plot cost must be one of {', '.join(COSTS)}; got {axis!r}")
+    if Path(path).suffix not in (".png", ".svg"):
+        raise ExitbenchError(f"--plot must name a .png or .svg file, got {path}")
+
+
+def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
+    """Quality against cost, drawn by `draw`, saved to `path` (.png or .svg). Returns the figure."""
+    from ..runtime.files import atomic_write
+
+    check_plot_target(path, axis)
+    fig = draw(cell_list, axis)
+    path = Path(path)
+    atomic_write(path, lambda fh: fig.savefig(fh, format=path.suffix[1:]), mode="wb")
+    return fig
+
+
+def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
+    """Quality against cost, one panel per (task, metric): a curve per policy over its thresholds, the
+    fixed-depth baselines as their own curve, the overall frontier highlighted. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    by_key = groups(cell_list)
+    names = group_names(by_key)
+    grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
+    fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    labels = []
+    for ax, (key, points) in zip(axes[0], grouped):
+        metric = key[1]
+        higher = points[0].cell["quality"]["higher_is_better"]
+        by_policy: dict[str, list[Point]] = {}
+        for p in points:
+            if p.cost(axis) is not None:
+                by_policy.setdefault(p.policy, []).append(p)
+        # tab20 when the default ten colours would repeat (a sweep of every policy has about fourteen).
+        palette = plt.get_cmap("tab20" if len(by_policy) > 10 else "tab10")
+        for i, (name, pts) in enumerate(sorted(by_policy.items())):
+            pts.sort(key=lambda p: p.cost(axis))
+            style = (dict(color="black", linestyle="--", marker="s") if name.startswith("fixed")
+                     else dict(marker="o", color=palette(i % palette.N)))
+            label = "fixed depth" if name == "fixed" else name
+            ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
+        front = frontier(points, axis, higher)
+        # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality),
+        # and a label that would overprint an earlier one is dropped once the figure is laid out.
+        labels += [ax.annotate(f"{p.policy} {p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.8,
+                               xytext=(3, -8), textcoords="offset points") for p in front]
+        ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
+                label="frontier")
+        ax.set_title(names[key].replace(f" · {metric}", ""))
+        ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
+                       "flops": "FLOPs per token"}[axis])
+        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        # Seconds and FLOPs span orders of magnitude across policies (kl decodes at every step), and so does a
+        # perplexity between depth 1 and full depth: on linear axes everything else sits in one corner.
+        if axis != "iterations":
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overprint
+            ax.set_xlabel(ax.get_xlabel() + " (log)")
+        if not higher and all(p.quality > 0 for p in points):
+            ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    drop_overlapping(fig, labels)
+    return fig
+
+
+def drop_overlapping(fig, labels: list) -> None:
+    """Remove each label whose rendered box overlaps one kept before it: measured on the laid-out figure, in
+    points of text, so it holds whatever the axes' scales and the labels' lengths."""
+    renderer = fig.canvas.get_renderer()
+    kept = []
+    for label in labels:
+        box = label.get_window_extent(renderer)
+        if any(box.overlaps(other) for other in kept):
+            label.remove()
+        else:
+            kept.append(box)
