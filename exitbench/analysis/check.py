@@ -32,6 +32,14 @@ class Tolerances:
     iterations: float = 0.05
     wall: float | None = None  # None: wall-clock not compared
 
+    @classmethod
+    def given(cls, quality: float, iterations: float, wall: float, wall_clock: bool) -> "Tolerances":
+        """`check`'s tolerances, each refused unless a number ≥ 0 (nan too); wall-clock compared if asked."""
+        for name, value in (("--quality-tol", quality), ("--iterations-tol", iterations), ("--wall-tol", wall)):
+            if not value >= 0:
+                raise ExitbenchError(f"{name} must be a number ≥ 0, got {value}")
+        return cls(quality, iterations, wall if wall_clock else None)
+
 
 def identity(cell: dict[str, Any]) -> tuple:
     p = cell["policy"]

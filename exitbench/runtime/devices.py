@@ -53,3 +53,20 @@ def available_memory(device: str) -> int | None:
         except (ValueError, OSError, AttributeError):
             return None
     return None
+
+
+# More threads than this per core only queue on each other (and a huge count would make torch start them all).
+THREADS_PER_CORE = 4
+
+
+def use_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for this process (None: leave torch's default)."""
+    if threads is None:
+        return
+    from .validation import at_least
+
+    most = THREADS_PER_CORE * (os.cpu_count() or 1)
+    if at_least("--threads", threads) > most:
+        raise ExitbenchError(f"--threads {threads}: at most {most} ({THREADS_PER_CORE} per core of this "
+                             f"machine's {os.cpu_count() or 1}); 1 times most steadily")
+    torch.set_num_threads(threads)

@@ -291,6 +291,46 @@ def fit(model, docs: Sequence[list[int]], *, kind: str = "logistic", seed: int =
 FITTERS = {"logistic": fit_logistic, "mlp": fit_mlp}
 
 
+def check_fit_options(limit: int, batch_size: int, seed: int) -> None:
+    """fit-exit's counts, refused before a checkpoint loads."""
+    from ..runtime.validation import at_least
+
+    if limit < 2:
+        raise ExitbenchError(f"--limit must be ≥ 2 (one document to fit on, one to check), got {limit}")
+    at_least("--batch-size", batch_size)
+    if seed < 0:
+        # numpy's generators take no negative seed; refused here rather than after the recording pass
+        raise ExitbenchError(f"--seed must be a whole number ≥ 0, got {seed}")
+
+
+def fitting_documents(ck, task: str | None, text: str | None, data_dir: str | None, max_tokens: int, limit: int,
+                      seed: int, disjoint_from: str | None) -> tuple[list[list[int]], dict[str, Any], dict[str, Any]]:
+    """The documents to fit on (a task's fitting split, a text file, or held-out programs), less those that
+    begin with an evaluation document of the tasks in `disjoint_from` (default: the task itself, or chains for
+    held-out programs); with where they came from and what was dropped."""
+    from ..harness.documents import synthetic_training, token_lists
+
+    if disjoint_from is None:
+        checked = [task] if task else (["chains"] if not text and synthetic_training(ck) else [])
+    else:
+        checked = [t.strip() for t in disjoint_from.split(",") if t.strip()]
+    docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=max_tokens,
+                               programs=limit, seed=f"fit-exit-{seed}", purpose="fit on", split="fitting")
+    docs, disjoint = drop_evaluation_overlap(docs[:limit], evaluation_tokens(ck, checked, data_dir))
+    return docs, source, disjoint
+
+
+def fit_learned(model, docs: Sequence[list[int]], *, kind: str, seed: int, batch_size: int,
+                on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`fit` at the learned rule's own threshold grid, saying (batches recorded, batches) as it records."""
+    from ..policies import REGISTRY
+
+    batches = -(-len(docs) // batch_size)
+    done = iter(range(1, batches + 1))
+    return fit(model, docs, kind=kind, seed=seed, batch_size=batch_size, thresholds=REGISTRY["learned"].default_grid,
+               on_batch=(lambda: on_progress(next(done), batches)) if on_progress else None)
+
+
 def documents_digest(docs: Sequence[list[int]]) -> str:
     return hashlib.sha256(json.dumps([list(map(int, d)) for d in docs]).encode()).hexdigest()
 

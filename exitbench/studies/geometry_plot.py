@@ -4,8 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .geometry import QUANTITIES
+from .geometry import QUANTITIES, write_report
 
+# What `exitbench geometry` writes into its --out directory.
+FILES = ("geometry.json", "steps.png", "handoffs.png", "pca.png")
 LABELS = {"step": "‖Δ_k‖", "rel_step": "‖Δ_k‖ / ‖s_k‖", "cosine": "cos(Δ_k, Δ_{k−1})",
           "accel": "‖Δ_k − Δ_{k−1}‖", "accel_mag": "|‖Δ_k‖ − ‖Δ_{k−1}‖|"}
 
@@ -130,3 +132,10 @@ def plot_pca(report: dict[str, Any], path: Path) -> Path:
     _save(fig, path)
     plt.close(fig)
     return path
+
+
+def write_figures(report: dict[str, Any], out: Path) -> list[Path | None]:
+    """The report as FILES in `out`: its JSON and three figures (None where a figure has nothing to draw)."""
+    report_file, steps, handoffs, pca = (out / name for name in FILES)
+    return [write_report(report, report_file), plot_steps(report, steps), plot_handoffs(report, handoffs),
+            plot_pca(report, pca)]

@@ -1,0 +1,140 @@
+"""The Typer app, its consoles, and what every command shares: options, one-line errors, option groups made
+from the config dataclasses' fields (their one definition: help and flags live in each field's metadata)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..engine.config import ExitConfig
+from ..errors import ExitbenchError
+
+# Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Benchmark per-token exit policies of recurrent-depth transformers.")
+console = Console()
+if not console.is_terminal:
+    console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
+err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
+
+DataDirOpt = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks.")
+CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
+                             help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torch_dtype), float32, bfloat16 or "
+                        "float16.")
+CompileOpt = typer.Option(False, "--compile", help="torch.compile each loop group's step (dynamic shapes): "
+                          "faster iterations after a one-off compilation of tens of seconds.")
+ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads for the model (default: torch's, one per "
+                          "core; on a busy machine fewer threads time more steadily); recorded in each result.")
+ModelOpt = typer.Option(None, "--model", help="The model whose cells to use, where a directory mixes models: a "
+                        "fingerprint (prefix), the checkpoint's path or an embedded checkpoint's name.")
+NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
+                            "broken checkpoints); refused by default.")
+
+
+@app.callback()
+def _root() -> None:
+    """Keeps `exitbench` a command group, so every command is spelled out."""
+
+
+def say(text: str) -> None:
+    """A line for the user beside the results (stderr, so stdout stays the results alone)."""
+    err_console.print(text, highlight=False, soft_wrap=True)
+
+
+def one_line_errors(fn):
+    """Bad input ends the command with one line on stderr and exit code 2, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ExitbenchError as exc:
+            # escaped: a message quoting a value such as [1, 2] must not be read as rich markup and lose it
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+    return wrapper
+
+
+def options_from(cls, name: str = "options"):
+    """Give a command the command-line fields of dataclass `cls` as options (help and flags from each field's
+    metadata; a field whose metadata says command_line=False stays off); the command receives them as one
+    `cls`, `name`."""
+    hints = typing.get_type_hints(cls)
+    specs = [(f.name, hints[f.name], f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+              f.metadata) for f in dataclasses.fields(cls) if f.metadata.get("command_line", True)]
+    return _options(specs, lambda values: {name: cls(**values)}, drop=name)
+
+
+def option_specs(specs, into: str):
+    """Give a command the options `specs` ((name, type, default, metadata), e.g. TrainConfig.options()); the
+    command receives their values as one dict, `into`."""
+    return _options(specs, lambda values: {into: values}, drop=into)
+
+
+def exit_knobs(*names: str, **defaults):
+    """Give a command the exit knobs `names` as options, made from ExitConfig's fields (their one definition);
+    the command receives them as one dict, `knobs`. `defaults` overrides a knob's default for this command."""
+    specs = {name: (kind, default, meta) for name, kind, default, meta in ExitConfig.knobs()}
+    # a knob's flag is its name: a boolean knob is a plain switch, without typer's --no- form
+    return option_specs([(name, specs[name][0], defaults.get(name, specs[name][1]),
+                          {**specs[name][2], "flags": specs[name][2]["flags"] or (f"--{name.replace('_', '-')}",)})
+                         for name in names], into="knobs")
+
+
+def _options(specs, collect, drop: str):
+    """Add the options `specs` ((name, type, default, metadata)) to a command's signature, in place of its
+    parameter `drop`; `collect` turns their values into the keyword arguments the command takes instead."""
+    def wrap(fn):
+        signature = inspect.signature(fn)
+        options = []
+        for name, kind, default, meta in specs:
+            # no flags given: typer's own from the name (a bool then also gets its --no- form)
+            option = typer.Option(default, *(meta.get("flags") or ()), help=meta["help"])
+            options.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind))
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            return fn(*args, **collect({name: kwargs.pop(name) for name, *_ in specs}), **kwargs)
+
+        kept = [p for p in signature.parameters.values() if p.name != drop]
+        command.__signature__ = signature.replace(parameters=kept + options)
+        return command
+    return wrap
+
+
+# A sweep varies the policy and threshold itself; the other knobs apply to each of its cells that takes them.
+KNOBS_ON_COMMAND_LINE = ExitConfig.names(command_line=True)
+KNOBS_SHARED_BY_A_SWEEP = ExitConfig.names(command_line=True, swept=False)
+
+
+def given_on_command_line(ctx: typer.Context) -> set[str]:
+    """The parameters of a command the user typed (not defaults): what a preset must not override. (By the
+    source's name: typer runs its own copy of click, whose ParameterSource is not click's.)"""
+    return {p.name for p in ctx.command.params
+            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
+
+
+def skip_note(skipped: list[Path]) -> None:
+    say(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})")
+
+
+def writable_targets(*targets: tuple[Path | None, str, str]) -> None:
+    """Each given (path, flag, suffix) names a file of that suffix that may be written (never a result cell)."""
+    from ..store.disk import writable_output
+
+    for path, flag, suffix in targets:
+        if path is None:
+            continue
+        writable_output(path, flag)
+        if path.suffix != suffix:
+            raise ExitbenchError(f"{flag} must name a {suffix} file, got {path}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,115 @@
+"""What there is to run: `info` (a checkpoint, from its headers), `presets` (published protocols), `policies`."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..engine.config import ExitConfig
+from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, console, exit_knobs, one_line_errors, say
+
+JsonOpt = typer.Option(False, "--json", help="Print the report as JSON.")
+DepthOpt = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r on held-out "
+                        "programs of the checkpoint's synthetic task.")
+DepthProgramsOpt = typer.Option(256, "--programs", help="Held-out programs for --depth.")
+DepthSeedOpt = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")
+PlanOpt = typer.Option(False, "--plan", help="Also print the memory a run needs: weights, KV cache (one slot per "
+                       "iteration per loop layer) and activations.")
+PlanBatchOpt = typer.Option(16, "--batch-size", help="--plan: rows run together (run's default).")
+PlanDeviceOpt = typer.Option(None, help="--plan: the device whose free memory the total is compared with (auto, "
+                             "cpu, cuda, cuda:N, mps; default as run's).")
+PlanContextOpt = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and generated tokens "
+                              "[the model's context].")
+PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per loop group [each group's default "
+                            "depth].")
+
+
+@app.command()
+@one_line_errors
+@exit_knobs("kv_window")
+def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
+         as_json: bool = JsonOpt, depth: bool = DepthOpt, programs: int = DepthProgramsOpt, seed: int = DepthSeedOpt,
+         memory_plan: bool = PlanOpt, batch_size: int = PlanBatchOpt, device: Optional[str] = PlanDeviceOpt,
+         context: Optional[int] = PlanContextOpt, max_steps: Optional[int] = PlanStepsOpt, knobs: dict = None):
+    """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
+    from its config and safetensors headers (no weight is loaded unless --depth)."""
+    from ..models.checkpoint import check_dtype_name, inspect_checkpoint, open_checkpoint, parse_dtype
+    from ..models.embedded import resolve
+    from ..models.info import describe
+    from ..runtime.validation import at_least
+
+    at_least("--programs", programs)
+    kv_window = ExitConfig(**knobs).kv_window  # validated and normalised (0: none) as a run validates it
+    layout = inspect_checkpoint(resolve(checkpoint))  # headers only
+    report = describe(layout, check_dtype_name(dtype))
+    if memory_plan:
+        from ..engine.memory import plan
+        from ..runtime.devices import available_memory, resolve_device
+
+        report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
+                              layout.model.config.block_size if context is None else context, max_steps, kv_window)
+        where = resolve_device(device)
+        report["plan"].update(device=where, available=available_memory(where))
+    if depth:
+        from ..studies.depth import depth_report
+
+        report["depth"] = depth_report(open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite),
+                                       n_programs=programs, seed=seed)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        show_info(report)
+
+
+def show_info(report: dict) -> None:
+    """The checkpoint's table, then its memory plan and depth report where asked for."""
+    from ..analysis.tables import depth_tables, plan_table
+
+    table = Table(title=f"exitbench info: {report['source']}", show_header=False)
+    for key, value in report.items():
+        if key in ("depth", "plan"):
+            continue
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+    console.print(table)
+    p = report.get("plan")
+    if p is not None:
+        console.print(plan_table(p))
+        if p["available"] is not None and p["total"] > p["available"]:
+            say(f"warning: the plan needs {p['total'] / 1e9:.2f} GB but {p['device']} has "
+                f"{p['available'] / 1e9:.2f} GB free; lower --batch-size, --context or --max-steps, or pass a "
+                "--kv-window")
+    for t in depth_tables(report["depth"]) if "depth" in report else []:
+        console.print(t)
+
+
+@app.command("presets")
+@one_line_errors
+def presets_command(as_json: bool = typer.Option(False, "--json", help="Print them as JSON.")):
+    """The published evaluation protocols `run --preset NAME` takes, with where their numbers come from."""
+    from .. import presets
+    from ..analysis.tables import presets_table
+
+    found = [presets.load(name) for name in presets.names()]
+    if as_json:
+        print(json.dumps([p.model_dump() for p in found], indent=2))
+        return
+    console.print(presets_table(found))
+
+
+@app.command()
+def policies():
+    """The exit policies: name, what makes a token exit, whether it decodes, default threshold and grid."""
+    from ..policies import REGISTRY
+
+    table = Table(title="exit policies (τ = --threshold; `exitbench run --policy NAME` sweeps the grid)")
+    for col in ("policy", "exits when", "decodes?", "default τ", "grid"):
+        table.add_column(col)
+    for name, cls in REGISTRY.items():
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        grid = ", ".join(f"{t:g}" for t in cls.default_grid)
+        table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid)
+    console.print(table)
