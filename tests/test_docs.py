@@ -1,5 +1,5 @@
 """The README and docs/ stay true: links resolve, the README stays short and undated, the index routes to every
-page, and (slow) the README's and the quickstart's commands run as written.
+page, docs/engine.md's Python example runs, and (slow) the README's and the quickstart's commands run as written.
 
 Anchors are checked too: a link `page.md#anchor` must name a heading of `page.md` as GitHub slugs it (or an
 explicit `<a id="...">` / `<a name="...">` there), and a bare `#anchor` one of the linking file's own.
@@ -173,6 +173,16 @@ def test_every_figure_in_docs_img_is_shown_somewhere():
     images = {p.resolve() for p in (DOCS / "img").rglob("*") if p.suffix in (".png", ".svg", ".jpg", ".gif")}
     orphans = sorted(str(p.relative_to(ROOT)) for p in images - shown)
     assert not orphans, f"figures no page shows: {orphans}"
+
+
+def test_the_engine_pages_python_runs(capsys):
+    """docs/engine.md's Python example, as written: the engine on the embedded model, one generated token."""
+    _, blocks = split_fences((DOCS / "engine.md").read_text(encoding="utf-8"))
+    sources = ["\n".join(body) for info, body in blocks if info.split()[:1] == ["python"]]
+    assert sources
+    for source in sources:
+        exec(compile(source, "docs/engine.md", "exec"), {"__name__": "docs_engine"})
+    assert capsys.readouterr().out.strip()
 
 
 # ---- the commands, run as written ------------------------------------------------------------------------------
