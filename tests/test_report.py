@@ -52,9 +52,10 @@ def test_spread_column_only_when_some_cell_was_retimed(tmp_path):
     page = report.build(tmp_path / "retimed")
     matched = page[page.index('id="matched"'):page.index('id="histograms"')]
     assert "spread of repeats</th>" in matched
-    # The spread lands in its own column of kl's row (0.1, formatted), the other rows leave it blank.
+    # The spread lands in its own column of kl's row (0.1, as ± half of it, as `pareto` says it), the other rows
+    # leave it blank.
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
-    assert re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)[4] == "0.1"
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)[4] == "±5%"
 
 
 def test_exit_maps_put_disagreement_first(tmp_path):

@@ -24,6 +24,7 @@ from ..store import cells
 from ..store.loading import model_label
 from .frontier import MEASURED, TOLERANCES, full_depth, groups, matched_quality, paired_timing, setup, within
 from .notes import nonfinite
+from .labels import config_label
 
 
 @dataclass
@@ -64,7 +65,7 @@ def comparable_baseline(found: list[tuple[Any, dict[str, Any]]]) -> list[dict[st
 def label(cell: dict[str, Any]) -> str:
     p = cell["policy"]
     rel = " rel" if p.get("relative") else ""
-    return f"{cell['task']['name']} {p['policy']}{rel} τ={p['threshold']:g}"
+    return f"{cell['task']['name']} {config_label(p['policy'] + rel, p['threshold'])}"
 
 
 def _worse(run: float | None, base: float | None, tol: float, higher: bool) -> bool:
@@ -127,7 +128,7 @@ class Verdict:
         if run_r or base_r:
             text += f"; {run_r} of the run's cells and {base_r} of the baseline's are replay cells"
             if bool(run_r) != bool(base_r):
-                text += " (replay and exact cells differ where replay approximates: see the README)"
+                text += " (replay and exact cells differ where replay approximates: see docs/sweeps.md, \"When to trust it\")"
         run_n, base_n = self.nonfinite
         if run_n or base_n:
             text += (f"; warning: {run_n} of the run's cells and {base_n} of the baseline's had NaN or infinite "

@@ -16,6 +16,7 @@ import yaml
 from ..errors import ExitbenchError
 from ..store.loading import load
 from . import frontier
+from .labels import metric_with_direction
 
 COMPARE_FILE = "report.yaml"  # `compare: [DIR, …]`, relative to the sweep's directory
 TOLERANCE = 0.01
@@ -91,7 +92,7 @@ def draw(key: frontier.Group, names: list[str], per_model: list[list[frontier.Po
     if not higher:
         ax.set_yscale("log")
     ax.set_xlabel("mean iterations per token (log)")
-    ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+    ax.set_ylabel(metric_with_direction(metric, higher))
     ax.set_title(f"{task}: {len(names)} models, same documents")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="best")

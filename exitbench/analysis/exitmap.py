@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.cells import series
+from .labels import config_label
 
 CMAP = "YlGnBu"  # light = early exit, dark = deep: the eye finds the expensive tokens first
 MISS_COLOR = "#d62728"
@@ -103,8 +104,8 @@ def sample_context(sample: dict[str, Any]) -> str:
 
 
 def policy_label(knobs: dict[str, Any]) -> str:
-    name = series(knobs)
-    return f"{name} τ={knobs['threshold']:g}" if knobs.get("threshold") is not None else name
+    """`second_order τ=0.316`, `fixed r=16`, with the series' variant (relative, a KV window) in its name."""
+    return config_label(series(knobs), knobs.get("threshold"))
 
 
 def _scale(max_steps: int | None, tokens: list[MapToken]) -> int:

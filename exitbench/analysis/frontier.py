@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ExitbenchError
 from ..store import cells
+from .labels import metric_name
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
          "flops": ("flops", "per_token")}
@@ -85,15 +86,16 @@ def groups(cell_list: list[dict[str, Any]], fields=SETUP) -> dict[Group, list[Po
     return out
 
 
-def group_names(keys) -> dict[Group, str]:
+def group_names(keys, said: bool = False) -> dict[Group, str]:
     """`task · metric`, and where one task and metric holds several setups, the fields that tell them apart
-    (`chains · exact_match,none · limit 100 · batch 1`)."""
+    (`chains · exact_match,none · limit 100 · batch 1`); `said`: the metric as a reader says it (`exact match`),
+    for titles (the names themselves key the report and its JSON)."""
     names = {}
     for (task, metric), members in _by_task(keys).items():
         varying = _varying(members)
         for m in members:
             parts = [f"{m[2][i][0]} {_short(m[2][i][1])}" for i in varying]
-            names[m] = " · ".join([task, metric, *parts])
+            names[m] = " · ".join([task, metric_name(metric) if said else metric, *parts])
     return names
 
 
@@ -179,14 +181,16 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
             best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
             ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
             paired = paired_timing(best.cell, ref.threshold)
+            evaluated = ref_time / time if ref_time and time else None
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
                 "mode": best.mode,
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
-                "speedup": ref_time / time if ref_time and time else None,
-                # Where the cell was retimed beside this full depth (harness/retime.py): the speed-up its paired
-                # repeats measured on its first requests, and their spread, which says how much of `speedup`
-                # is noise.
+                # The speed-up shown (full depth's time ÷ the cell's): where the cell was retimed beside this
+                # full depth (harness/retime.py), its paired repeats', the same number `run` shows, with their
+                # spread; else its evaluation's over full depth's.
+                "speedup": 1 / paired["ratio"] if paired else evaluated,
+                "evaluation_speedup": evaluated,
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
@@ -210,10 +214,10 @@ def run_id(cell: dict[str, Any]) -> str | None:
 def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     grouped = groups(cell_list)
-    names = group_names(grouped)
+    names, titles = group_names(grouped), group_names(grouped, said=True)
     for key, points in sorted(grouped.items(), key=lambda kv: names[kv[0]]):
         higher = points[0].cell["quality"]["higher_is_better"]
-        entry = {"higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
+        entry = {"title": titles[key], "higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
                  "matched_quality": matched_quality(points)}
         as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
                                       "cost": p.cost(axis), "mode": p.mode} for p in pts]

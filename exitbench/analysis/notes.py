@@ -13,6 +13,7 @@ from typing import Any, Callable
 from ..store import cells
 from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, report, split_setups
+from .labels import config_label
 
 # How far a speed-up from two evaluations may stray from its paired repeats' before it says more about the
 # machine than the exit: the repeats time a cell's first requests, whose exits differ from the whole set's,
@@ -127,7 +128,7 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     worst = max(hot, key=peak)
     return (f"{len(hot)} of {len(cell_list)} cells were timed on a busy machine (load up to "
             f"{peak(worst):g} on {worst['run']['load']['cpus']} cores, e.g. "
-            f"{worst['task']['name']} {worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their "
+            f"{worst['task']['name']} {config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their "
             f"wall-clock and speed-ups are unreliable; {threads_advice(1 if used == {1} else None)}")
 
 
@@ -142,7 +143,7 @@ def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
     return (f"{len(wide)} of {len(cell_list)} cells' repeated timings spread more than "
             f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
             f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
-            f"{worst['policy']['policy']} τ={worst['policy']['threshold']:g}): their speed-ups are unreliable; "
+            f"{config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their speed-ups are unreliable; "
             "rerun them on an idle machine, with --threads 1 or more --timing-repeats")
 
 
@@ -150,21 +151,23 @@ def drift_note(rep: dict[str, Any]) -> str | None:
     """A warning line where a matched-quality speed-up (the two cells' evaluations divided) and the same
     cell's paired repeats disagree by more than DRIFT: the machine's speed changed between the evaluations
     (the repeats time both sides within seconds of each other), so the speed-up measures the machine."""
-    off = [(group, r) for group, entry in rep.items() for r in collapse_tolerances(entry["matched_quality"])
-           if r["speedup"] and r.get("paired_speedup")
-           and max(r["speedup"] / r["paired_speedup"], r["paired_speedup"] / r["speedup"]) > DRIFT]
+    off = [(entry.get("title", group), r) for group, entry in rep.items()
+           for r in collapse_tolerances(entry["matched_quality"])
+           if r["evaluation_speedup"] and r.get("paired_speedup")
+           and max(r["evaluation_speedup"] / r["paired_speedup"], r["paired_speedup"] / r["evaluation_speedup"]) > DRIFT]
     if not off:
         return None
     group, r = off[0]
     return (f"{len(off)} speed-ups disagree with their cells' paired repeats by more than {DRIFT:g}× (e.g. "
-            f"{group} {r['policy']} τ={r['threshold']:g}: {r['speedup']:.2f}× from the evaluations, "
+            f"{group} {config_label(r['policy'], r['threshold'])}: {r['evaluation_speedup']:.2f}× from the evaluations, "
             f"{r['paired_speedup']:.2f}× repeated beside full depth): the machine's speed changed between "
             "the cells; rerun them on an idle machine")
 
 
 def mixed_note(rep: dict[str, Any]) -> str | None:
     """A warning line naming the groups whose matched-quality speed-ups divide timings of different runs."""
-    mixed = [group for group, entry in rep.items() if any(not r["same_run"] for r in entry["matched_quality"])]
+    mixed = [entry.get("title", group) for group, entry in rep.items()
+             if any(not r["same_run"] for r in entry["matched_quality"])]
     if not mixed:
         return None
     return (f"speed-ups in {', '.join(mixed)} divide timings measured by different runs (a rerun reused older "

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..errors import ExitbenchError
 from .frontier import COSTS, Point, frontier, group_names, groups
+from .labels import metric_name, metric_with_direction, point_label
 
 
 def check_plot_target(path: Path, axis: str) -> None:
@@ -37,7 +38,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     import matplotlib.ticker
 
     by_key = groups(cell_list)
-    names = group_names(by_key)
+    names, titles = group_names(by_key), group_names(by_key, said=True)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
     labels = []
@@ -57,16 +58,16 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             label = "fixed depth" if name == "fixed" else name
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
         front = frontier(points, axis, higher)
-        # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality),
-        # and a label that would overprint an earlier one is dropped once the figure is laid out.
-        labels += [ax.annotate(f"{p.policy} {p.threshold:g}", (p.cost(axis), p.quality), fontsize=6, alpha=0.8,
-                               xytext=(3, -8), textcoords="offset points") for p in front]
+        # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality);
+        # where a label goes is settled once the figure is laid out (place_labels).
+        labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=6,
+                               alpha=0.8, xytext=LABEL_OFFSETS[0][:2], textcoords="offset points") for p in front]
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
                 label="frontier")
-        ax.set_title(names[key].replace(f" · {metric}", ""))
+        ax.set_title(titles[key].replace(f" · {metric_name(metric)}", ""))  # the y axis names the metric
         ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
                        "flops": "FLOPs per token"}[axis])
-        ax.set_ylabel(f"{metric} ({'higher' if higher else 'lower'} is better)")
+        ax.set_ylabel(metric_with_direction(metric, higher))
         # Seconds and FLOPs span orders of magnitude across policies (kl decodes at every step), and so does a
         # perplexity between depth 1 and full depth: on linear axes everything else sits in one corner.
         if axis != "iterations":
@@ -78,18 +79,47 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    drop_overlapping(fig, labels)
+    place_labels(fig, labels)
     return fig
 
 
-def drop_overlapping(fig, labels: list) -> None:
-    """Remove each label whose rendered box overlaps one kept before it: measured on the laid-out figure, in
-    points of text, so it holds whatever the axes' scales and the labels' lengths."""
+# Where a point's label may go, in points from the point, tried in this order: below right, above right,
+# below left, above left (with the text's alignment that keeps it clear of its own marker).
+LABEL_OFFSETS = ((4, -9, "left"), (4, 4, "left"), (-4, -9, "right"), (-4, 4, "right"))
+
+
+def place_labels(fig, labels: list) -> None:
+    """Put each label where its rendered box covers no marker of any series and no label kept before it, trying
+    LABEL_OFFSETS in turn; a label with no such place is dropped (a missing label misleads less than one that
+    names another series' point). Measured on the laid-out figure, in display units, so it holds whatever the
+    axes' scales and the labels' lengths."""
     renderer = fig.canvas.get_renderer()
+    markers = {id(ax): marker_boxes(ax) for ax in fig.axes}
     kept = []
     for label in labels:
-        box = label.get_window_extent(renderer)
-        if any(box.overlaps(other) for other in kept):
-            label.remove()
+        anchor = label.axes.transData.transform(label.xy)
+        # the markers at the label's own point are the point it names
+        others = [box for box in markers[id(label.axes)] if not box.contains(*anchor)]
+        for dx, dy, align in LABEL_OFFSETS:
+            label.xyann = (dx, dy)
+            label.set_horizontalalignment(align)
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in kept + others):
+                kept.append(box)
+                break
         else:
-            kept.append(box)
+            label.remove()
+
+
+def marker_boxes(ax) -> list:
+    """The display-space box of every marker drawn in `ax`."""
+    from matplotlib.transforms import Bbox
+
+    boxes = []
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " ") or not line.get_visible():
+            continue
+        half = line.get_markersize() * ax.figure.dpi / 72 / 2
+        for x, y in ax.transData.transform(line.get_xydata()):
+            boxes.append(Bbox.from_extents(x - half, y - half, x + half, y + half))
+    return boxes

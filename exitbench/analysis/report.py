@@ -27,6 +27,7 @@ from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
+from .labels import direction, setting, spread_percent
 from .plot import draw
 
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
@@ -180,15 +181,20 @@ def histogram_figure(task: str, points: dict[str, frontier.Point]):
 
 
 # ---- tables ---------------------------------------------------------------------------------------------------
-def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
-    """An HTML table; numeric columns right-aligned and sorted as numbers by the page's script (data-v)."""
+def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset(),
+          shown: dict[int, Callable[[float], str]] | None = None) -> str:
+    """An HTML table; numeric columns right-aligned and sorted as numbers by the page's script (data-v), each
+    number written by `shown[column]` where given (a speed-up as 2.13×), else to four digits; text in a numeric
+    column (a depth as r = 16, a spread as ±5%) right-aligned beside them."""
     head = "".join(f'<th class="{"num" if i in numeric else ""}">{html.escape(h)}</th>' for i, h in enumerate(headers))
     body = []
     for row in rows:
         tds = []
         for i, v in enumerate(row):
             if i in numeric and isinstance(v, (int, float)) and not isinstance(v, bool):
-                tds.append(f'<td class="num" data-v="{v!r}">{_fmt(v)}</td>')
+                tds.append(f'<td class="num" data-v="{v!r}">{html.escape((shown or {}).get(i, _fmt)(v))}</td>')
+            elif i in numeric and v is not None:
+                tds.append(f'<td class="num">{html.escape(str(v))}</td>')
             else:
                 tds.append(f"<td>{html.escape('' if v is None else str(v))}</td>")
         body.append("<tr>" + "".join(tds) + "</tr>")
@@ -209,8 +215,10 @@ def matched_table(entry: dict[str, Any]) -> str:
     rows = []
     for policy, rs in at.items():
         main = rs.get(MATCHED_TOLERANCE, {})
-        rows.append([policy, main.get("threshold"), main.get("quality"), main.get("mean_iterations"),
-                     main.get("speedup"), main.get("speedup_spread"), main.get("iterations_over_oracle"),
+        spread = main.get("speedup_spread")
+        rows.append([policy, _setting(policy, main.get("threshold")), main.get("quality"), main.get("mean_iterations"),
+                     main.get("speedup"), None if spread is None else spread_percent(spread),
+                     main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
@@ -221,7 +229,14 @@ def matched_table(entry: dict[str, Any]) -> str:
         # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
         del headers[spread]
         rows = [r[:spread] + r[spread + 1:] for r in rows]
-    return table(headers, rows, numeric=set(range(1, len(headers))))
+    # a speed-up reads as 2.13×, a spread as ±5% and a fixed depth as r = 16, as in `pareto`
+    return table(headers, rows, numeric=set(range(1, len(headers))),
+                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×"})
+
+
+def _setting(policy: str, threshold: Any) -> Any:
+    """A threshold as a number (sortable); a fixed depth as `r = 16`."""
+    return setting(policy, threshold) if policy.startswith("fixed") else threshold
 
 
 MACHINE_FIELDS = ("cpu", "cpu_capability", "platform", "python", "cpu_threads")
@@ -255,7 +270,8 @@ def provenance(found: list[tuple[Path, dict[str, Any]]], root: Path) -> str:
     rows = []
     for path, cell, f in sorted(per_cell, key=lambda t: (t[1]["task"]["name"], frontier.Point(t[1]).policy,
                                                          t[1]["policy"]["threshold"])):
-        row = [cell["task"]["name"], frontier.Point(cell).policy, cell["policy"]["threshold"], cell["quality"]["value"],
+        row = [cell["task"]["name"], frontier.Point(cell).policy,
+               _setting(cell["policy"]["policy"], cell["policy"]["threshold"]), cell["quality"]["value"],
                cell["iterations"]["mean"], f["fingerprint"], f["git revision"][:12], cell["run"].get("run_id"),
                cell["run"]["started"], str(path.relative_to(root))]
         rows.append(row + ([cell.get("mode", "exact")] if modes else []))
@@ -372,8 +388,9 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
              "cell's; the spread of repeats is the range of the cell's paired timings beside full depth over their "
              "median, for a cell that was retimed (exitbench run --timing-repeats; the column is left out where "
              "none was).</p>")
-    tables = [f"<h3>{html.escape(group)} <small class=muted>(higher is better: {entry['higher_is_better']})"
-              f"</small></h3>{matched_table(entry)}" for group, entry in rep.items()]
+    tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
+              f"({direction(entry['higher_is_better'])})</small></h3>{matched_table(entry)}"
+              for group, entry in rep.items()]
     return [intro, *tables]
 
 
@@ -384,8 +401,9 @@ def per_task_parts(grouped: list[tuple[frontier.Group, list[frontier.Point]]], n
     for key, points in grouped:
         task = key[0]
         ops = operating_points(points, rep[names[key]]["matched_quality"])
-        hists.append(f'<img alt="iteration histograms, {html.escape(names[key])}" '
-                     f'src="{png_uri(histogram_figure(names[key], ops))}">')
+        title = rep[names[key]]["title"]
+        hists.append(f'<img alt="iteration histograms, {html.escape(title)}" '
+                     f'src="{png_uri(histogram_figure(title, ops))}">')
         blocks, note = doc_maps(ops, paths, docs)
         maps.append(f'<h3 class="task" data-task="{html.escape(task)}">{html.escape(task)}</h3>')
         if note:
@@ -408,7 +426,8 @@ def comparison_parts(cell_list: list[dict[str, Any]], others: list[Path], direct
                      f'src="{png_uri(compare.draw(key, names, points))}">')
         rows = [r for name, pts in zip(names, points) for r in compare.summary_rows(name, pts)]
         parts.append(table(["model", "policy", "τ", "quality", "full depth", "mean iters", "iters / oracle"],
-                           [[r["model"], r["policy"], r["threshold"], r["quality"], r["full_depth_quality"],
+                           [[r["model"], r["policy"], _setting(r["policy"], r["threshold"]), r["quality"],
+                             r["full_depth_quality"],
                              r["mean_iterations"], r["iterations_over_oracle"]] for r in rows],
                            numeric={2, 3, 4, 5, 6}))
     return parts

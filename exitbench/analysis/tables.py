@@ -5,53 +5,59 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import ExitbenchError
 from .frontier import collapse_tolerances, table_rows
+from .labels import direction, metric_with_direction, setting, speedup
 
 TABLES = ("frontier", "matched")
 
 
-def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=title)
-    for col, justify in [("task", "left"), ("metric", "left"), ("policy", "left"), ("τ", "right"),
-                         ("quality", "right"), ("mean iters", "right"), ("ms/token", "right"),
-                         ("time / full", "right"), ("probe", "right"), ("cell", "left")]:
-        table.add_column(col, justify=justify)
+def summary_table(rows: list[dict[str, Any]], title: str) -> Group:
+    """`run`'s tables: one per task and metric (named in the title, with the metric's direction), a row per
+    cell. No value is ever cut to an ellipsis (a narrow terminal folds the headings instead); the origin column
+    only where some cell was not measured by this run."""
+    by_task: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
-        if len(r.get("per_group", [])) > 1:  # several loop groups: their means beside the total
-            iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
-        quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
-        table.add_row(r["task"], r["metric"], r["policy"], f"{r['threshold']:g}", quality, iters,
-                      f"{r['ms_per_token']:.3f}", _time_ratio(r), f"{100 * r['probe_share']:.1f}%",
-                      r.get("origin", "measured"))
+        by_task.setdefault((r["task"], r["metric"]), []).append(r)
+    return Group(*(_task_summary(f"{title}: {task} · {metric_with_direction(metric, group[0]['higher_is_better'])}",
+                                 group) for (task, metric), group in by_task.items()))
+
+
+def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
+    shown = [_summary_row(r) for r in rows]
+    columns = [("policy", "left"), ("τ", "right"), ("quality", "right"), ("mean iters", "right"),
+               ("ms/token", "right"), ("speed-up", "right"), ("probe", "right"), ("cell", "left")]
+    if all(r[-1] == "measured" for r in shown):
+        columns, shown = columns[:-1], [r[:-1] for r in shown]
+    table = Table(title=title)
+    for i, (col, justify) in enumerate(columns):
+        table.add_column(col, justify=justify, min_width=max(len(Text.from_markup(r[i])) for r in shown))
+    for r in shown:
+        table.add_row(*r)
     return table
 
 
-def _time_ratio(row: dict[str, Any]) -> str:
-    """The paired time ratio to full depth with its spread, in red with a mark when a warning says it is
-    unreliable (a busy machine, a wide spread); '-' for a cell timed once."""
+def _summary_row(r: dict[str, Any]) -> list[str]:
+    iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
+    if len(r.get("per_group", [])) > 1:  # several loop groups: their means beside the total
+        iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
+    quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
+    return [r["policy"], setting(r["policy"], r["threshold"]), quality, iters, f"{r['ms_per_token']:.3f}",
+            _paired_speedup(r), f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
+
+
+def _paired_speedup(row: dict[str, Any]) -> str:
+    """The speed-up over full depth its paired repeats measured (full depth's time ÷ the cell's), with their
+    spread, in red with a mark when a warning says it is unreliable (a busy machine, a wide spread); '-' for a
+    cell timed once."""
     if row.get("time_ratio") is None:
         return "-"
-    text = f"{row['time_ratio']:.3f} {_half_range(row['time_spread'])}"
+    text = speedup(1 / row["time_ratio"], row["time_spread"])
     return f"[red]{text} ![/red]" if row.get("warnings") else text
-
-
-def _speedup(row: dict[str, Any]) -> str:
-    """A matched-quality speed-up, with ± half its repeats' range where it is a paired one."""
-    if row["speedup"] is None:
-        return "-"
-    text = f"{row['speedup']:.2f}×"
-    if row.get("speedup_spread") is not None:
-        text += f" {_half_range(row['speedup_spread'])}"
-    return text
-
-
-def _half_range(spread: float) -> str:
-    """Repeats' spread (range over median) as ± half of it, in percent."""
-    return f"±{100 * spread / 2:.0f}%"
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -62,7 +68,7 @@ def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
         table.add_column(col, justify="left" if col in ("task", "policy") else "right")
     num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        table.add_row(r["task"], r["policy"], f"{r['threshold']:g}", num(r["quality_replay"], ".4g"),
+        table.add_row(r["task"], r["policy"], setting(r["policy"], r["threshold"]), num(r["quality_replay"], ".4g"),
                       num(r["quality_exact"], ".4g"), num(r["stderr_exact"], ".2g"),
                       num(r["iterations_replay"], ".2f"), num(r["iterations_exact"], ".2f"),
                       num(r["iterations_rel_diff"], "+.1%"), num(r["exit_agreement"], ".1%"),
@@ -94,14 +100,15 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
         if table == "frontier":
             out.append(_frontier_table(group, entry))
             continue
-        t = Table(title=f"{group}: matched quality (ε relative to full depth)")
+        t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth; "
+                        f"{direction(entry['higher_is_better'])})")
         for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
         for r in collapse_tolerances(entry["matched_quality"]):
             eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                                  else "")
-            t.add_row(f"{eps}%", _marked(r), f"{r['threshold']:g}", f"{r['quality']:.4g}",
-                      f"{r['mean_iterations']:.2f}", _speedup(r),
+            t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
+                      f"{r['mean_iterations']:.2f}", speedup(r["speedup"], r.get("speedup_spread")),
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
         out.append(t)
         if table is None:
@@ -110,11 +117,11 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
 
 
 def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
-    f = Table(title=f"{group}: frontier over mean iterations")
+    f = Table(title=f"{entry.get('title', group)}: frontier over mean iterations")
     for col in ("policy", "τ", "quality", "mean iters"):
         f.add_column(col, justify="left" if col == "policy" else "right")
     for p in entry["frontiers"]["iterations"]:
-        f.add_row(_marked(p), f"{p['threshold']:g}", f"{p['quality']:.4g}", f"{p['cost']:.2f}")
+        f.add_row(_marked(p), setting(p["policy"], p["threshold"]), f"{p['quality']:.4g}", f"{p['cost']:.2f}")
     return f
 
 
@@ -337,15 +344,34 @@ def published_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n" + tabulate(shown, headers="keys", tablefmt="github", floatfmt=".2f")
 
 
-def presets_table(presets: list) -> Table:
-    t = Table(title="presets (exitbench run --preset NAME)")
-    for col in ("name", "checkpoint", "tasks", "shots", "prompt", "dtype", "depths", "published in"):
-        t.add_column(col, no_wrap=col in ("name", "checkpoint"))
+def preset_fields(p) -> dict[str, str]:
+    """A preset as the fields a reader compares: where its model, tasks, prompt and numbers come from."""
+    prompt = ", ".join(x for x in ("chat template" if p.apply_chat_template else "",
+                                   "multi-turn" if p.fewshot_as_multiturn else "",
+                                   "system prompt" if p.system_instruction else "",
+                                   "BOS" if p.add_bos_token else "") if x) or "plain"
+    return {"name": p.name, "checkpoint": p.checkpoint, "tasks": ", ".join(p.tasks),
+            "shots": "" if p.num_fewshot is None else str(p.num_fewshot), "prompt": prompt, "dtype": p.dtype,
+            "depths": ",".join(map(str, p.baselines)), "published in": p.source}
+
+
+def presets_tables(presets: list) -> list[Table]:
+    """One small table per preset, its fields down the side: whole at any width (a row per preset would cut its
+    source and tasks to a few letters on a terminal of 100 columns)."""
+    out = []
     for p in presets:
-        prompt = ", ".join(x for x in ("chat template" if p.apply_chat_template else "",
-                                       "multi-turn" if p.fewshot_as_multiturn else "",
-                                       "system prompt" if p.system_instruction else "",
-                                       "BOS" if p.add_bos_token else "") if x) or "plain"
-        t.add_row(p.name, p.checkpoint, ", ".join(p.tasks), "" if p.num_fewshot is None else str(p.num_fewshot),
-                  prompt, p.dtype, ",".join(map(str, p.baselines)), p.source)
-    return t
+        fields = preset_fields(p)
+        t = Table(title=f"--preset {fields.pop('name')}", show_header=False, title_justify="left")
+        t.add_column("field", style="bold", no_wrap=True)
+        t.add_column("value", overflow="fold")
+        for key, value in fields.items():
+            t.add_row(key, value)
+        out.append(t)
+    return out
+
+
+def presets_markdown(presets: list) -> str:
+    """The presets as one markdown table (`exitbench presets --format md`)."""
+    from tabulate import tabulate
+
+    return tabulate([preset_fields(p) for p in presets], headers="keys", tablefmt="github")

@@ -88,16 +88,24 @@ def show_info(report: dict) -> None:
 
 @app.command("presets")
 @one_line_errors
-def presets_command(as_json: bool = typer.Option(False, "--json", help="Print them as JSON.")):
+def presets_command(fmt: str = typer.Option("rich", "--format", help="rich (a table per preset), md or json."),
+                    as_json: bool = typer.Option(False, "--json", help="Print them as JSON (as --format json).")):
     """The published evaluation protocols `run --preset NAME` takes, with where their numbers come from."""
     from .. import presets
-    from ..analysis.tables import presets_table
+    from ..analysis.tables import presets_markdown, presets_tables
+    from ..errors import ExitbenchError
 
     found = [presets.load(name) for name in presets.names()]
-    if as_json:
+    fmt = "json" if as_json else fmt
+    if fmt == "json":
         print(json.dumps([p.model_dump() for p in found], indent=2))
-        return
-    console.print(presets_table(found))
+    elif fmt == "md":
+        print(presets_markdown(found))
+    elif fmt == "rich":
+        for table in presets_tables(found):
+            console.print(table)
+    else:
+        raise ExitbenchError(f"--format must be rich, md or json, got {fmt!r}")
 
 
 @app.command()

@@ -57,14 +57,16 @@ def traced(ck, prompt: str, config: ExitConfig, generate: int, add_bos_token: bo
     """One policy's trace; a deep model's takes minutes, so say what runs and how long it took."""
     from ..studies.trace import trace_prompt
 
+    from ..analysis.labels import config_label
+
     started = time.perf_counter()
-    tau = "" if config.threshold is None else f" τ={config.threshold:g}"
-    say(f"tracing {config.policy}{tau} …")
+    name = config_label(config.policy, config.threshold)
+    say(f"tracing {name} …")
     report = trace_prompt(ck, prompt, config, generate, add_bos_token)
     say(f"  {len(report['tokens'])} tokens in {time.perf_counter() - started:.1f} s")
     if report["nonfinite_tokens"]:  # as run warns of a cell's: the numbers below are not to be trusted
         say(f"warning: {report['nonfinite_tokens']} of {len(report['tokens'])} tokens had a NaN or infinity in "
-            f"their states or logits under {config.policy}{tau}")
+            f"their states or logits under {name}")
     return report
 
 
@@ -146,7 +148,7 @@ CalibrationBatchOpt = typer.Option(16, help="Sequences run together (never chang
 CalibrationSeedOpt = typer.Option(0, help="Seed of the held-out split, programs and initial-state noise.")
 TestFractionOpt = typer.Option(0.5, "--test-fraction", help="Documents held out to check the chosen threshold.")
 CalibrationReplayOpt = typer.Option(False, "--replay", help="Every threshold from one recording pass per split "
-                                    "instead of one run each (see the README on replay).")
+                                    "instead of one run each (docs/sweeps.md on replay).")
 CalibrationOutOpt = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/<checkpoint>-<policy>"
                                  ".json].")
 

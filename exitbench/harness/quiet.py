@@ -19,12 +19,15 @@ Under `lm_eval_output(quiet=True)`, or with `progress_bars=False` (a sweep showi
 - "bootstrapping for stddev: NAME", a print() to stdout, and its tqdm bar on stderr, once per bootstrapped
   metric (perplexity, f1, bleu, …) per task per call.
 - lm-eval's per-task "building requests" bar and its request-cache bar (tqdm): a bar per task per cell.
+- datasets' "Generating train split" bar, drawn whenever a task's data is prepared into a new cache (so on every
+  CI run); a download's bar goes with it, since the sweep's own progress says what runs.
+
+Always, inside `lm_eval_output`: lm-eval's WARNING "Custom kwargs can be passed to `--metadata`", which every
+task with a `custom_dataset` (all of exitbench's shipped tasks) logs when it loads its data: advice for lm-eval's
+own command line, which exitbench's has no use for.
 
 Only under `lm_eval_output(quiet=True)`:
-- lm-eval's log records below ERROR, e.g. the WARNING "Custom kwargs can be passed to `--metadata`" that every
-  task with a `custom_dataset` (all of exitbench's shipped tasks) logs when it loads its data.
-- datasets' "Generating train split" bar (drawn once per dataset, when it is first prepared; outside quiet it
-  is the only sign of a download's progress).
+- lm-eval's other log records below ERROR.
 
 Errors stay visible: ERROR records still print, and exceptions leave the context untouched.
 """
@@ -154,12 +157,30 @@ def lm_eval_output(quiet: bool = True, progress_bars: bool = True) -> Iterator[N
     datasets' bars, for the duration of the block.
     """
     silence_git_lookup()
-    with _bootstrap_in_process():
+    with _bootstrap_in_process(), _filtered("lm_eval.api.task", _not_for_exitbench):
         if not quiet and progress_bars:
             yield
             return
         with _quieter(quiet):
             yield
+
+
+def _not_for_exitbench(record: logging.LogRecord) -> bool:
+    """False for lm-eval's hint that a task's `custom_dataset` takes kwargs through `--metadata`: every shipped
+    task has one, so the hint printed on every run, and exitbench has no `--metadata` (its data directory reaches
+    the tasks by --data-dir)."""
+    return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _filtered(name: str, keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """`keep` as a filter of the logger `name` (its own records: where lm-eval logs the hint) for the block."""
+    logger = logging.getLogger(name)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 @contextlib.contextmanager
@@ -191,7 +212,9 @@ def _quieter(quiet: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if quiet:
             stack.enter_context(_logger_level("lm_eval", logging.ERROR))
-            stack.enter_context(_datasets_progress_bars_off())
+        # datasets' "Generating … split" bar, drawn whenever a task's data is prepared afresh (a new cache: every
+        # CI run), between exitbench's own progress lines
+        stack.enter_context(_datasets_progress_bars_off())
         # The banner and the bar live inside this one function; it computes a number and prints nothing else.
         # Swapping the module's name works because stderr_for_metric looks it up at call time.
         stack.enter_context(_attribute(lm_eval.api.metrics, "bootstrap_stderr",

@@ -64,7 +64,7 @@ class RunOptions:
     quiet: bool = field(default=False, metadata=option(
         "No progress and no lm-eval chatter; warnings and the table still print.", "--quiet"))
     replay: bool = field(default=False, metadata=option(
-        "Every cell from one recording pass (mode: replay; see the README on when to trust it).", "--replay"))
+        "Every cell from one recording pass (mode: replay; docs/sweeps.md says when to trust it).", "--replay"))
     verify: bool = field(default=False, metadata=option(
         "With --replay: rerun each policy's frontier cells exactly into OUT/verify and print replay vs exact.",
         "--verify"))

@@ -123,7 +123,8 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     for c in cell_list:
         p = c["policy"]
         origin = [w for w, yes in (("reused", c["cell_id"] in reused), ("replay", c.get("mode") == "replay")) if yes]
-        rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"], "policy": p["policy"]
+        rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"],
+                     "higher_is_better": c["quality"]["higher_is_better"], "policy": p["policy"]
                      + (" (rel)" if p.get("relative") else ""), "threshold": p["threshold"],
                      "quality": c["quality"]["value"], "mean_iterations": c["iterations"]["mean"],
                      "per_group": c["iterations"].get("per_group_mean") or [],

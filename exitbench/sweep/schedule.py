@@ -21,6 +21,7 @@ from ..store import cells, disk
 from .config import SweepConfig, check_depths, grid
 from .exact import evaluation_error, run_config
 from .keys import cell_key, model_record
+from ..analysis.labels import config_label
 
 
 @dataclass
@@ -140,7 +141,7 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
                 if there is not None:
                     finished[cid] = there.cell
                 if progress:
-                    progress.cell_finished(f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {tasks.names[t]} "
+                    progress.cell_finished(f"{config_label(exit_cfg.policy, exit_cfg.threshold)} on {tasks.names[t]} "
                                            "(computed by another run)")
             else:
                 left.append((t, exit_cfg, key))
@@ -184,7 +185,7 @@ def _agree(value: Any) -> Any:
 
 def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
     exit_cfg = group[0][1]
-    label = f"{exit_cfg.policy} τ={exit_cfg.threshold:g} on {', '.join(tasks.names[t] for t, *_ in group)}"
+    label = f"{config_label(exit_cfg.policy, exit_cfg.threshold)} on {', '.join(tasks.names[t] for t, *_ in group)}"
     if progress:
         progress.cell_started(label)
     produced = run_config(ck, tasks, [t for t, *_ in group], exit_cfg, cfg, sweep.model, [k for _, _, k, _ in group],

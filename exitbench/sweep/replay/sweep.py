@@ -33,6 +33,7 @@ from ..exact import resolved_policy, task_cells
 from ..schedule import SweepPlan, claim_cells
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
+from ...analysis.labels import config_label
 
 
 @contextlib.contextmanager
@@ -195,7 +196,7 @@ class ReplaySweep:
                     if not mine:
                         continue
                     config = self.configs[cid]
-                    label = (f"{config.policy} τ={config.threshold:g} on "
+                    label = (f"{config_label(config.policy, config.threshold)} on "
                              f"{', '.join(self.tasks.names[t] for (t, _), _ in mine)} (replay)")
                     if progress:
                         progress.cell_started(label)
@@ -232,7 +233,7 @@ class ReplaySweep:
             if there is not None and (there.has_samples or not self.cfg.log_samples):
                 finished[there.cell["cell_id"]] = there.cell
                 if self.progress:
-                    self.progress.cell_finished(f"{c.policy} τ={c.threshold:g} on {self.tasks.names[t]} "
+                    self.progress.cell_finished(f"{config_label(c.policy, c.threshold)} on {self.tasks.names[t]} "
                                                 "(computed by another run)")
             else:
                 still.append((t, c, key))

@@ -1,0 +1,61 @@
+"""How results are named where people read them (tables, figures, the report): metrics in words, a fixed depth
+as r, a threshold as τ, and the direction of a metric said in words. Cells and machine-readable output (JSON,
+CSV, export) keep lm-eval's own keys.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# lm-eval's metric names, as a reader says them; others read with their underscores as spaces.
+METRIC_NAMES = {"exact_match": "exact match", "acc": "accuracy", "acc_norm": "accuracy (length-normalised)",
+                "perplexity": "perplexity", "word_perplexity": "word perplexity",
+                "byte_perplexity": "byte perplexity", "bits_per_byte": "bits per byte", "f1": "F1", "bleu": "BLEU",
+                "mcc": "Matthews correlation"}
+
+
+def metric_name(metric: str) -> str:
+    """`exact_match,none` → `exact match`; a filter other than lm-eval's `none` stays, in brackets."""
+    name, _, filtered = metric.partition(",")
+    said = METRIC_NAMES.get(name, name.replace("_", " "))
+    return f"{said} ({filtered})" if filtered and filtered != "none" else said
+
+
+def direction(higher_is_better: bool) -> str:
+    return "higher is better" if higher_is_better else "lower is better"
+
+
+def metric_with_direction(metric: str, higher_is_better: bool) -> str:
+    """`exact match (higher is better)`: an axis or a table's heading."""
+    return f"{metric_name(metric)} ({direction(higher_is_better)})"
+
+
+def setting(policy: str, threshold: Any) -> str:
+    """What a τ column shows for a cell: its threshold, or `r = 16` for a fixed depth (a depth is no threshold)."""
+    if threshold is None:
+        return "-"
+    return f"r = {threshold:g}" if policy.startswith("fixed") else f"{threshold:g}"
+
+
+def config_label(policy: str, threshold: Any) -> str:
+    """A cell's exit config in running text: `second_order τ=0.316`, `fixed r=16`, `oracle`."""
+    if threshold is None:
+        return policy
+    return f"{policy} r={threshold:g}" if policy.startswith("fixed") else f"{policy} τ={threshold:g}"
+
+
+def point_label(policy: str, threshold: Any) -> str:
+    """A frontier point's label in a figure: `r = 8` for a fixed depth, `second_order τ=1` otherwise."""
+    return f"r = {threshold:g}" if policy.startswith("fixed") else config_label(policy, threshold)
+
+
+def speedup(speedup: float | None, spread: float | None = None) -> str:
+    """A speed-up over full depth (full depth's time ÷ the cell's), with ± half its paired repeats' range:
+    the one way every table states it."""
+    if speedup is None:
+        return "-"
+    return f"{speedup:.2f}×" + (f" {spread_percent(spread)}" if spread is not None else "")
+
+
+def spread_percent(spread: float) -> str:
+    """Repeats' spread (range over median) as ± half of it, in percent."""
+    return f"±{100 * spread / 2:.0f}%"
