@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny random Raven, its checkpoint directory and a tiny word-level tokenizer; and the session
-settings every test runs under.
+"""Shared fixtures: a tiny random Raven, its checkpoint directory and a tiny word-level tokenizer; an editable copy
+of the embedded tiny-raven; the smallest sweeps (exact and replay) as library inputs; and the session settings every
+test runs under.
 
 Only pytest fixtures and session settings live here; the builders are in tests/helpers/models.py. Everything is
 built in tmp_path; nothing is written into the repository or the user's home.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from exitbench.models import Raven, save_checkpoint
+from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.models.tokenizer import Tokenizer
 from exitbench.store.identity import CACHE_DIR_ENV
 
@@ -77,6 +80,41 @@ def tiny_checkpoint(tmp_path, tiny_raven, tiny_tokenizer) -> Path:
                            max_shard_bytes=SHARD_BYTES)
 
 
+@pytest.fixture
+def raven_copy(tmp_path) -> Path:
+    """A copy of the embedded tiny-raven (weights, config, tokenizer) that a test may edit."""
+    dst = tmp_path / "raven-copy"
+    shutil.copytree(EMBEDDED_DIR / "tiny-raven", dst, ignore=shutil.ignore_patterns("training"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def small_sweep():
+    """(checkpoint, tasks, config) of the smallest exact sweep (helpers/sweeps.py's SMALL), for run_cells and plan."""
+    from exitbench.harness.task_set import resolve_tasks
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep.config import SweepConfig
+
+    ck = open_checkpoint(None)
+    tasks = resolve_tasks(["chains_lambada"])
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["second_order"], thresholds=[0.1], baselines=[16], limit=4)
+    return ck, tasks, cfg
+
+
+@pytest.fixture(scope="module")
+def replay_sweep():
+    """The same sweep as `small_sweep`, replayed (--replay) and quiet."""
+    from exitbench.harness.task_set import resolve_tasks
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep.config import SweepConfig
+
+    ck = open_checkpoint(None)
+    tasks = resolve_tasks(["chains_lambada"])
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["second_order"], thresholds=[0.1], baselines=[16], limit=4,
+                      replay=True, quiet=True)
+    return ck, tasks, cfg
+
+
 @pytest.fixture(scope="session")
 def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
     """The small real sweep of tests/helpers/sweeps.py, run once for the whole session: under pytest-xdist the
@@ -87,11 +125,12 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
 
 
 # The files that take longest (measured 2026-12-03: the slow suite's Huginn- and Ouro-size checkpoints, torch.compile,
-# the end-to-end runs; the fast suite's engine matrices), run first. pytest-xdist hands whole files to workers in
-# collection order (--dist loadfile), so a long file that starts last keeps one worker busy after the other has
-# finished; longest first is the classic remedy. Order only: a stale list costs balance, never a result.
+# the end-to-end runs; the fast suite's engine matrices and checkpoint-header properties), run first. pytest-xdist
+# hands whole files to workers in collection order (--dist loadfile), so a long file that starts last keeps one
+# worker busy after the other has finished; longest first is the classic remedy. Order only: a stale list costs
+# balance, never a result.
 LONGEST_FIRST = ("test_full_size.py", "test_ouro_full_size.py", "test_compile.py", "test_run.py", "test_gpt2.py",
-                 "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py")
+                 "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py", "test_checkpoint_headers.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -5,6 +5,8 @@ with the same weights and tokenizer.json), now with the same chat template in ea
 lm-eval's `simple_evaluate(apply_chat_template=True, system_instruction=…, fewshot_as_multiturn=True)` on a
 generation task and a multiple-choice task must hand both models the same rendered requests, and both must
 answer them alike: the same log-likelihoods (within test_lm_eval_parity's tolerance) and the same generations.
+
+A checkpoint without a chat template says so in one line, whether lm-eval's CLI or Python asks for one.
 """
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ import pytest
 from lm_eval.models.huggingface import HFLM
 from test_lm_eval_parity import CORPUS, LOGLIK_TOL, save_both
 
+from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 from exitbench.harness.chat import ChatTemplate
 from exitbench.harness.model import ExitbenchLM
 from exitbench.harness.task_set import resolve_tasks
+
+from helpers.cli import assert_one_line_error, runner
 
 # Only the corpus's characters, so every rendered character has a token of its own.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} said {{ m['content'] }}. {% endfor %}"
@@ -163,3 +168,24 @@ def test_a_template_file_beside_the_tokenizer_is_read(saved, tmp_path):
     (tmp_path / "chat_template.jinja").write_text(TEMPLATE)
     rendered = ChatTemplate(tmp_path).render([{"role": "user", "content": "the cat"}])
     assert rendered == "<bos>user said the cat. assistant said"
+
+
+# ---- no chat template ----------------------------------------------------------------------------------------------
+
+def test_apply_chat_template_is_one_line(capfd):
+    capfd.readouterr()
+    res = runner.invoke(app, ["lm-eval", "run", "--model", "exitbench", "--model_args", "policy=fixed", "--tasks",
+                              "chains_lambada", "--limit", "2", "--apply_chat_template"])
+    assert_one_line_error(res, ["--apply_chat_template", "no chat template"], fd=capfd.readouterr())
+
+
+def test_the_model_itself_says_it_has_no_chat_template():
+    """Called from Python (simple_evaluate(apply_chat_template=True)) the model's answer is the same line, not
+    lm-eval's NotImplementedError (tiny-raven's tokenizer has no template; tests/test_chat.py has one that does)."""
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.engine import ExitConfig
+    from exitbench.harness.model import ExitbenchLM
+
+    lm = ExitbenchLM.from_checkpoint(open_checkpoint(None), ExitConfig("fixed", threshold=4))
+    with pytest.raises(ExitbenchError, match="no chat template"):
+        lm.apply_chat_template([{"role": "user", "content": "a=1 q=a"}])

@@ -1,8 +1,12 @@
-"""`exitbench check`: regressions exit 1 and are named, identical runs and wall-clock noise exit 0."""
+"""`exitbench check`: regressions exit 1 and are named, identical runs and wall-clock noise exit 0. A verdict only
+after comparing cells: a partial sweep says what it compared, a check that compared nothing is exit 2 (naming the
+dimensions the two sides differ in), a crash is exit 3, never read as a regression; the learned rule is matched by
+its exit model's content, not its path."""
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -14,7 +18,9 @@ from exitbench.sweep.config import SweepConfig
 from exitbench.sweep.schedule import run_cells
 from exitbench.harness.task_set import resolve_tasks
 
-from helpers.cells import ACC, PPL
+from helpers.cells import ACC, PPL, baseline_cells, copy_cells
+from helpers.cli import explain, invoke, one_line, runner
+from helpers.paths import BASELINE, REPO
 
 
 def write(directory, cell_list):
@@ -172,3 +178,61 @@ def test_wall_clock_compares_paired_repeats_where_both_sides_have_them(tmp_path,
     d = write(tmp_path / "slower", with_repeats(copy.deepcopy(ACC + PPL), 1.6))
     res = check(d, b, "--wall-clock")
     assert res.exit_code == 1 and "time / full-depth time" in res.stdout and "kl τ=0.001" in res.stdout
+
+
+# ---- what a verdict rests on: the cells it compared -------------------------------------------------------------
+
+def test_check_of_a_partial_sweep_says_what_it_compared(tmp_path, capfd):
+    baseline = REPO / "results" / "baseline"
+    part = tmp_path / "part"
+    part.mkdir()
+    kept = [p for p in baseline.glob("chains__*.json") if "__fixed-" in p.name or "__kl-" in p.name]
+    for p in kept:
+        shutil.copy(p, part / p.name)
+    code, _, out = invoke(["check", str(part), "--baseline", str(baseline)], capfd)
+    assert code == 1 and "missing" in out and "--present-only" in out
+    code, _, out = invoke(["check", str(part), "--baseline", str(baseline), "--present-only"], capfd)
+    assert code == 0, out
+    assert f"compared {len(kept)} of the baseline's" in out and f"{len(kept)} within the tolerances" in out
+
+
+def test_check_that_compares_nothing_is_exit_2_and_says_why(tmp_path, capfd):
+    def other_limit(cell):
+        cell["task"]["limit"] = 20
+    run = copy_cells(tmp_path / "run", baseline_cells(), other_limit)
+    base = copy_cells(tmp_path / "base", baseline_cells())
+    for extra in ([], ["--present-only"]):
+        line = one_line(["check", str(run), "--baseline", str(base), *extra], capfd, ["nothing to check", "limit"])
+        assert "20" in line and "48" in line
+
+    def every_document(cell):
+        cell["task"]["limit"] = None
+    run = copy_cells(tmp_path / "all", baseline_cells(), every_document)
+    line = one_line(["check", str(run), "--baseline", str(base)], capfd, ["nothing to check", "limit"])
+    assert "limit (run: all documents; baseline: 48)" in line and "None" not in line
+
+
+def test_check_matches_the_learned_rule_by_its_exit_models_content(tmp_path):
+    def learned_at(path):
+        def change(cell):
+            cell["policy"].update(policy="learned", exit_model=path, exit_model_sha256="ab" * 32)
+            cell["key"]["exit"].update(policy="learned", exit_model="sha256:" + "ab" * 32)
+        return change
+    kl = [p for p in baseline_cells() if "__kl-" in p.name][:1]
+    run = copy_cells(tmp_path / "run", baseline_cells(series=("fixed",)) + kl, None)
+    base = copy_cells(tmp_path / "base", baseline_cells(series=("fixed",)), None)
+    copy_cells(run, kl, learned_at("/home/a/exit.json"), renamed=True)
+    copy_cells(base, kl, learned_at("/home/b/copy-of-exit.json"), renamed=True)
+    res = runner.invoke(app, ["check", str(run), "--baseline", str(base)])
+    assert res.exit_code == 0, explain(res)
+
+
+def test_a_crash_in_check_is_not_read_as_a_regression(tmp_path, monkeypatch):
+    """Python exits 1 on an uncaught exception, which is check's "regressed": a crash must be told apart."""
+    import exitbench.analysis.check as check
+
+    def bug(*a, **k):
+        raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(check, "compare", bug)
+    res = runner.invoke(app, ["check", str(BASELINE), "--baseline", str(BASELINE)])
+    assert res.exit_code == 3 and "crashed" in res.stderr, explain(res)

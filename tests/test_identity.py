@@ -1,5 +1,7 @@
 """Content identity: every byte of weights, config and tokenizer counts; paths and mtimes do not; the cache
-is used, invalidated and never fatal."""
+is used, invalidated and never fatal. And what it buys a result cell: a cell is reused only for the very same model
+(a changed weight, config value or tokenizer computes new cells), and one computation has one cell id (a limit that
+takes every document keys the cell of no limit)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,8 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from exitbench.store import identity
+from exitbench.cli import app
+from exitbench.store import cells, identity
 from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.store.identity import (
@@ -23,6 +28,13 @@ from exitbench.store.identity import (
     named_content_fingerprint,
 )
 from exitbench.models import save_checkpoint
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.schedule import plan
+
+from helpers.cells import load_cells
+from helpers.cli import explain, invoke, runner
+from helpers.paths import A_CELL, REPO
+from helpers.sweeps import SMALL
 
 SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
 HOUR_NS = 3600 * 10**9
@@ -412,3 +424,86 @@ def test_a_large_first_hash_says_what_it_is_doing(tiny_checkpoint, hash_calls, c
     assert "hashing" in capsys.readouterr().err
     checkpoint_identity(tiny_checkpoint)
     assert "hashing" not in capsys.readouterr().err
+
+
+# ---- a cell is reused only for the very same model -------------------------------------------------------------
+
+def _computed_ids(out: Path) -> set[str]:
+    return {c["cell_id"] for c in load_cells(out).values()}
+
+
+def _edit_middle_byte(shard: Path) -> None:
+    """Flip one bit in the middle of the largest tensor's data (far from the file's first and last 64 KiB)."""
+    tensors = load_file(str(shard))
+    key = max(tensors, key=lambda k: tensors[k].numel())
+    flat = tensors[key].view(-1)
+    middle = flat.numel() // 2
+    flat[middle] = torch.nextafter(flat[middle], torch.tensor(float("inf")))
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+EDITS = {
+    "a weight in the middle of a shard": lambda ck: _edit_middle_byte(ck / "model.safetensors"),
+    "a config value": lambda ck: (ck / "config.json").write_text(
+        json.dumps({**json.loads((ck / "config.json").read_text()), "mean_recurrence": 8, "max_recurrence": 16})),
+    "the tokenizer": lambda ck: (ck / "tokenizer.json").write_text(
+        (ck / "tokenizer.json").read_text().replace('"<unk>"', '"<UNK>"')),
+}
+
+
+# Each case is three sweeps (4 s). A changed weight stays fast; that config and tokenizer bytes count is also
+# checked fast, on the identity itself, above.
+@pytest.mark.parametrize("edit", [e if "weight" in e else pytest.param(e, marks=pytest.mark.slow) for e in EDITS])
+def test_a_changed_checkpoint_recomputes_its_cells(edit, raven_copy, tmp_path, capfd):
+    out = tmp_path / "out"
+    args = ["run", *SMALL, "--checkpoint", str(raven_copy), "--out", str(out)]
+    assert invoke(args, capfd)[0] == 0
+    first = _computed_ids(out)
+    code, lines, stdout = invoke(args, capfd)
+    assert code == 0 and any("reusing 2 cell(s)" in line for line in lines), lines
+    # The summary marks each row this run did not measure.
+    assert sum("reused" in line for line in stdout.splitlines() if "│" in line) == 2, stdout
+    assert _computed_ids(out) == first  # unchanged checkpoint: resumed, nothing new
+    EDITS[edit](raven_copy)
+    assert invoke(args, capfd)[0] == 0
+    after = _computed_ids(out)
+    assert len(after) == 4 and first < after, f"editing {edit} did not give new cells"
+
+
+# ---- one computation, one cell id ------------------------------------------------------------------------------
+
+def _cell_ids(ck, tasks, limit, out: Path) -> list[str]:
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["fixed"], baselines=[1], limit=limit)
+    return [cells.cell_id(key) for _, _, key in plan(ck, tasks, cfg, out, "cpu").cells]
+
+
+def test_a_limit_that_takes_every_document_keys_the_cell_of_no_limit(tmp_path, replay_sweep):
+    ck, tasks, _ = replay_sweep
+    n_docs = len((REPO / "tasks" / "chains" / "test.jsonl").read_text().splitlines())
+    assert n_docs == 600
+    whole = _cell_ids(ck, tasks, None, tmp_path)
+    assert len(whole) == 1
+    for limit in (600, 601, 10**12, 0.9999):  # 0.9999 of 600 documents rounds up to all 600, as lm-eval counts
+        assert _cell_ids(ck, tasks, limit, tmp_path) == whole, limit
+    parts = {limit: _cell_ids(ck, tasks, limit, tmp_path) for limit in (599, 48, 0.5)}
+    assert all(ids != whole for ids in parts.values())
+    assert len({tuple(ids) for ids in parts.values()}) == 3
+    # a limit that leaves documents out is keyed as given (the committed baselines use --limit 48)
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["fixed"], baselines=[16], limit=48)
+    (_, _, key), = plan(ck, tasks, cfg, tmp_path, "cpu").cells
+    committed = cells.read(A_CELL)
+    assert key["limit"] == committed["key"]["limit"] == 48
+    assert {k: v for k, v in key.items() if k != "versions"} == \
+        {k: v for k, v in committed["key"].items() if k != "versions"}
+
+
+@pytest.mark.slow  # all 600 documents, 3-4 s for what the plan-level test above checks in 0.4 s
+def test_limit_600_and_no_limit_are_one_cell_on_disk(tmp_path):
+    out = tmp_path / "o"
+    args = ["run", "--tasks", "chains_lambada", "--policy", "fixed", "--baselines", "1", "--quiet", "--out", str(out)]
+    res = runner.invoke(app, [*args, "--limit", "600"])
+    assert res.exit_code == 0, explain(res)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, explain(res)
+    assert "reusing 1 cell" in res.stderr
+    assert len(list(out.glob("*.json"))) == 1

@@ -1,14 +1,20 @@
-"""The learned exit rule: its model file, how cells key on it, and `exitbench fit-exit` (documents kept apart from
-the evaluation, labels by the oracle's criterion, the fit, the file). The rule's signal against its restated
-formula, and batched ≡ one at a time, run with every other policy in test_policies and test_gpt2."""
+"""The learned exit rule: its model file (any field, any value: accepted or one line), how cells key on it (read
+once: a cell is computed with the very bytes its key names, also under --verify), and `exitbench fit-exit`
+(documents kept apart from the evaluation, labels by the oracle's criterion, the fit, the file). The rule's signal
+against its restated formula, and batched ≡ one at a time, run with every other policy in test_policies and
+test_gpt2."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from exitbench.cli import app
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 from exitbench.policies.learned import check_fitted_for
@@ -24,9 +30,12 @@ from exitbench.policies.learned import FEATURES
 from exitbench.sweep.config import SweepConfig, grid
 from exitbench.sweep.keys import cell_key
 
-from helpers.cli import assert_one_line_error, runner
+from helpers.cli import assert_one_line_error, explain, runner
 from helpers.engine import TEST_EXIT_MODEL, direct_trajectory, exit_model_file, learned_risk, tiny
-from helpers.paths import GSM8K_DIR
+from helpers.paths import GSM8K_DIR, REPO
+from helpers.strategies import ANY_JSON
+
+EXIT_MODEL = REPO / "results" / "exit-models" / "tiny-raven.json"  # the committed model fitted on tiny-raven
 
 
 def _write(tmp_path, name="m.json", **changes):
@@ -87,6 +96,20 @@ def test_a_logistic_model_with_some_features_is_the_formula(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(field=st.sampled_from(["features", "kind", "mean", "scale", "weights", "bias", "hidden_bias",
+                              "hidden_weights", "checkpoint", "schema_version"]), value=ANY_JSON)
+def test_any_exit_model_field_is_accepted_or_one_line(tmp_path_factory, field, value):
+    raw = json.loads(EXIT_MODEL.read_text())
+    raw[field] = value
+    path = tmp_path_factory.mktemp("em") / "exit.json"
+    path.write_text(json.dumps(raw))
+    try:
+        ExitConfig("learned", exit_model=str(path))
+    except ExitbenchError as exc:
+        assert "\n" not in str(exc) and str(path) in str(exc)
+
+
 # ---- cells key on the model's content ----------------------------------------------------------------------------
 def test_cells_key_on_the_exit_model_content_not_its_path(tmp_path):
     a, b = _write(tmp_path, "a.json"), _write(tmp_path, "b.json")
@@ -108,6 +131,43 @@ def test_all_policies_take_learned_only_with_a_model():
     configs = grid(cfg, 8)
     assert {c.policy for c in configs if c.exit_model} == {"learned"}
     assert any(c.policy == "second_order" for c in configs)
+
+
+def test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes(tmp_path):
+    """The exit model is replaced after the sweep was planned: the cells must be computed with the model their
+    key names (the one read at planning), not with the new file's."""
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.schedule import plan, run_cells
+    from exitbench.harness.task_set import resolve_tasks
+
+    model_file = tmp_path / "exit.json"
+    shutil.copy(EXIT_MODEL, model_file)
+    ck, tasks = open_checkpoint(None), resolve_tasks(["chains_lambada"])
+    cfg = SweepConfig(tasks=["chains_lambada"], policies=["learned"], thresholds=[0.2], baselines=[16], limit=4,
+                      exit={"exit_model": str(model_file)})
+    out = tmp_path / "out"
+    planned = plan(ck, tasks, cfg, out, "cpu")
+    raw = json.loads(model_file.read_text())
+    raw["bias"] += 50.0  # a model that says "settled" everywhere: its exits would differ at once
+    model_file.write_text(json.dumps(raw))
+    made = [c for c in run_cells(ck, tasks, cfg, out, "cpu", sweep=planned) if c["policy"]["policy"] == "learned"]
+    assert len(made) == 1
+    keyed = made[0]["key"]["exit"]["exit_model"]
+    assert keyed == "sha256:" + made[0]["policy"]["exit_model_sha256"], "computed with other bytes than keyed"
+
+
+@pytest.mark.slow
+def test_verify_reruns_the_learned_rule_with_the_model_it_replayed(tmp_path):
+    """A replay cell's key names the exit model by its sha256; --verify must rerun the sweep's own config,
+    not one rebuilt from the key (which would look for a file called sha256:…). Slow (5 s): the fast
+    `test_a_cell_is_keyed_and_computed_from_the_same_exit_model_bytes` covers the config that holds the model."""
+    res = runner.invoke(app, ["run", "--tasks", "chains_lambada", "--policy", "learned", "--exit-model",
+                              str(EXIT_MODEL), "--thresholds", "0.2", "--baselines", "16", "--limit", "2",
+                              "--replay", "--verify", "--quiet", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, explain(res)
+    verified = json.loads((tmp_path / "o" / "verify" / "replay-vs-exact.json").read_text())["rows"]
+    assert [r["policy"] for r in verified] == ["learned"]
 
 
 # ---- fit-exit -----------------------------------------------------------------------------------------------------

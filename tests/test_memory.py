@@ -1,4 +1,5 @@
-"""The memory plan (`exitbench info --plan`): weights, the KV cache the engine will allocate, activations."""
+"""The memory plan (`exitbench info --plan`): weights, the KV cache the engine will allocate, activations; and
+`run` refusing, before its first cell, a sweep whose plan exceeds the device's free memory."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ from exitbench.errors import ExitbenchError
 from exitbench.engine.memory import plan
 from exitbench.models import Raven, RavenConfig
 
-from helpers.cli import assert_one_line_error
+from helpers.cli import assert_one_line_error, explain
 from helpers.models import HUGINN_CONFIG, HUGINN_PARAMETERS, make_tiny_raven, random_ids
+from helpers.sweeps import SMALL
 
 runner = CliRunner()
 
@@ -88,3 +90,19 @@ def test_info_plan_cli(tiny_checkpoint):
     assert "KV cache" in res.stdout and "4 loop layers × 4 slots + 4 plain layers × 1 slot" in res.stdout
     assert_one_line_error(runner.invoke(app, ["info", "-c", str(tiny_checkpoint), "--plan", "--context", "0"]),
                           ["--context", "128"])
+
+
+def test_a_sweep_whose_plan_cannot_fit_is_refused_before_its_first_cell(tmp_path, monkeypatch):
+    import exitbench.runtime.devices as devices
+    import exitbench.sweep.schedule
+
+    def no_compute(*a, **k):
+        raise AssertionError("a cell ran")
+
+    monkeypatch.setattr(devices, "available_memory", lambda device: 1000)  # 1 kB free
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", no_compute)
+    res = runner.invoke(app, ["run", *SMALL, "--out", str(tmp_path / "o")])
+    assert_one_line_error(res, ["needs at least", "GB free", "--no-memory-check"])
+    monkeypatch.setattr(exitbench.sweep.schedule, "run_config", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    res = runner.invoke(app, ["run", *SMALL, "--no-memory-check", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 130, explain(res)  # past the check: the first cell started

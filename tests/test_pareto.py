@@ -1,4 +1,5 @@
-"""Pareto frontiers and the matched-quality table on hand-made cells with known answers."""
+"""Pareto frontiers and the matched-quality table on hand-made cells with known answers, and the notes beside them
+(busy or drifting machines, scattered repeats, speed-ups that mix runs)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +12,11 @@ from exitbench.store import cells, loading
 from exitbench.store import disk as results
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
+from exitbench.sweep.config import SweepConfig
+from exitbench.sweep.schedule import run_cells
 
 from helpers.cells import ACC, PPL, hand_made_cell, paired, write_cells
+from helpers.cli import invoke
 
 
 def one_group(cell_list):
@@ -204,3 +208,15 @@ def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(
     write_cells(tmp_path / "c", cell_list)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c")])
     assert res.exit_code == 0 and "1.25× ±4%" in res.output and "speed-ups disagree" in res.output
+
+
+def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep):
+    ck, tasks, cfg = small_sweep
+    out = tmp_path / "out"
+    run_cells(ck, tasks, cfg, out, "cpu")
+    code, lines, _ = invoke(["pareto", str(out)], capfd)
+    assert code == 0 and not any("different runs" in line for line in lines)
+    # a later run adds a threshold to the same directory: its speed-up divides by the older run's full depth
+    run_cells(ck, tasks, SweepConfig(**{**cfg.__dict__, "thresholds": [1.0]}), out, "cpu")
+    code, lines, _ = invoke(["pareto", str(out)], capfd)
+    assert code == 0 and any("warning:" in line and "different runs" in line for line in lines), lines

@@ -1,5 +1,6 @@
 """Every exit policy against its formula, recomputed directly from a trajectory of the model, and the exit
-rule (threshold, min_steps, patience) against a plain loop over those direct signals."""
+rule (threshold, min_steps, patience) against a plain loop over those direct signals. The knobs' own checks:
+tests/test_exit_config.py."""
 from __future__ import annotations
 
 import functools
@@ -7,20 +8,16 @@ import functools
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from exitbench.engine import ExitConfig, ExitEngine
-from exitbench.errors import ExitbenchError
 from exitbench.policies import policy_names
 
-from helpers.engine import (EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close, direct_signals,
-                            direct_trajectory, engine, expected_exit, oracle_exit, tiny)
+from helpers.engine import (ALL_POLICIES, EXITS_ABOVE, INTEGER_THRESHOLD, RELATIVE, assert_signals_close,
+                            direct_signals, direct_trajectory, engine, expected_exit, oracle_exit, tiny)
 
 K = 12
 T0 = [5, 23, 42, 77, 91]      # tokens at position 0, one per row
 T1 = [7, 11, 13, 17, 19]      # their scored targets
-ALL_POLICIES = ["kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence", "first_order", "second_order",
-                "second_order_magnitude", "cosine", "learned", "fixed", "oracle"]
 RTOL = 1e-5
 # Absolute slack on top of the relative tolerance.
 # - Distribution rules: the engine sums in float32, the direct formula in float64, and these signals are small
@@ -253,112 +250,3 @@ def test_oracle_generation_exit(setup, mode):
         e = oracle_exit(logps[b], None, 1e-2)
         assert all(top[j] == top[-1] for j in range(e - 1, K))
         assert e == 1 or top[e - 2] != top[-1]
-
-
-# ---- bad knobs -------------------------------------------------------------------------------------------
-
-def _error(**kwargs) -> str:
-    with pytest.raises(ExitbenchError) as info:
-        ExitConfig(**kwargs)
-    msg = str(info.value)
-    assert "\n" not in msg and msg
-    return msg
-
-
-def test_unknown_policy_names_valid_ones_and_closest():
-    msg = _error(policy="second_ordr")
-    assert "second_ordr" in msg
-    assert "did you mean second_order?" in msg
-    for name in ALL_POLICIES:
-        assert name in msg
-    assert "did you mean" not in _error(policy="zzzzzz")
-
-
-@pytest.mark.parametrize("policy", ALL_POLICIES)
-@pytest.mark.parametrize("bad", [0, -1e-3, float("nan"), float("inf"), float("-inf")])
-def test_threshold_must_be_finite_positive(policy, bad):
-    msg = _error(policy=policy, threshold=bad)
-    assert "threshold" in msg and policy in msg
-
-
-def test_step_knobs():
-    assert "min_steps" in _error(policy="kl", min_steps=5, max_steps=3)
-    assert "min_steps" in _error(policy="first_order", min_steps=0)
-    assert "max_steps" in _error(policy="first_order", max_steps=0)
-    assert "patience" in _error(policy="kl", patience=0)
-    assert "patience" in _error(policy="second_order", patience=-2)
-    ExitConfig(policy="kl", min_steps=3, max_steps=3)  # equal is fine
-
-
-def test_max_steps_beyond_the_group_or_min_steps_beyond_its_default():
-    model = tiny(mean=4, max_rec=8)
-    with pytest.raises(ExitbenchError, match="max_steps=9 exceeds"):
-        ExitEngine(model, ExitConfig(policy="kl", max_steps=9))
-    with pytest.raises(ExitbenchError, match="min_steps=5 is greater than max_steps=4"):
-        ExitEngine(model, ExitConfig(policy="kl", min_steps=5))  # max_steps left open: the group's 4
-
-
-@pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p not in RELATIVE])
-def test_relative_only_where_it_means_something(policy):
-    msg = _error(policy=policy, relative=True)
-    assert "relative" in msg and policy in msg
-    for name in RELATIVE:
-        assert name in msg
-
-
-@pytest.mark.parametrize("policy", sorted(RELATIVE))
-def test_relative_accepted(policy):
-    assert ExitConfig(policy=policy, relative=True).build_policy().relative
-
-
-def test_confidence_threshold_is_a_probability():
-    msg = _error(policy="confidence", threshold=1.5)
-    assert "confidence" in msg and "1.5" in msg
-    ExitConfig(policy="confidence", threshold=1.0)
-
-
-@pytest.mark.parametrize("policy", sorted(INTEGER_THRESHOLD))
-def test_integer_thresholds(policy):
-    msg = _error(policy=policy, threshold=2.5)
-    assert policy in msg and "2.5" in msg
-    assert ExitConfig(policy=policy, threshold=3.0).build_policy().threshold == 3.0
-
-
-def test_prefill_mode_checked():
-    assert "prefill" in _error(prefill="partial")
-
-
-def test_from_dict_rejects_unknown_key():
-    with pytest.raises(ExitbenchError) as info:
-        ExitConfig.from_dict({"policy": "kl", "treshold": 1e-3})
-    msg = str(info.value)
-    assert "treshold" in msg and "threshold" in msg and "\n" not in msg
-
-
-def test_from_yaml_round_trip(tmp_path):
-    cfg = ExitConfig(policy="second_order", threshold=2e-3, min_steps=3, max_steps=20, patience=3, relative=True,
-                     prefill="exit", warm_start=True, record_signals=True, seed=7)
-    path = tmp_path / "exit.yaml"
-    path.write_text(yaml.safe_dump(cfg.to_dict()))
-    back = ExitConfig.from_yaml(path)
-    assert back == cfg
-    assert back.build_policy().knobs() == cfg.build_policy().knobs()
-    # A partial file keeps the defaults for the rest.
-    path.write_text("policy: kl\nthreshold: 1.0e-4\n")
-    part = ExitConfig.from_yaml(path)
-    assert (part.policy, part.threshold, part.min_steps, part.prefill) == ("kl", 1e-4, 1, "full")
-
-
-def test_from_yaml_errors(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("- just\n- a list\n")
-    with pytest.raises(ExitbenchError, match="mapping"):
-        ExitConfig.from_yaml(bad)
-    bad.write_text("policy: kl\nthreshold: -1\n")
-    with pytest.raises(ExitbenchError, match="threshold"):
-        ExitConfig.from_yaml(bad)
-    bad.write_text("policy: [unclosed\n")
-    with pytest.raises(ExitbenchError, match="cannot read"):
-        ExitConfig.from_yaml(bad)
-    with pytest.raises(ExitbenchError, match="cannot read"):
-        ExitConfig.from_yaml(tmp_path / "missing.yaml")

@@ -1,5 +1,7 @@
-"""exitbench.harness.quiet: lm-eval's console noise around simple_evaluate, silenced without hiding errors or
-changing a result.
+"""What a run prints besides its results. exitbench.harness.quiet: lm-eval's console noise around
+simple_evaluate, silenced without hiding errors or changing a result. On the command line: exitbench's own
+progress (a line per cell off a terminal, with the time spent and left) in place of lm-eval's bars, and with
+--quiet the table alone.
 
 The evaluations run in this process, the way exitbench.sweep calls lm-eval, from a directory outside any git
 checkout. Output is read at the file-descriptor level (capfd), where git's stderr lands.
@@ -7,12 +9,17 @@ checkout. Output is read at the file-descriptor level (capfd), where git's stder
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 
 import pytest
 
+from exitbench.cli import app
 from exitbench.harness.quiet import _git_describe_without_stderr, lm_eval_output
+
+from helpers.cli import explain, invoke, runner
+from helpers.sweeps import SMALL, SMALL_LOUD
 
 NOISE = ("bootstrapping for stddev", "fatal:", "WARNING", "Custom kwargs", "it/s]", "Generating train split")
 
@@ -175,3 +182,57 @@ def test_a_sweep_spawns_no_program_per_cell(tmp_path):
     assert len(list((tmp_path / "cells").glob("*.json"))) == 4
     assert not [p for p in spawned if "pip" in p or "conda" in p or "nvidia-smi" in p or p == "os.fork"], spawned
     assert len(spawned) <= 4, spawned  # uname, git rev-parse, git status, git describe: once each at most
+
+
+# ---- on the command line: exitbench's progress, not lm-eval's -----------------------------------------------------
+
+def test_a_quiet_run_prints_the_table_and_nothing_else(tmp_path, capfd):
+    code, lines, out = invoke(["run", *SMALL, "--out", str(tmp_path / "o")], capfd)
+    assert code == 0
+    assert lines == [], lines  # no lm-eval warnings, bootstrap lines, request bars or git noise
+    assert "bootstrapping" not in out and "%|" not in out and "cells in" in out
+
+
+def test_progress_off_a_terminal_is_a_line_per_cell(tmp_path, capfd):
+    args = [a for a in SMALL if a != "--quiet"]
+    code, lines, out = invoke(["run", *args, "--out", str(tmp_path / "o")], capfd)
+    assert code == 0
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == ["[1/2", "[2/2"]
+    # so that a slow machine never looks like a hung one: the time spent, and before the end the time left
+    assert re.search(r" · \d+ s elapsed, about \d+ s left$", progress[0]), progress
+    assert re.search(r" · \d+ s elapsed$", progress[1]), progress
+
+
+@pytest.mark.parametrize("mode", [[], ["--replay"]], ids=["exact", "replay"])
+def test_a_run_showing_its_progress_prints_no_lm_eval_bars(mode, tmp_path, capfd):
+    capfd.readouterr()
+    res = runner.invoke(app, ["run", *SMALL_LOUD, *mode, "--out", str(tmp_path / "o")])
+    fd = capfd.readouterr()
+    assert res.exit_code == 0, explain(res)
+    out, err = res.stdout + fd.out, res.stderr + fd.err
+    assert "it/s]" not in err and "%|" not in err, err  # lm-eval's request and bootstrap bars (tqdm)
+    assert "bootstrapping for stddev" not in out, out
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == ["[1/2", "[2/2"]  # exitbench's own progress remains
+
+
+def test_only_exitbench_progress_switches_lm_evals_bars_off():
+    """The switch is exitbench's progress, not a blanket silence: outside --quiet lm-eval keeps its warnings, and
+    its bars stay wherever nothing else shows progress (a bare evaluation, a sweep run as a library call)."""
+    import logging
+
+    import lm_eval.api.metrics
+    import lm_eval.api.task
+    from tqdm import tqdm
+
+    from exitbench.harness.quiet import lm_eval_output
+
+    bootstrap = lm_eval.api.metrics.bootstrap_stderr
+    level = logging.getLogger("lm_eval").level
+    with lm_eval_output(quiet=False, progress_bars=True):
+        assert lm_eval.api.task.tqdm is tqdm and lm_eval.api.metrics.bootstrap_stderr is bootstrap
+    with lm_eval_output(quiet=False, progress_bars=False):
+        assert lm_eval.api.task.tqdm is not tqdm and lm_eval.api.metrics.bootstrap_stderr is not bootstrap
+        assert logging.getLogger("lm_eval").level == level
+    assert lm_eval.api.task.tqdm is tqdm and lm_eval.api.metrics.bootstrap_stderr is bootstrap

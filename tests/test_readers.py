@@ -1,15 +1,29 @@
-"""Every reader of result cells (pareto, check, report, export) on one real sweep, the session's shared one: the
-hand-made cells of the other reader tests have known answers; these are what a sweep really writes."""
+"""Every reader of result cells (pareto, check, report, export, and a run's summary of the cells it reuses).
+
+- On one real sweep, the session's shared one: the hand-made cells of the other reader tests have known answers;
+  these are what a sweep really writes.
+- At the door: every file a reader takes (cells, samples files) is checked before use. Whatever its fields hold, the
+  command ends normally or with one line and exit code 2, never a traceback, and writes nothing; JSON that is not a
+  cell is skipped; cells of different models never meet in one check, frontier or report unless one model is picked.
+"""
 from __future__ import annotations
 
 import csv
 import io
 import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exitbench.cli import app
+from exitbench.store import cells
 
-from helpers.cells import load_cells
-from helpers.cli import explain, runner
+from helpers.cells import baseline_cells, copy_cells, load_cells
+from helpers.cli import assert_one_line_error, explain, invoke, one_line, runner
+from helpers.paths import BASELINE, REPO
 from helpers.sweeps import N_CELLS
 
 
@@ -49,3 +63,147 @@ def test_report_of_a_real_sweep(shared_sweep, tmp_path):
     for section in ("frontiers", "matched", "histograms", "provenance"):
         assert f'id="{section}"' in page
     assert "chains_lambada" in page and "second_order" in page
+
+
+# ---- what is not a cell ------------------------------------------------------------------------------------------
+
+def test_pareto_skips_reports_that_are_not_cells_and_makes_the_plot_folder(tmp_path, capfd):
+    baseline = REPO / "results" / "baseline"
+    root = tmp_path / "results"
+    shutil.copytree(baseline, root / "baseline")
+    (root / "calibrate").mkdir()
+    (root / "calibrate" / "tiny-raven-kl.json").write_text(json.dumps({"schema": "exitbench.calibration"}))
+    plot = tmp_path / "new" / "folder" / "p.png"
+    code, lines, out = invoke(["pareto", str(root), "--plot", str(plot)], capfd)
+    assert code == 0, lines
+    assert plot.stat().st_size > 0
+    assert any("skipped 1 JSON file" in line for line in lines)
+    code, _, out = invoke(["pareto", str(root), "--format", "csv", "--table", "matched"], capfd)
+    header, *rows = out.strip().splitlines()
+    assert header.startswith("group,tolerance,max_tolerance,policy") and rows and "\n\n" not in out.strip()
+
+
+# ---- cells of different models -----------------------------------------------------------------------------------
+
+def another_model(cell: dict) -> None:
+    """The same cell as if another checkpoint had made it (its own fingerprint, key and id)."""
+    cell["model"]["fingerprint"] = "feedfacefeedface"
+    cell["model"]["source"] = "/ckpt/other-model"
+    cell["model"]["path"] = "/ckpt/other-model"
+    cell["key"]["model"] = "feedfacefeedface"
+    cell["cell_id"] = cells.cell_id(cell["key"])
+
+
+def test_a_directory_of_two_models_is_refused_unless_one_is_picked(tmp_path, capfd):
+    mixed = copy_cells(tmp_path / "mixed", baseline_cells())
+    copy_cells(mixed, baseline_cells(), another_model, renamed=True)
+    assert len(list(mixed.glob("*.json"))) == 2 * len(baseline_cells())
+    for args in (["pareto", str(mixed)], ["check", str(mixed), "--baseline", str(BASELINE)],
+                 ["report", str(mixed), "--out", str(tmp_path / "r.html")]):
+        one_line(args, capfd, ["2 models", "feedfacefeedface", "--model"])
+    assert not (tmp_path / "r.html").exists()
+    res = runner.invoke(app, ["pareto", str(mixed), "--model", "feedface", "--format", "json"])
+    assert res.exit_code == 0, explain(res)
+    res = runner.invoke(app, ["check", str(mixed), "--model", "tiny-raven", "--baseline", str(BASELINE),
+                              "--present-only"])
+    assert res.exit_code == 0, explain(res)
+    one_line(["pareto", str(mixed), "--model", "nope"], capfd, ["--model", "'nope'"])
+
+
+def test_pareto_names_the_model(tmp_path):
+    res = runner.invoke(app, ["pareto", str(copy_cells(tmp_path / "c", baseline_cells())), "--format", "json"])
+    assert res.exit_code == 0 and "model: embedded:tiny-raven" in res.stderr
+    json.loads(res.stdout)  # the model's name goes to stderr: stdout stays the table a script reads
+
+
+# ---- every reader at its door: mutated cells and samples files ---------------------------------------------------
+# A value of each kind a JSON field can hold, none of them of a cell's own types everywhere.
+WRONG_VALUES = st.sampled_from(["0.9", "", None, True, [], [1, 2], {}, {"a": 1}, -1, 1e308, "kl"])
+# Fields readers use (section, field): each mutation replaces one of them.
+FIELDS = [("quality", "value"), ("quality", "metric"), ("quality", "higher_is_better"), ("policy", "policy"),
+          ("policy", "threshold"), ("policy", "relative"), ("policy", "max_steps"), ("task", "name"),
+          ("task", "limit"), ("task", "metrics"), ("task", "primary_metric"), ("iterations", "mean"),
+          ("iterations", "tokens"), ("iterations", "histogram"), ("wall_clock", "per_token_s"),
+          ("flops", "per_token"), ("model", "fingerprint"), ("run", "started"), ("", "cell_id"), ("", "model"),
+          ("", "mode"), ("numerics", "nonfinite_tokens")]
+READERS = {
+    "pareto": lambda d, t: ["pareto", str(d)],
+    "check": lambda d, t: ["check", str(d), "--baseline", str(BASELINE), "--present-only"],
+    "report": lambda d, t: ["report", str(d), "--out", str(t / "report.html")],
+}
+
+
+def assert_clean_end(res, fd, written: Path | None = None, verdicts=(0,)):
+    """Ended with one of `verdicts` (check's 1 is "regressed", a verdict), or with exactly one `error:` line and
+    exit 2; never a traceback."""
+    text = res.stdout + res.stderr + fd.out + fd.err
+    assert "Traceback" not in text, explain(res)
+    if res.exit_code not in verdicts:
+        assert_one_line_error(res, fd=fd)
+        if written is not None:
+            assert not written.exists()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(FIELDS), value=WRONG_VALUES, reader=st.sampled_from(sorted(READERS)))
+def test_a_mutated_cell_never_crashes_a_reader(tmp_path_factory, capfd, field, value, reader):
+    tmp = tmp_path_factory.mktemp("mutated")
+
+    def mutate(cell):
+        section, name = field
+        (cell if not section else cell[section])[name] = value
+    d = copy_cells(tmp / "cells", baseline_cells()[:1])
+    copy_cells(d, baseline_cells()[1:])
+    copy_cells(d, baseline_cells()[:1], mutate)
+    capfd.readouterr()
+    res = runner.invoke(app, READERS[reader](d, tmp))
+    assert_clean_end(res, capfd.readouterr(), tmp / "report.html", (0, 1) if reader == "check" else (0,))
+
+
+def test_a_cell_of_the_wrong_type_is_named(tmp_path, capfd):
+    def quality_text(cell):
+        cell["quality"]["value"] = "0.9"
+    d = copy_cells(tmp_path / "c", baseline_cells(), quality_text)
+    one_line(["pareto", str(d)], capfd, ["broken cell", "quality.value", "'0.9'"])
+
+
+def test_a_reusing_run_names_a_broken_cell(tmp_path, capfd):
+    """The run summary reads reused cells too: a cell of the wrong type there is one line before compute."""
+    def policy_number(cell):
+        cell["policy"]["policy"] = 7
+    d = copy_cells(tmp_path / "c", baseline_cells(series=("fixed",)), policy_number)
+    one_line(["run", "--tasks", "chains_mc", "--policy", "kl", "--baselines", "16", "--limit", "4", "--quiet",
+              "--out", str(d)], capfd, ["broken cell", "policy.policy"])
+
+
+def sampled_sweep(tmp: Path) -> Path:
+    """A small sweep with samples files: two policies on one task."""
+    out = tmp / "sampled"
+    res = runner.invoke(app, ["run", "--tasks", "chains_lambada", "--policy", "kl", "--thresholds", "1e-3",
+                              "--baselines", "16", "--limit", "3", "--log-samples", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, explain(res)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory) -> Path:
+    return sampled_sweep(tmp_path_factory.mktemp("sweep"))
+
+
+SAMPLE_DAMAGE = {
+    "truncated": lambda b: b[: len(b) // 2],
+    "binary": lambda b: bytes(range(256)) * 4,
+    "a list per line": lambda b: b"[1, 2, 3]\n",
+    "exit steps as text": lambda b: b.replace(b'"exit_steps": [', b'"exit_steps": "x", "was": ['),
+    "no doc id": lambda b: b.replace(b'"doc_id"', b'"doc"'),
+}
+
+
+@pytest.mark.parametrize("damage", list(SAMPLE_DAMAGE))
+def test_a_damaged_samples_file_is_one_line_in_report(sampled, tmp_path, capfd, damage):
+    d = tmp_path / "copy"
+    shutil.copytree(sampled, d)
+    victim = next(p for p in sorted(d.glob("*.samples.jsonl")) if "__kl-" in p.name)
+    victim.write_bytes(SAMPLE_DAMAGE[damage](victim.read_bytes()))
+    one_line(["report", str(d), "--out", str(tmp_path / "r.html")], capfd, ["samples file", victim.name])
+    assert not (tmp_path / "r.html").exists()

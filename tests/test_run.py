@@ -2,7 +2,8 @@
 
 Most checks read the session's shared sweep (tests/helpers/sweeps.py): chains (generate) and chains_lambada
 (loglikelihood), 24 documents each (hops 1-12 twice), second_order at τ = 0.01 and 1, fixed depths 1, 4 and 16.
-Subprocesses (GSM8K, lm-eval's own CLI, kill -9, torchrun, bad input) run with one intra-op thread.
+Subprocesses (GSM8K, lm-eval's own CLI, kill -9, torchrun) run with one intra-op thread. Bad options of `run`
+are refused in tests/test_cli_errors.py.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from exitbench.store import cells
 from exitbench.sweep import schedule
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
-from helpers.cli import assert_one_line_error, exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
+from helpers.cli import exitbench_cmd, explain, free_port, run_cli, run_ok, subprocess_env
 from helpers.models import make_gpt2
 from helpers.paths import GSM8K_DIR, TASKS_DIR
 
@@ -402,39 +403,6 @@ def test_each_cell_is_retimed_beside_full_depth_and_changes_no_other_number(swep
     for name, cell in plain.items():
         assert "repeats" not in cell["wall_clock"]
         assert computed(cell) == computed(found[name])
-
-
-# ---- bad input: one line, exit code 2, no cell ----------------------------------------------------------------
-
-BAD_INPUT = {
-    "unknown-task": (["--tasks", "chain"], ["unknown task 'chain'", "chains"]),
-    "unknown-policy": (["--policy", "secnd_order"], ["unknown policy 'secnd_order'", "second_order"]),
-    "threshold-not-a-number": (["--thresholds", "1e-3,abc"], ["--thresholds", "'abc'"]),
-    "threshold-negative": (["--thresholds", "-1"], ["--thresholds", "-1"]),
-    "shard-out-of-range": (["--shard", "3/2"], ["--shard 3/2"]),
-    "data-dir-without-files": (["--data-dir", "{empty}"], ["--data-dir", "train.jsonl", "test.jsonl"]),
-    "limit-zero": (["--limit", "0"], ["--limit", "0"]),
-    "negative-fewshot": (["--num-fewshot", "-1"], ["--num-fewshot"]),
-    "negative-timing-repeats": (["--timing-repeats", "-1"], ["--timing-repeats", "-1"]),
-}
-
-
-# An unknown task costs 8 s: naming the closest tasks builds lm-eval's whole task index. The other cases stay fast.
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "unknown-task" else c
-                                  for c in BAD_INPUT])
-def test_bad_input_is_one_line_exit_2_and_no_cell(case, tmp_path, capfd):
-    """In this process: the CLI's own stderr, plus whatever reaches file descriptor 2 (lm-eval's and
-    datasets' loggers write there directly)."""
-    empty = tmp_path / "empty-data"
-    empty.mkdir()
-    out = tmp_path / "out"
-    args, needles = BAD_INPUT[case]
-    base = ["--tasks", "chains", "--baselines", "1", "--policy", "second_order", "--thresholds", "0.1",
-            "--limit", "2"]
-    capfd.readouterr()
-    res, _ = run_cli(*base, *[a.format(empty=empty) for a in args], "--out", str(out))
-    assert_one_line_error(res, needles, fd=capfd.readouterr())
-    assert not out.exists() or not list(out.rglob("*.json"))
 
 
 # ---- the looped GPT-2 through lm-eval: perplexity on held-out text, per-group iterations ------------------------

@@ -80,7 +80,7 @@ def test_which_broken_file_defines_a_name(tmp_path):
 
 def test_an_unknown_task_names_the_closest_ones(monkeypatch):
     """The hint an unknown name gets. A name the shipped tasks lack sends resolve_tasks to lm-eval's own index
-    (8 s to build: test_run's unknown-task case runs it, marked slow); a shipped-only index in its place reaches
+    (8 s to build: test_cli_errors' unknown-task case runs it, marked slow); a shipped-only index in its place reaches
     the same code in a fraction of a second."""
     build = exitbench.harness.task_set._manager
     built = []

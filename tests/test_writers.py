@@ -1,9 +1,11 @@
 """Every file a command writes besides the cells (reports, traces, exports, plots, calibrations, exit models,
 geometry) goes through two checks: `store.disk.writable_output` before any compute (never onto a result cell or
-its samples) and `runtime.files.atomic_write` (whole or not at all, its folder made, a full disk one line)."""
+its samples, while a command's own earlier report is replaced) and `runtime.files.atomic_write` (whole or not at
+all, its folder made, a full disk one line)."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -13,11 +15,9 @@ from exitbench.cli import app
 from exitbench.store import disk as results
 
 from helpers.cli import assert_one_line_error, explain
-from helpers.paths import REPO
+from helpers.paths import A_CELL, BASELINE
 
 runner = CliRunner()
-BASELINE = REPO / "results" / "baseline"
-A_CELL = next(BASELINE.glob("chains_lambada__fixed-16__*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,23 @@ def test_no_writer_replaces_a_cell_or_its_samples(command, target, tmp_path, cap
     words = ["result cell"] if target == "cell" else ["samples file"]
     assert_one_line_error(res, [str(victim), *words], fd=capfd.readouterr())
     assert victim.read_bytes() == before
+
+
+REPORTS = {  # each command, and the schema of the report it writes
+    "calibrate": (["calibrate", "--programs", "4", "--thresholds", "0.1"], "exitbench.calibration"),
+    "fit-exit": (["fit-exit", "--limit", "4"], "exitbench.exit_model"),
+}
+@pytest.mark.parametrize("command", list(REPORTS))
+def test_a_report_replaces_its_own_earlier_report(command, tmp_path):
+    """What the refusal above must not catch: the command's own report (and files that are not JSON at all)."""
+    from exitbench.store.disk import writable_output
+
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"schema": REPORTS[command][1], "schema_version": 1}))
+    assert writable_output(own, "--out") == own
+    (tmp_path / "notes.json").write_text("not JSON")
+    assert writable_output(tmp_path / "notes.json", "--out") == tmp_path / "notes.json"
+    assert writable_output(tmp_path / "new.json", "--out") == tmp_path / "new.json"
 
 
 

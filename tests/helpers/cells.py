@@ -1,5 +1,6 @@
 """Result cells: reading the ones a sweep writes, checking one against the schema documented in
-exitbench/cells.py, and hand-made ones with known answers for the readers (pareto, check)."""
+exitbench/cells.py, hand-made ones with known answers for the readers (pareto, check), and copies of the committed
+baseline's cells, changed as a test needs."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ from typing import Any
 from exitbench.store import cells, disk
 from exitbench.engine import ExitConfig
 
-from helpers.paths import REPO
+from helpers.paths import BASELINE, REPO
 
 EXIT_KNOBS = set(ExitConfig().to_dict())
 
@@ -36,6 +37,24 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
         st = p.stat()
         out[p.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
     return out
+
+
+def baseline_cells(task: str = "chains_mc", series: tuple[str, ...] = ("fixed", "kl", "oracle")) -> list[Path]:
+    """A few committed cells of one task: enough for a frontier, a full depth and an oracle."""
+    return sorted(p for p in BASELINE.glob(f"{task}__*.json")
+                  if any(p.name.startswith(f"{task}__{s}-") for s in series))
+
+
+def copy_cells(dst: Path, paths: list[Path], change=None, renamed: bool = False) -> Path:
+    """The cells copied into `dst`, each passed through `change(cell)` first (which may edit it in place), under
+    its own name, or (`renamed`) under the name its new content gives it."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        cell = json.loads(p.read_text())
+        if change is not None:
+            change(cell)
+        (dst / (cells.filename(cell) if renamed else p.name)).write_text(json.dumps(cell))
+    return dst
 
 
 def by_config(cell_map: dict[str, dict]) -> dict[tuple[str, str, float], dict]:

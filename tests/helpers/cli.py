@@ -1,5 +1,6 @@
-"""Running `exitbench` the way a user does: in this process (typer's CliRunner) or as a subprocess with a quiet,
-offline, single-threaded environment; and the one check of what it answers to bad input (one line, exit 2)."""
+"""Running `exitbench` the way a user does: in this process (typer's CliRunner, with what reaches file descriptor 2)
+or as a subprocess with a quiet, offline, single-threaded environment; and the one check of what it answers to bad
+input (one line, exit 2)."""
 from __future__ import annotations
 
 import os
@@ -80,6 +81,25 @@ def assert_one_line_error(res, words=(), fd=None) -> str:
     for word in words:
         assert word in line, (word, line)
     return line
+
+
+def invoke(args: list[str], capfd) -> tuple[int, list[str], str]:
+    """(exit code, non-empty stderr lines, stdout) of `exitbench ARGS` in this process, with whatever reaches
+    file descriptor 2 directly (lm-eval's loggers write there)."""
+    capfd.readouterr()
+    res = runner.invoke(app, args)
+    fd = capfd.readouterr()
+    stderr = res.stderr + fd.err
+    assert res.exception is None or isinstance(res.exception, SystemExit), explain(res)
+    assert "Traceback" not in stderr + res.stdout + fd.out
+    return res.exit_code, [line for line in stderr.splitlines() if line.strip()], res.stdout + fd.out
+
+
+def one_line(args: list[str], capfd, words=()) -> str:
+    """`exitbench ARGS` in this process ends as assert_one_line_error requires; returns the line."""
+    capfd.readouterr()
+    res = runner.invoke(app, args)
+    return assert_one_line_error(res, words, fd=capfd.readouterr())
 
 
 # Runs ARGV and writes the peak resident memory of that one child (bytes) to PATH: RUSAGE_CHILDREN of a fresh

@@ -22,6 +22,9 @@ EXITS_ABOVE = {"confidence", "argmax_stability", "fixed", "qexit", "gate"}
 INTEGER_THRESHOLD = {"argmax_stability", "fixed"}
 DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence"}
 RELATIVE = {"first_order", "second_order", "second_order_magnitude"}
+# The policies of the roster that run on every architecture (the gate rules run on Ouro only).
+ALL_POLICIES = ["kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence", "first_order", "second_order",
+                "second_order_magnitude", "cosine", "learned", "fixed", "oracle"]
 
 
 # ---- the learned rule's model, for tests: a small MLP with fixed random weights -------------------------------

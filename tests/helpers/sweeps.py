@@ -3,6 +3,8 @@ and read by every test that needs real cells rather than hand-made ones (tests/c
 
 chains (generate) and chains_lambada (loglikelihood), 24 documents each (hops 1-12 twice), second_order at
 τ = 0.01 and 1, fixed depths 1, 4 and 16: ten cells, each retimed beside full depth.
+
+Beside it, SMALL: the options of the smallest sweep a command-line test runs itself.
 """
 from __future__ import annotations
 
@@ -16,6 +18,13 @@ LIMIT = 24
 SWEEP = ["--tasks", "chains,chains_lambada", "--policy", "second_order", "--thresholds", "0.01,1",
          "--baselines", "1,4,16", "--limit", str(LIMIT)]
 N_CELLS = 2 * (2 + 3)
+
+
+# chains_lambada's first 4 documents, second_order at τ = 0.1 beside full depth (16): two cells. SMALL is quiet;
+# SMALL_LOUD shows exitbench's progress.
+SMALL_LOUD = ["--tasks", "chains_lambada", "--policy", "second_order", "--thresholds", "0.1", "--baselines", "16",
+              "--limit", "4"]
+SMALL = [*SMALL_LOUD, "--quiet"]
 
 
 @dataclass(frozen=True)

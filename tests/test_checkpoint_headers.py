@@ -1,6 +1,6 @@
-"""Checkpoints that lie (issue 29, items 7 and 8): a safetensors header or a config.json that does not describe
-a loadable model ends `exitbench info` and `exitbench run` with one line and exit code 2, never a load of the
-wrong bytes, a traceback, or a generation that cannot see `<eos>`.
+"""Checkpoints that lie: a safetensors header or a config.json that does not describe a loadable model ends
+`exitbench info` and `exitbench run` with one line and exit code 2, never a load of the wrong bytes, a traceback,
+or a generation that cannot see `<eos>`.
 
 - safetensors headers as strict as the format: every tensor in bounds, the tensors tiling the data section
   exactly (no overlap, no gap), byte length = shape × dtype size, and the dtype the model needs. Where the

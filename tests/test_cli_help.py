@@ -1,0 +1,29 @@
+"""What a newcomer reads first: every command's `--help` (flags without type placeholders, no pointer to an option
+that does not exist) and `exitbench policies`, which lists every registered policy."""
+from __future__ import annotations
+
+import pytest
+
+from exitbench.cli import app
+
+from helpers.cli import runner
+
+
+COMMANDS = ["info", "train", "trace", "run", "pareto", "geometry", "check", "calibrate", "fit-exit", "policies"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_no_types_on_flags_and_no_missing_options(command):
+    res = runner.invoke(app, [command, "--help"])
+    assert res.exit_code == 0, res.output
+    assert "<bool>" not in res.output
+    assert "--list-policies" not in res.output  # an option trace's help once pointed to, which never existed
+
+
+def test_policies_lists_every_registered_policy():
+    from exitbench.policies import REGISTRY
+
+    res = runner.invoke(app, ["policies"])
+    assert res.exit_code == 0
+    for name in REGISTRY:
+        assert name in res.output
