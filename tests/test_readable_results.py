@@ -73,7 +73,7 @@ def test_report_states_direction_and_spread_in_words(tmp_path):
     assert "(higher is better)" in matched and "higher is better: True" not in page
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
     assert "±10%" in re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)
-    assert "<td>r = 16</td>" in matched
+    assert '<td class="num">r = 16</td>' in matched
 
 
 def test_a_frontier_label_never_sits_on_another_point(tmp_path):
