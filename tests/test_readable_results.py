@@ -119,7 +119,12 @@ def test_no_metadata_hint_and_no_datasets_bar_inside_a_run(tmp_path, capfd):
             heard.append(record.getMessage())
 
     ear = Ear()
-    logging.getLogger("lm_eval").addHandler(ear)
+    logger = logging.getLogger("lm_eval")
+    # an earlier simple_evaluate(verbosity="ERROR") in this process leaves lm-eval at ERROR: a fresh console's
+    # WARNING, so the hint is really logged outside the block
+    saved_level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(ear)
     manager = TaskManager(include_path=[str(REPO / "tasks")], include_defaults=False)
     data = REPO / "tasks" / "chains" / "test.jsonl"
     try:
@@ -133,4 +138,5 @@ def test_no_metadata_hint_and_no_datasets_bar_inside_a_run(tmp_path, capfd):
             datasets.Dataset.from_json(str(data), cache_dir=str(tmp_path / "inside"))
         assert not any("--metadata" in m for m in heard) and "Generating" not in capfd.readouterr().err
     finally:
-        logging.getLogger("lm_eval").removeHandler(ear)
+        logger.removeHandler(ear)
+        logger.setLevel(saved_level)
