@@ -129,8 +129,9 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
 # hands whole files to workers in collection order (--dist loadfile), so a long file that starts last keeps one
 # worker busy after the other has finished; longest first is the classic remedy. Order only: a stale list costs
 # balance, never a result.
-LONGEST_FIRST = ("test_full_size.py", "test_ouro_full_size.py", "test_compile.py", "test_run.py", "test_gpt2.py",
-                 "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py", "test_checkpoint_headers.py")
+LONGEST_FIRST = ("test_full_size.py", "test_ouro_full_size.py", "test_compile.py", "test_docs.py", "test_run.py",
+                 "test_gpt2.py", "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py",
+                 "test_checkpoint_headers.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
