@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
+from ..sweep.config import RunOptions
 
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -23,19 +24,22 @@ if not console.is_terminal:
     console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
 err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
 
+
+def run_option(name: str):
+    """`run`'s option `name` for another command that takes it too: RunOptions' field is its one statement."""
+    f = next(f for f in dataclasses.fields(RunOptions) if f.name == name)
+    flags = f.metadata["flags"] or (f"--{name.replace('_', '-')}",)
+    return typer.Option(f.default, *flags, help=f.metadata["help"])
+
+
 DataDirOpt = typer.Option(None, "--data-dir", help="Local GSM8K for gsm8k tasks.")
-CheckpointOpt = typer.Option(None, "--checkpoint", "-c",
-                             help="Checkpoint directory or embedded name (default: the embedded tiny-raven).")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto (the checkpoint's own torch_dtype), float32, bfloat16 or "
-                        "float16.")
-CompileOpt = typer.Option(False, "--compile", help="torch.compile each loop group's step (dynamic shapes): "
-                          "faster iterations after a one-off compilation of tens of seconds.")
-ThreadsOpt = typer.Option(None, "--threads", help="torch CPU threads for the model (default: torch's, one per "
-                          "core; on a busy machine fewer threads time more steadily); recorded in each result.")
+CheckpointOpt = run_option("checkpoint")
+DtypeOpt = run_option("dtype")
+CompileOpt = run_option("compile_step")
+ThreadsOpt = run_option("threads")
+NonfiniteOpt = run_option("allow_nonfinite")
 ModelOpt = typer.Option(None, "--model", help="The model whose cells to use, where a directory mixes models: a "
                         "fingerprint (prefix), the checkpoint's path or an embedded checkpoint's name.")
-NonfiniteOpt = typer.Option(False, "--allow-nonfinite", help="Load weights that hold NaN or inf (for studying "
-                            "broken checkpoints); refused by default.")
 
 
 @app.callback()
