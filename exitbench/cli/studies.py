@@ -175,7 +175,13 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..studies.calibrate import calibrate as run_calibration
     from ..studies.calibrate import check_calibratable, write_report
     from ..sweep.config import parse_thresholds
+    from ..sweep.quantiles import parse_quantiles
 
+    if parse_quantiles(thresholds):
+        # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.
+        raise ExitbenchError(f"calibrate --thresholds {thresholds.strip()}: the guarantee needs a grid chosen "
+                             "before the documents are read; take the values a run derived (`exitbench run "
+                             "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     use_threads(threads)
     config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
     check_calibratable(config.policy)

@@ -20,6 +20,7 @@ from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least
+from .quantiles import parse_quantiles
 
 
 def option(help: str, *flags: str) -> dict[str, Any]:
@@ -34,7 +35,8 @@ class RunOptions:
     policy: list[str] = field(default_factory=lambda: ["second_order"], metadata=option(
         "Exit policy (repeatable), or 'all'.", "--policy", "-p"))
     thresholds: Optional[str] = field(default=None, metadata=option(
-        "Comma-separated thresholds (default: each policy's grid)."))
+        "Comma-separated thresholds, or quantiles:N: N thresholds at quantiles of each rule's own signal, from "
+        "one recording pass (default: each policy's grid)."))
     baselines: Optional[str] = field(default=None, metadata=option(
         "Fixed depths, comma-separated (default 1,2,4,…,max)."))
     checkpoint: Optional[str] = field(default=None, metadata=option(
@@ -104,6 +106,10 @@ class SweepConfig:
     tasks: list[str]
     policies: list[str]
     thresholds: list[float] | None = None
+    # --thresholds quantiles:N: each rule's grid from its own signal (sweep/quantiles.py), derived when the sweep
+    # opens into `derived` (the grids and how they were made, recorded in every cell's run section).
+    quantiles: int | None = None
+    derived: dict[str, Any] | None = None
     baselines: list[int] | None = None
     limit: int | float | None = None
     num_fewshot: int | None = None
@@ -149,8 +155,10 @@ class SweepConfig:
             picked = {f.name: getattr(options, f.name) for f in fields(options)}
             options = RunOptions(**presets.apply(chosen, picked, given))
         o = options
+        quantiles = parse_quantiles(o.thresholds)
         cfg = cls(tasks=[t.strip() for t in o.tasks.split(",") if t.strip()], policies=o.policy,
-                  thresholds=parse_thresholds(o.thresholds), baselines=parse_depths(o.baselines, "--baselines"),
+                  thresholds=None if quantiles else parse_thresholds(o.thresholds), quantiles=quantiles,
+                  baselines=parse_depths(o.baselines, "--baselines"),
                   limit=parse_limit(o.limit), num_fewshot=o.num_fewshot, batch_size=o.batch_size, seed=o.seed,
                   shard=parse_shard(o.shard), log_samples=o.log_samples, exit=knobs, quiet=o.quiet,
                   add_bos_token=o.add_bos_token, replay=o.replay, preset=chosen,
@@ -221,7 +229,7 @@ def parse_thresholds(text: str | None) -> list[float] | None:
         try:
             value = float(part)
         except ValueError:
-            raise ExitbenchError(f"--thresholds must be comma-separated numbers, e.g. 1e-4,1e-3; "
+            raise ExitbenchError(f"--thresholds must be comma-separated numbers, e.g. 1e-4,1e-3, or quantiles:N; "
                                  f"{part.strip()!r} is not a number") from None
         if not math.isfinite(value) or value <= 0:
             raise ExitbenchError(f"--thresholds: every threshold must be a finite number > 0, got {part.strip()}")
@@ -321,8 +329,9 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
         names = [n for n in names if not REGISTRY[n].needs_exit_model]
     if "all" in cfg.policies and not gated:
         names = [n for n in names if not REGISTRY[n].needs_gate]
-    if cfg.thresholds and not any(not REGISTRY[n].retrospective for n in names):
-        raise ExitbenchError(f"--thresholds {','.join(f'{t:g}' for t in cfg.thresholds)} apply to none of the policies "
+    if (cfg.thresholds or cfg.quantiles) and not any(not REGISTRY[n].retrospective for n in names):
+        given = f"quantiles:{cfg.quantiles}" if cfg.quantiles else ','.join(f'{t:g}' for t in cfg.thresholds)
+        raise ExitbenchError(f"--thresholds {given} apply to none of the policies "
                              f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
                              "the oracle has no threshold to sweep")
     return names

@@ -43,6 +43,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                            dtype=ck.dtype, world_size=lm.world_size)
     # The machine's load around the timing: a busy machine makes wall-clock ratios unreliable (pareto warns).
     started["load"] = {"start": machine_load(), "end": None, "cpus": os.cpu_count()}
+    if cfg.derived:  # not in the key: a cell at τ is the same cell however τ was chosen
+        started["thresholds"] = cfg.derived
     t0 = time.perf_counter()
     try:
         # lm-eval's own bars would print one per task per cell beside exitbench's request bar

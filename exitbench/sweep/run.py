@@ -30,6 +30,7 @@ class Sweep:
     out: Path
     plan: SweepPlan
     rank0: bool = True  # under torchrun, the rank that writes and reports
+    replayer: ReplaySweep | None = None  # --replay with --thresholds quantiles:N: recorded while opening
 
 
 @dataclass
@@ -61,13 +62,22 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     if cfg.compile_step:
         ck.model.compile_loops()
-    sweep = Sweep(cfg, ck, tasks, out, plan(ck, tasks, cfg, out, ck.model.device.type, configs), rank0)
-    if cfg.verify_cells:
-        check_named(cfg.verify_cells, configs)
-    if cfg.memory_check:
+    if cfg.memory_check:  # before any pass; it reads the configs' depths, which no threshold changes
         from ..engine.memory import check_sweep_fits
 
         check_sweep_fits(ck.model, configs, cfg.batch_size, device)
+    replayer = None
+    if cfg.quantiles:
+        from .quantiles import derive_for_sweep
+
+        # Deterministic, so a resumed sweep derives the same grid and finds its cells on disk.
+        replayer = derive_for_sweep(ck, tasks, cfg, configs, warn)
+        configs = exit_configs(ck, cfg)
+    sweep = Sweep(cfg, ck, tasks, out, plan(ck, tasks, cfg, out, ck.model.device.type, configs), rank0, replayer)
+    if replayer is not None:
+        replayer.replan(sweep.plan)
+    if cfg.verify_cells:
+        check_named(cfg.verify_cells, configs)
     if rank0 and warn:
         from ..analysis.tables import reuse_note
 
@@ -103,7 +113,8 @@ def execute(sweep: Sweep, progress: Any | None = None) -> SweepOutcome:
     cfg, ck = sweep.cfg, sweep.ck
     if not cfg.replay:
         return SweepOutcome(run_cells(ck, sweep.tasks, cfg, sweep.out, ck.model.device.type, progress, sweep.plan))
-    replayer = ReplaySweep(ck, sweep.tasks, cfg, sweep.plan, progress)
+    replayer = sweep.replayer or ReplaySweep(ck, sweep.tasks, cfg, sweep.plan, progress)
+    replayer.replan(sweep.plan, progress)
     finished = replayer.run(sweep.out)
     verified = verify_frontier(replayer, finished, sweep.out, cfg.verify_cells) if cfg.verify else None
     return SweepOutcome(finished, verified, {"record_s": getattr(replayer, "record_s", 0.0),

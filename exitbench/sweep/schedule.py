@@ -40,8 +40,10 @@ class SweepPlan:
 
 
 def exit_configs(ck: Checkpoint, cfg: SweepConfig) -> list[ExitConfig]:
-    """The sweep's exit configs on this checkpoint: its default depth and grids, within its loop groups' depths."""
-    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, ck.model.exit_grids(), ck.model.gated)
+    """The sweep's exit configs on this checkpoint: its default depth and grids (or those `--thresholds
+    quantiles:N` derived), within its loop groups' depths."""
+    grids = {**ck.model.exit_grids(), **(cfg.derived or {}).get("grids", {})}
+    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, grids, ck.model.gated)
     check_depths(configs, ck.model.loop_groups())
     return configs
 

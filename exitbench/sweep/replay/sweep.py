@@ -97,20 +97,29 @@ class ReplaySweep:
     def __init__(self, ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, sweep: SweepPlan,
                  progress: Any | None = None):
         check_replayable(cfg)
-        self.ck, self.tasks, self.cfg, self.sweep, self.progress = ck, tasks, cfg, sweep, progress
-        groups = ck.model.loop_groups()
+        self.ck, self.tasks, self.cfg = ck, tasks, cfg
+        self.replan(sweep, progress)
+        self.recording: RecordingLM | None = None
+
+    def replan(self, sweep: SweepPlan, progress: Any | None = None) -> None:
+        """Take the plan's cells (and the progress display). A recording made already is kept: `--thresholds
+        quantiles:N` records before its grid, and so its plan, is known; a recording depends on no threshold."""
+        self.sweep, self.progress = sweep, progress
+        groups = self.ck.model.loop_groups()
         self.configs: dict[str, ExitConfig] = {}
         for _, c, _ in sweep.cells:
             self.configs.setdefault(cells.cell_id(c.to_dict()), c)
         self.policies = {cid: c.bound_policies(groups)
                          for cid, c in self.configs.items()}
-        self.depth = max(p.max_steps for ps in self.policies.values() for p in ps)
+        depth = max(p.max_steps for ps in self.policies.values() for p in ps)
+        assert getattr(self, "depth", depth) == depth, "a new plan must need the depth recorded"
+        self.depth = depth
         self.indices = sorted({t for t, _, _ in sweep.cells})
-        self.recording: RecordingLM | None = None
         # exitbench's own progress display replaces lm-eval's bars (they would print a bar per cell)
         self.lm_eval_bars = progress is None
 
-    def record(self) -> None:
+    def record(self, costs: bool = True) -> None:
+        """The recording pass, then (`costs`) the cost model that prices replay cells' time."""
         model, cfg = self.ck.model, self.cfg
         groups = model.loop_groups()
         first = [ps[0] for ps in self.policies.values()]
@@ -130,6 +139,8 @@ class ReplaySweep:
                   progress_bars=self.lm_eval_bars)
         _keep_requests(self.loaded)
         self.record_s = time.perf_counter() - t0
+        if not costs:
+            return
         t0 = time.perf_counter()
         self.costs = measure(model, self.depth, first, self.recording.sample, cfg.batch_size, cfg.seed)
         self.costs_s = time.perf_counter() - t0
@@ -141,6 +152,8 @@ class ReplaySweep:
         cfg, config = self.cfg, self.configs[cid]
         started = run_metadata(seed=cfg.seed, run_id=self.sweep.run_id, batch_size=cfg.batch_size,
                                device=str(self.ck.model.device), dtype=self.ck.dtype, world_size=1)
+        if cfg.derived:  # not in the key: a cell at τ is the same cell however τ was chosen
+            started["thresholds"] = cfg.derived
         t0 = time.perf_counter()
         _reset_answers(self.loaded)
         lm = ReplayLM(self.recording, config, self.costs, tokens=cfg.log_samples)
