@@ -20,7 +20,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity
     samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
     run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
-               versions, git_revision, started, host, machine, load {start, end, cpus}
+               versions, git_revision, started, host, machine, load {start, end, cpus}; thresholds {from,
+               span, recorded, grids} where `--thresholds quantiles:N` derived the grids (sweep/quantiles.py)
     mode       "replay" for a cell computed from a recording (exitbench.replay; then also in its key, and
                wall_clock.estimated is true); absent for an exact cell
     replay     recording_depth, record_s, cost_model_s, costs, generation {documents, diverged},
