@@ -10,7 +10,8 @@ from exitbench.engine import ExitConfig
 from exitbench.engine.recorder import Recorder, Sequence_, variant_key
 from exitbench.errors import ExitbenchError
 from exitbench.models.checkpoint import open_checkpoint
-from exitbench.sweep.quantiles import MAX_QUANTILES, derive_grids, parse_quantiles, quantile_grid, trajectories
+from exitbench.sweep.quantiles import (MAX_QUANTILES, derive_grids, parse_quantiles, quantile_grid, signal_values,
+                                       trajectories)
 from helpers.cli import assert_one_line_error, run_cli, run_ok, runner
 from helpers.paths import REPO
 
@@ -76,6 +77,20 @@ def test_rounding_dedup_and_nonpositive_values():
     assert "\n" not in str(err.value)
     with pytest.raises(ExitbenchError, match="no finite value"):
         quantile_grid(np.zeros(0), 3, "second_order")
+
+
+def test_a_conjunction_reads_its_varied_members_column():
+    """A conjunction records (n, K, members); its grid is that of the member a sweep varies."""
+    from types import SimpleNamespace
+
+    from exitbench.engine.recorder import Trajectories
+
+    cols = np.stack([np.full((2, 4), 0.5), np.arange(8.0).reshape(2, 4) + 1], -1)
+    conj = SimpleNamespace(variant="all_of[x,y]", max_steps=3, varied=1)
+    traj = Trajectories([0, 1], [{"all_of[x,y]": cols}], [None], [[None]], [np.zeros((2, 4))], np.ones((2, 4), bool))
+    assert sorted(signal_values([traj], [conj]).tolist()) == [1.0, 2.0, 3.0, 5.0, 6.0, 7.0]
+    conj.varied = 0
+    assert signal_values([traj], [conj]).tolist() == [0.5] * 6
 
 
 @pytest.mark.parametrize("text,n", [("quantiles:3", 3), (" Quantiles:100 ", 100), ("quantiles:1", 1),

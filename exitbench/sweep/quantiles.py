@@ -66,6 +66,8 @@ def signal_values(trajs: Iterable[Trajectories], policies: Sequence[ExitPolicy])
             values = traj.signals[g].get(variant_key(policy))
             if values is None:
                 continue
+            if values.ndim == 3:  # a conjunction records one column per member; a sweep varies one of them
+                values = values[:, :, policy.varied]
             values = values[:, :policy.max_steps].ravel()  # ±inf before the rule's signal is defined
             parts.append(values[np.isfinite(values)])
     return np.concatenate(parts) if parts else np.zeros(0)
@@ -96,13 +98,18 @@ def quantile_grid(values: np.ndarray, n: int, name: str) -> list[float]:
 def derive_grids(trajs: Sequence[Trajectories], configs: Sequence[ExitConfig], groups: Sequence[Any], n: int
                  ) -> dict[str, list[float]]:
     """Each swept rule's grid from its recorded signal (one config per rule suffices: a recording of the signal
-    does not depend on the threshold). Rules without a signal (fixed, the oracle) are left out."""
+    does not depend on the threshold). Rules without a signal (fixed, the oracle) are left out. A conjunction's
+    grid is its varied member's, keyed by that member's name as the sweep's grid looks it up."""
     grids: dict[str, list[float]] = {}
     for config in configs:
         cls = REGISTRY[config.policy]
-        if config.policy in grids or cls.signal_free or cls.retrospective:
+        if cls.signal_free or cls.retrospective:
             continue
-        grids[config.policy] = quantile_grid(signal_values(trajs, config.bound_policies(groups)), n, config.policy)
+        policies = config.bound_policies(groups)
+        members = getattr(policies[0], "members", None)
+        name = members[policies[0].varied].name if members else config.policy
+        if name not in grids:
+            grids[name] = quantile_grid(signal_values(trajs, policies), n, name)
     return grids
 
 
