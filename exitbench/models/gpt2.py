@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import CheckpointError
 from . import limits
 from .attention import AttnContext, cached_causal_attention
-from .looped import LoopedLM, LoopGroup, Stage
+from .looped import LoopedLM, LoopGroup, Stage, frozen_layers
 
 ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -180,7 +180,13 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(c.n_embd, c.activation_function)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), ctx)
+        return self.feed(self.attend(x, ctx))
+
+    # The attention sublayer, then the MLP sublayer: exit mode freeze runs them apart (looped.frozen_layers).
+    def attend(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return x + self.attn(self.ln_1(x), ctx)
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.ln_2(x))
 
 
@@ -267,7 +273,9 @@ class LoopedGPT2(LoopedLM):
                 init=lambda x, noise: x,
                 step=lambda s, x, ctx, layers=layers: self._run(layers, s, ctx),
                 finish=lambda s: s,
-                attn_layers=list(group), n_layers=len(group), default_steps=k, max_steps=m, modules=layers))
+                attn_layers=list(group), n_layers=len(group), default_steps=k, max_steps=m, modules=layers,
+                frozen_step=lambda s, x, ctx, keep, layers=layers: frozen_layers(
+                    layers, s, s, keep, lambda layer, h: layer.attend(h, ctx))))
             i = group[-1] + 1
         flush()
         return stages

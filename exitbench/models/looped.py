@@ -58,6 +58,31 @@ class LoopGroup:
     # A trained exit gate (Ouro's): the logit of stopping after an iteration, from the state it left, (n, d) →
     # (n,); it reads no other token. None: the model has none, and a gate rule refuses it.
     gate: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Exit mode freeze: `step` with only the rows `keep` (indices into s's rows flattened to (-1, d)) active;
+    # every other row is pinned at its state in s (`frozen_layers`). With every row in `keep` it computes what
+    # `step` does, bit for bit. None: the family has no such step, and freeze is refused.
+    frozen_step: Callable[[torch.Tensor, torch.Tensor, AttnContext, torch.Tensor], torch.Tensor] | None = None
+
+
+def on_rows(base: torch.Tensor, keep: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
+            ) -> torch.Tensor:
+    """`base` with its rows `keep` (indices into its rows flattened to (-1, d)) replaced by `fn` of those rows of
+    `inputs`: work that only some rows need runs on those rows only."""
+    if not len(keep):  # (a shape, known on the host: no device read)
+        return base
+    picked = [t.reshape(-1, t.shape[-1]).index_select(0, keep) for t in inputs]
+    return base.reshape(-1, base.shape[-1]).index_copy(0, keep, fn(*picked)).view(base.shape)
+
+
+def frozen_layers(layers: Sequence[nn.Module], x: torch.Tensor, pinned: torch.Tensor, keep: torch.Tensor,
+                  attend: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Exit mode freeze (IBM vLLM-Hook's vLLM executor) through `layers`, each of which splits into its attention
+    sublayer (`attend(layer, x)`) and its MLP sublayer with its norms (`layer.feed`). Attention runs on every row,
+    so a pinned row writes keys and values computed from its pinned state at every layer and iteration; the MLP
+    runs on the rows `keep` only; after each layer every other row is reset to `pinned`."""
+    for layer in layers:
+        x = on_rows(pinned, keep, layer.feed, attend(layer, x))
+    return x
 
 
 def _compiled_step(step: Callable, sharing: int) -> Callable:
@@ -75,11 +100,11 @@ def _compiled_step(step: Callable, sharing: int) -> Callable:
     compiled = torch.compile(step, dynamic=True)
     limit = max(torch._dynamo.config.recompile_limit, 16) * sharing
 
-    def run(s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def run(s: torch.Tensor, x: torch.Tensor, ctx: AttnContext, *keep: torch.Tensor) -> torch.Tensor:
         # No duck sizing either: two axes that happen to be equal once (rows = positions) are not a rule.
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=limit), \
                 shapes.patch(use_duck_shape=False):
-            return compiled(s, x, ctx)
+            return compiled(s, x, ctx, *keep)
     return run
 
 
@@ -197,6 +222,8 @@ class LoopedLM(nn.Module):
         for group in groups:
             if not group.compiled:
                 group.step = _compiled_step(group.step, len(groups))
+                if group.frozen_step is not None:
+                    group.frozen_step = _compiled_step(group.frozen_step, len(groups))
                 group.compiled = True
 
     @property

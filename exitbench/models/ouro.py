@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import CheckpointError
 from . import limits
 from .attention import AttnContext, rope_table, rotary_attention
-from .looped import LoopedLM, LoopGroup
+from .looped import LoopedLM, LoopGroup, frozen_layers, on_rows
 from .raven import RMSNorm
 
 
@@ -193,7 +193,13 @@ class OuroLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        h = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, ctx))
+        return self.feed(self.attend(x, rope, ctx))
+
+    # The attention sublayer, then the MLP sublayer: exit mode freeze runs them apart (looped.frozen_layers).
+    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, ctx))
+
+    def feed(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -255,6 +261,10 @@ class Ouro(LoopedLM):
             s = layer(s, self.rope, ctx)
         return self.model.norm(s)  # after every step: both step t's output and step t+1's input
 
+    def _frozen_step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext, keep: torch.Tensor) -> torch.Tensor:
+        out = frozen_layers(self.model.layers, s, s, keep, lambda layer, h: layer.attend(h, self.rope, ctx))
+        return on_rows(s, keep, self.model.norm, out)  # a pinned state is not normed again
+
     def _gate(self, s: torch.Tensor) -> torch.Tensor:
         return self.model.early_exit_gate(s).squeeze(-1).float()
 
@@ -263,7 +273,7 @@ class Ouro(LoopedLM):
         return [LoopGroup("layers", init=lambda x, noise: x, step=self._step, finish=lambda s: s,
                           attn_layers=list(range(c.num_hidden_layers)), n_layers=c.num_hidden_layers,
                           default_steps=c.total_ut_steps, max_steps=c.max_ut_steps,
-                          modules=[m.layers, m.norm], gate=self._gate)]
+                          modules=[m.layers, m.norm], gate=self._gate, frozen_step=self._frozen_step)]
 
     def stages(self) -> list[LoopGroup]:
         return self._stages

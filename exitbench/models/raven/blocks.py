@@ -101,12 +101,18 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(c.n_embd, c.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = self.norm_2(x + self.attn(self.norm_1(x), rope, ctx))
+        return self.feed(self.attend(x, rope, ctx))
+
+    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return self.norm_2(x + self.attn(self.norm_1(x), rope, ctx))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
 class _TwoNormBlock(nn.Module):
-    """The retrofitted blocks' modules: two RMSNorms, attention (with q/k norm where `qk_norm`), the MLP."""
+    """The retrofitted blocks' modules: two RMSNorms, attention (with q/k norm where `qk_norm`), the MLP. A block
+    is its attention sublayer, then its MLP sublayer (`attend`, `feed`: exit mode freeze runs them apart)."""
 
     qk_norm = False
 
@@ -117,13 +123,18 @@ class _TwoNormBlock(nn.Module):
         self.norm_2 = RMSNorm(c.n_embd, c.norm_eps)
         self.mlp = GatedMLP(c.n_embd, c.intermediate_size)
 
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return self.feed(self.attend(x, rope, ctx))
+
 
 class PreNormBlock(_TwoNormBlock):
     """x̂ = x + Attn(n1 x); out = x̂ + MLP(n2 x̂): a Llama decoder layer under Huginn's names (`norm_1` is
     Llama's input_layernorm, `norm_2` its post_attention_layernorm)."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.attn(self.norm_1(x), rope, ctx)
+    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return x + self.attn(self.norm_1(x), rope, ctx)
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.norm_2(x))
 
 
@@ -133,6 +144,8 @@ class PostNormBlock(_TwoNormBlock):
 
     qk_norm = True
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.norm_1(self.attn(x, rope, ctx))
+    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return x + self.norm_1(self.attn(x, rope, ctx))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.norm_2(self.mlp(x))

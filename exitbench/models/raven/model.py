@@ -19,7 +19,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ..attention import AttnContext, rope_table
-from ..looped import LoopedLM, LoopGroup, Stage, trunc_normal_
+from ..looped import LoopedLM, LoopGroup, Stage, frozen_layers, on_rows, trunc_normal_
 from .blocks import RMSNorm
 from .config import RavenConfig
 from .variants import Variant, detect, variant
@@ -120,6 +120,13 @@ class Raven(LoopedLM):
     def _core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         return self._run_layers(self.transformer.core_block, self.transformer.adapter(torch.cat([s, e], -1)), ctx)
 
+    def _frozen_core_step(self, s: torch.Tensor, e: torch.Tensor, ctx: AttnContext, keep: torch.Tensor
+                          ) -> torch.Tensor:
+        t, rope = self.transformer, self.rope
+        # No injection for a pinned row: its pinned state itself enters every core layer.
+        x = on_rows(s, keep, lambda a, b: t.adapter(torch.cat([a, b], -1)), s, e)
+        return frozen_layers(t.core_block, x, s, keep, lambda layer, h: layer.attend(h, rope, ctx))
+
     def _build_stages(self) -> list[Stage | LoopGroup]:
         t, c = self.transformer, self.config
         ids = lambda layers: [blk.attn.layer_id for blk in layers]  # noqa: E731
@@ -132,7 +139,8 @@ class Raven(LoopedLM):
                       step=self._core_step, finish=t.ln_f if self.variant.norm_before_coda else nn.Identity(),
                       attn_layers=ids(t.core_block), n_layers=len(t.core_block),
                       default_steps=c.mean_recurrence, max_steps=c.max_recurrence,
-                      random_init=c.init_scale > 0 and not from_input, modules=[t.adapter, t.core_block]),
+                      random_init=c.init_scale > 0 and not from_input, modules=[t.adapter, t.core_block],
+                      frozen_step=self._frozen_core_step),
             Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_iteration(0)), ids(t.coda), modules=[t.coda]),
         ]
 
