@@ -28,6 +28,9 @@ def test_one_row_per_cell_with_plain_columns(tmp_path):
     row = next(r for r in rows if r["policy"] == "fixed" and r["threshold"] == "16" and r["task"] == "chains")
     cell = json.loads((BASELINE / row["file"].rpartition("/")[2]).read_text())
     assert float(row["quality"]) == cell["quality"]["value"] and float(row["mean_iterations"]) == 16
+    # cells written before the cost counters existed read as having none
+    assert "attention_token_steps" not in cell["iterations"]
+    assert row["attention_token_steps"] == row["mlp_token_steps"] == ""
     out = tmp_path / "sub" / "cells.json"
     res = runner.invoke(app, ["export", str(BASELINE), "--format", "json", "-o", str(out)])
     assert res.exit_code == 0, explain(res)

@@ -13,7 +13,8 @@ COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "
            "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
            "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
            "ms_per_token", "time_ratio", "time_spread", "timing_repeats", "timing_warnings", "probe_share",
-           "flops_per_token", "batch_size", "device", "run_id", "git_revision",
+           "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
+           "git_revision",
            "started", "preset", "file"]
 
 
@@ -36,7 +37,10 @@ def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "ms_per_token": None if per_token is None else 1000 * per_token, "time_ratio": repeats.get("ratio"),
         "time_spread": repeats.get("spread"), "timing_repeats": repeats.get("repeats"),
         "timing_warnings": "; ".join(wall.get("warnings", [])) or None, "probe_share": wall.get("probe_share"),
-        "flops_per_token": cell.get("flops", {}).get("per_token"), "batch_size": cell["run"].get("batch_size"),
+        "flops_per_token": cell.get("flops", {}).get("per_token"),
+        # (cells written before these counters existed have none)
+        "attention_token_steps": cell["iterations"].get("attention_token_steps"),
+        "mlp_token_steps": cell["iterations"].get("mlp_token_steps"), "batch_size": cell["run"].get("batch_size"),
         "device": cell["run"].get("device"), "run_id": cell["run"].get("run_id"),
         "git_revision": cell["run"].get("git_revision"), "started": cell["run"].get("started"),
         "preset": (cell.get("preset") or {}).get("name"), "file": str(path),

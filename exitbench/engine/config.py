@@ -22,6 +22,7 @@ from ..policies import POLICY_KNOBS, REGISTRY, ExitPolicy, check_policy_name
 from ..runtime.validation import parse
 
 ROLES = ("policy", "engine", "run")
+EXIT_MODES = ("physical", "select", "weighted", "freeze")
 
 
 def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...] = (), swept: bool = False,
@@ -71,7 +72,9 @@ class ExitConfig:
         "physical (default): an exited token stops and later tokens read its entries at its exit, so exits save "
         "compute; select: every token runs every iteration and the exit only picks which one's output is read "
         "(Ouro's own code and paper); weighted: every token runs every iteration and reads the logits averaged "
-        "under the exit distribution of the model's gate (Ouro's use_weighted_exit; --policy fixed).",
+        "under the exit distribution of the model's gate (Ouro's use_weighted_exit; --policy fixed); freeze: every "
+        "token stays to the last iteration, but an exited one is pinned at its exit state, its MLPs skipped, while "
+        "its attention layers keep writing keys and values from that pinned state (IBM vLLM-Hook's vLLM executor).",
         role="engine", when_set=True))
     # Set by whoever runs the config.
     record_signals: bool = field(default=False, metadata=knob(
@@ -86,11 +89,15 @@ class ExitConfig:
                 raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
                                      f"loop layer keeps (0: all of them), got {self.kv_window!r}")
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
-        if self.exit_mode not in (None, "physical", "select", "weighted"):
-            raise ExitbenchError(f"exit_mode must be 'physical', 'select' or 'weighted', got {self.exit_mode!r}")
+        if self.exit_mode not in (None, *EXIT_MODES):
+            raise ExitbenchError(f"exit_mode must be 'physical', 'select', 'weighted' or 'freeze', "
+                                 f"got {self.exit_mode!r}")
         if self.exit_mode == "weighted" and self.policy != "fixed":
             raise ExitbenchError(f"exit_mode weighted reads every step's logits under the gate's exit distribution, "
                                  f"so no rule decides an exit: use --policy fixed (its depth is T), not {self.policy}")
+        if self.exit_mode == "freeze" and self.policy in REGISTRY and REGISTRY[self.policy].retrospective:
+            raise ExitbenchError(f"exit_mode freeze pins a token's state when its rule fires; {self.policy} decides "
+                                 f"only after the whole trajectory, so there is nothing to pin: use physical or select")
         self.exit_mode = None if self.exit_mode == "physical" else self.exit_mode  # the default: the same cells
         parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
         # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:

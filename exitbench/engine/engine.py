@@ -76,6 +76,9 @@ class ExitEngine:
                                                     or model.stages()[-1] is not self.groups[0]):
             raise ExitbenchError(f"exit_mode weighted averages the readouts of one loop group under its trained exit "
                                  f"gate; this {model.architecture} model has no such group (Ouro's models do)")
+        if self.config.exit_mode == "freeze" and any(g.frozen_step is None for g in self.groups):
+            raise ExitbenchError(f"exit_mode freeze runs a loop group's MLPs for its active tokens only; this "
+                                 f"{model.architecture} model's loop groups have no such step")
         for g, p in zip(self.groups, self.policies):
             if p.max_steps > g.max_steps:
                 raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "
@@ -233,15 +236,17 @@ class Run:
         self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
             if engine.config.warm_start else None
         # Per token's record: under exit modes select and weighted every token ran all K iterations, so its
-        # FLOPs are those of K; weighted reads out (probes) at every one of them.
+        # FLOPs are those of K; weighted reads out (probes) at every one of them. Under freeze its attention
+        # (and readout) ran all K, its MLPs to its exit only.
         mode = engine.config.exit_mode
-        self.ran_all = [p.max_steps for p in engine.policies] if mode in ("select", "weighted") else None
+        self.ran_all = [p.max_steps for p in engine.policies] if mode in ("select", "weighted", "freeze") else None
+        self.freeze = mode == "freeze"
         self.probed = [p.needs_logits or mode == "weighted" for p in engine.policies]
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
                                 select=engine.config.exit_mode == "select",
-                                weighted=engine.config.exit_mode == "weighted")
+                                weighted=engine.config.exit_mode == "weighted", freeze=self.freeze)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
@@ -492,7 +497,9 @@ class Run:
 
     def _record(self, token: Token) -> TokenRecord:
         ran = self.ran_all or token.exit_steps
+        mlp = token.exit_steps if self.freeze else ran
         probes = [k if probed else 0 for k, probed in zip(ran, self.probed)]
         return TokenRecord(token.position, token.exit_steps, {},
-                           self.engine.flops.token(token.position + 1, ran, probes),
-                           token.signals if self.engine.config.record_signals else None, token.nonfinite)
+                           self.engine.flops.token(token.position + 1, ran, probes, mlp_steps=mlp),
+                           token.signals if self.engine.config.record_signals else None, token.nonfinite,
+                           attention_steps=sum(ran), mlp_steps=sum(mlp))

@@ -36,11 +36,16 @@ class Leaving:
 class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
-                 window: int | None = None, select: bool = False, weighted: bool = False):
+                 window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
         # Exit mode `select` (Ouro's own semantics): every token runs all K iterations, writing every entry; the
         # rule only chooses which iteration's state is the group's output. Nothing is saved, nothing carried.
         self.select = select
+        # Exit mode `freeze` (IBM vLLM-Hook's vLLM executor): every token stays to K too, but from the iteration
+        # its rule chose its state is pinned: its attention layers keep writing entries from the pinned state,
+        # its MLPs are skipped (`LoopGroup.frozen_step`). Under both, the rule's choice is held until K.
+        self.freeze = freeze
+        self.hold = select or freeze
         # Exit mode `weighted` (Ouro's use_weighted_exit): every token runs all K iterations and its output is
         # Σ_t p_t · logits_t under the exit distribution of the model's gate, the last step taking what is left.
         self.weighted = weighted
@@ -118,7 +123,12 @@ class TokenLoop:
         blocks = self._blocks(cache)
         ctx = None if blocks else self._context(cache)
         started = self.clock.start()
-        self.s = self._step_blocks(blocks) if blocks else self.group.step(self.s, self.x, ctx)
+        keep = self._active() if self.freeze else None
+        if blocks:
+            self.s = self._step_blocks(blocks, keep)
+        else:
+            self.s = self.group.step(self.s, self.x, ctx) if keep is None else \
+                self.group.frozen_step(self.s, self.x, ctx, keep)
         self.clock.step(started, "core", self.index, n)
         self.k = [k + 1 for k in self.k]
         started = self.clock.start()
@@ -157,7 +167,7 @@ class TokenLoop:
             for trace, v in zip(self.trace, values):
                 trace.append(v)
         leave = policy.decide(self.k, values, self.streak)
-        return (logits, self._select(leave, logits)) if self.select else (logits, leave)
+        return (logits, self._select(leave, logits)) if self.hold else (logits, leave)
 
     def _mix(self, ctx: AttnContext) -> torch.Tensor:
         """Exit mode `weighted`: add this iteration's logits under its exit probability; the mixture so far."""
@@ -169,8 +179,8 @@ class TokenLoop:
         return self.memory["mixture"]
 
     def _select(self, leave: list[bool], logits: torch.Tensor | None) -> list[bool]:
-        """Exit mode `select`: a token the rule lets go keeps its state (and readout) of that iteration and runs
-        on; tokens leave at K only."""
+        """Exit modes `select` and `freeze`: a token the rule lets go keeps its state (and readout) of that
+        iteration and runs on (under freeze, pinned there); tokens leave at K only."""
         final = logits is not None and self.probe_is_final
         for j, (token, out) in enumerate(zip(self.tokens, leave)):
             if out and token.selected is None:
@@ -185,7 +195,7 @@ class TokenLoop:
         steps = [self.k[j] for j in gone]
         states = self.s[gone]
         exit_logits = logits[gone] if logits is not None and self.probe_is_final else None
-        if self.select:
+        if self.hold:
             steps, states, exit_logits = self._selected(tokens, steps, states, exit_logits)
         if self.hindsight:
             steps, states, exit_logits = self.hindsight.settle(
@@ -201,8 +211,9 @@ class TokenLoop:
             self.tokens[j] = None
         self.count -= len(gone)
         early = [(t, k) for t, k in zip(tokens, steps) if k < self.K]
-        # later tokens read an early exit's deepest entry (`latest`); under `select` every entry was written
-        if early and self.group.attn_layers and not self.select:
+        # later tokens read an early exit's deepest entry (`latest`); under `select` and `freeze` every entry
+        # was written
+        if early and self.group.attn_layers and not self.hold:
             cache.carry_forward(self.group.attn_layers, [t.row for t, _ in early], [t.position for t, _ in early],
                                 [k - 1 for _, k in early])
         self._where = None
@@ -220,6 +231,11 @@ class TokenLoop:
                     logits[i] = chosen_logits
                 token.selected = None
         return steps, states, logits
+
+    def _active(self) -> torch.Tensor | None:
+        """Exit mode `freeze`: the places whose tokens the rule has not let go yet, or None when that is all."""
+        keep = [j for j, token in enumerate(self.tokens) if token.selected is None]
+        return None if len(keep) == len(self.tokens) else torch.tensor(keep, dtype=torch.long, device=self.s.device)
 
     def _compact(self) -> None:
         """Drop the free places (a row with no next token left them) so steps run on tokens only."""
@@ -267,10 +283,13 @@ class TokenLoop:
             return None
         return uniform_chunk(self._placement()["runs"], self.batch, cache, self.k[0])
 
-    def _step_blocks(self, blocks: tuple[AttnContext, int]) -> torch.Tensor:
+    def _step_blocks(self, blocks: tuple[AttnContext, int], keep: torch.Tensor | None = None) -> torch.Tensor:
         ctx, rows = blocks
         d = self.s.shape[-1]
-        return self.group.step(self.s.view(rows, -1, d), self.x.view(rows, -1, d), ctx).reshape(-1, 1, d)
+        s, x = self.s.view(rows, -1, d), self.x.view(rows, -1, d)
+        # (places are the block rows' positions in order, so `keep` indexes the flattened blocks as it is)
+        out = self.group.step(s, x, ctx) if keep is None else self.group.frozen_step(s, x, ctx, keep)
+        return out.reshape(-1, 1, d)
 
 
 def uniform_chunk(runs: list[tuple[int, int, int, int]] | None, batch: int, cache: KVCache, iteration: int = 0

@@ -36,6 +36,18 @@ class TokenRecord:
     flops: dict[str, float]
     signals: list[list[float]] | None = None
     nonfinite: bool = False  # a NaN or infinity in the token's exit states or logits
+    # Iterations its attention layers ran and its MLPs ran, summed over loop groups (IBM vLLM-Hook's cost axes):
+    # both its exit steps under physical exits (None: as exit_steps), both K under select and weighted; under
+    # freeze K and its exit steps.
+    attention_steps: int | None = None
+    mlp_steps: int | None = None
+
+    @property
+    def token_steps(self) -> tuple[int, int]:
+        """(attention, MLP) iterations this token ran."""
+        exits = sum(self.exit_steps)
+        return (exits if self.attention_steps is None else self.attention_steps,
+                exits if self.mlp_steps is None else self.mlp_steps)
 
 
 @dataclass

@@ -9,7 +9,10 @@ Schema `exitbench.cell` version 2 (documented in the README):
     quality    metric, value, stderr, higher_is_better             the primary metric
     policy     every exit knob, resolved max_steps, baseline (true for fixed-depth cells), needs_logits
     iterations mean, median, p90, max, histogram {k: tokens}, tokens, requests (over each token's iterations
-               summed over loop groups), per_group_mean [one mean per loop group]
+               summed over loop groups), per_group_mean [one mean per loop group]; attention_token_steps and
+               mlp_token_steps: the iterations each token's attention layers and its MLPs ran, summed over
+               tokens and loop groups (IBM vLLM-Hook's cost axes; they differ under exit mode freeze; absent
+               from cells written before them)
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
@@ -53,10 +56,10 @@ def cell_id(key: dict[str, Any]) -> str:
 def series(policy: dict[str, Any]) -> str:
     """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
     `-kvC` under a KV window (its own series, beside the same rule on the full cache), `-select` in exit mode
-    select (every token runs every iteration; beside the physical exits)."""
+    select (every token runs every iteration; beside the physical exits), `-weighted` and `-freeze` likewise."""
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
-    mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted") else ""
+    mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted", "freeze") else ""
     return policy["policy"] + rel + window + mode
 
 
@@ -153,6 +156,8 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
         "phase_seconds": dict(phase),
         "probe_share": phase["probe"] / core_probe if core_probe else 0.0,
         "nonfinite": sum(1 for r in records if r.nonfinite),
+        "attention_token_steps": sum(r.token_steps[0] for r in records),
+        "mlp_token_steps": sum(r.token_steps[1] for r in records),
     }
 
 
@@ -175,7 +180,8 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "mean": statistics.fmean(its) if its else None, "median": statistics.median(its) if its else None,
             "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
             "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
-            "tokens": tokens, "requests": len(stats), "per_group_mean": per_group},
+            "tokens": tokens, "requests": len(stats), "per_group_mean": per_group,
+            **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")}},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,

@@ -68,6 +68,9 @@ class IterationsPart(_Part):
     max: Optional[Number] = None
     histogram: dict[str, int] = {}
     per_group_mean: list[float] = []
+    # Cells written before the counters existed have none.
+    attention_token_steps: Optional[int] = None
+    mlp_token_steps: Optional[int] = None
 
 
 class WallClockPart(_Part):
