@@ -4,6 +4,8 @@ tests/test_exit_config.py."""
 from __future__ import annotations
 
 import functools
+import json
+import math
 
 import numpy as np
 import pytest
@@ -29,8 +31,13 @@ RTOL = 1e-5
 # - The learned rule reads logs of those step norms: the ~1e-6 state difference is ~1e-4 of the log of a late
 #   step of ~1e-2, and the test model moves the risk by at most 0.25 · 1.5 per unit of log step (sigmoid slope
 #   times its weight on log_step): a few 1e-5 (measured up to 3.6e-5 here).
+# - Contraction divides two step norms that each carry that ~1e-6: ~1e-4 relative in r̂ for steps of ~1e-2,
+#   which r̂/(1 − r̂) amplifies a few times; the signal (‖Δ‖/‖s‖ times that, ≤ ~2 here) moves by ~1e-6
+#   (measured up to 9e-7).
+# - Margin is a difference of two float64 log-probabilities of float32 logits, as confidence reads one.
 ATOL = {"kl": 1e-6, "minp_kl": 1e-6, "entropy_diff": 4e-6, "cosine": 5e-7, "confidence": 1e-7,
-        "first_order": 1e-5, "second_order": 2e-5, "second_order_magnitude": 2e-5, "learned": 1e-4}
+        "first_order": 1e-5, "second_order": 2e-5, "second_order_magnitude": 2e-5, "learned": 1e-4,
+        "contraction": 5e-6, "margin": 1e-6}
 
 
 def atol(policy, relative=False):
@@ -45,7 +52,8 @@ GATE_POLICIES = ["qexit", "gate"]
 
 
 def test_registry_is_what_these_tests_cover():
-    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES)
+    # (the conjunction combines the rules above: tests/test_conjunction.py)
+    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,17 +156,20 @@ def _candidates(policy, relative, rows_signals):
 
 
 def _combos(policy, relative, rows_signals):
-    """(threshold, min_steps, patience) cases from the signals of row 0: two thresholds exiting at different
-    steps, the first one delayed by min_steps, and by patience."""
+    """(threshold, min_steps, patience) cases from the signals of the first row that offers them: two
+    thresholds exiting at different steps, the first one delayed by min_steps, and by patience. (The margin
+    of row 0 already clears every threshold it ever clears at k = 1.)"""
     above = policy in EXITS_ABOVE
-    sig = rows_signals[0]
     if policy == "fixed":
         return [(1, 1, 1), (4, 1, 1), (4, 4, 3), (7, 2, 1), (K, 1, 1)]
-    by_exit = {}
-    for tau in _candidates(policy, relative, rows_signals):
-        e = expected_exit(sig, tau, above, 1, 1, K)
-        if 2 <= e <= K - 4:
-            by_exit.setdefault(e, tau)
+    for sig in rows_signals:
+        by_exit = {}
+        for tau in _candidates(policy, relative, rows_signals):
+            e = expected_exit(sig, tau, above, 1, 1, K)
+            if 2 <= e <= K - 4:
+                by_exit.setdefault(e, tau)
+        if len(by_exit) >= 2:
+            break
     assert len(by_exit) >= 2, f"{policy}: the trajectory offers too few distinct exits: {by_exit}"
     exits = sorted(by_exit)
     ea, eb = exits[0], exits[-1]
@@ -250,3 +261,36 @@ def test_oracle_generation_exit(setup, mode):
         e = oracle_exit(logps[b], None, 1e-2)
         assert all(top[j] == top[-1] for j in range(e - 1, K))
         assert e == 1 or top[e - 2] != top[-1]
+
+
+def test_contraction_counts_the_tokens_still_not_contracting_at_the_cap():
+    """A token that reaches max_steps with r̂ ≥ 1 is flagged (its last signal is +inf); the cell counts them, and a
+    recording of the same tokens flags the same ones."""
+    from exitbench.engine.recorder import Recorder, Sequence_
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.store.cells import request_stats
+    from exitbench.sweep.replay.lm import ReplayLM
+
+    from helpers.paths import REPO
+
+    ck = open_checkpoint(None)
+    docs = [json.loads(line) for line in (REPO / "tasks/chains/test.jsonl").read_text().splitlines()[:20]]
+    requests = []
+    for d in docs:
+        ctx = ck.tokenizer.encode(d["prompt"], add_bos=True)
+        requests.append((ctx + ck.tokenizer.encode(" " + d["answer"])[:1], len(ctx)))
+    config = ExitConfig("contraction", threshold=1e-12, max_steps=6, record_signals=True)  # no token exits early
+    eng = ExitEngine(ck.model, config)
+    records = [r for res in eng.score(requests, batch_size=4) for r in res.records]
+    stalled = [r.stalled for r in records]
+    assert stalled == [r.signals[0][-1] == math.inf for r in records]
+    assert 0 < sum(stalled) < len(stalled)  # the tiny model leaves some tokens still expanding at 6 steps
+    assert request_stats(records, 1.0)["nonconverging"] == sum(stalled)
+    assert "nonconverging" not in request_stats(engine(tiny(), "first_order", max_steps=4).score([([1, 2], 1)])[0]
+                                                .records, 1.0)  # a rule without the measure says nothing
+    policy = eng.policies[0]
+    trajs = Recorder(ck.model, 6, [policy], [], 0, eng.readout_steps, oracle=False).record(
+        [Sequence_(t[:-1], n - 1, [t[n:]]) for t, n in requests])
+    replay = ReplayLM.__new__(ReplayLM)
+    replay.policies = [policy]
+    assert [replay._stalled(t, 0, [6]) for t in trajs] == stalled

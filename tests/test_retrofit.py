@@ -35,6 +35,7 @@ from exitbench.models.raven.variants import Evidence
 from exitbench.policies import REGISTRY
 
 from helpers.models import make_tiny_raven, make_tiny_tokenizer
+from helpers.engine import knobs_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KINDS = ["llama", "olmo"]
@@ -147,7 +148,7 @@ def test_every_policy_runs_and_batches_like_batch_size_one(kind, policy):
     cls = REGISTRY[policy]
     requests = [(row[:n].tolist(), 3) for row, n in zip(ref["input_ids"], (17, 9))]
     knobs = {} if cls.retrospective else {"threshold": 4 if cls.integer_threshold else 0.3}
-    engine = ExitEngine(ck.model, ExitConfig(policy, max_steps=6, **knobs))
+    engine = ExitEngine(ck.model, ExitConfig(policy, max_steps=6, **knobs_for(policy), **knobs))
     solo = [engine.score([r], batch_size=1)[0] for r in requests]
     together = engine.score(requests, batch_size=2)
     for a, b in zip(solo, together):

@@ -153,6 +153,8 @@ def hover(token: MapToken, group: int | None = None) -> str:
 
 
 def _num(v: Any) -> str:
+    if isinstance(v, list):  # a conjunction's step: one value per rule
+        return "(" + ", ".join(_num(x) for x in v) + ")"
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.3g}"
 
 

@@ -110,14 +110,18 @@ def presets_command(fmt: str = typer.Option("rich", "--format", help="rich (a ta
 
 @app.command()
 def policies():
-    """The exit policies: name, what makes a token exit, whether it decodes, default threshold and grid."""
+    """The exit policies: name, what makes a token exit, whether it decodes, default threshold and grid, source."""
     from ..policies import REGISTRY
 
     table = Table(title="exit policies (τ = --threshold; `exitbench run --policy NAME` sweeps the grid)")
-    for col in ("policy", "exits when", "decodes?", "default τ", "grid"):
+    for col in ("policy", "exits when", "decodes?", "default τ", "grid", "source"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
         summary = (cls.__doc__ or "").strip().splitlines()[0]
+        if cls.takes_rules:  # a conjunction decodes, and sweeps, as its rules do
+            table.add_row(name, summary, "if a rule does", "its varied rule's", "its varied rule's", cls.source)
+            continue
         grid = ", ".join(f"{t:g}" for t in cls.default_grid)
-        table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid)
+        table.add_row(name, summary, "yes" if cls.needs_logits else "no", f"{cls.default_threshold:g}", grid,
+                      cls.source)
     console.print(table)

@@ -163,12 +163,12 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
               data_dir: Optional[str] = DataDirOpt, tokens: int = CalibrationTokensOpt,
               programs: int = CalibrationProgramsOpt, test_fraction: float = TestFractionOpt,
               batch_size: int = CalibrationBatchOpt, seed: int = CalibrationSeedOpt, replay: bool = CalibrationReplayOpt,
-              out: Optional[Path] = CalibrationOutOpt, threads: Optional[int] = ThreadsOpt, knobs: dict = None):
+              out: Optional[Path] = CalibrationOutOpt, threads: Optional[int] = ThreadsOpt,
+              exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from ..analysis.tables import calibration_table
     from ..harness.documents import token_lists
     from ..models.checkpoint import open_checkpoint
-    from ..policies import REGISTRY
     from ..policies.learned import check_fitted_for
     from ..runtime.devices import use_threads
     from ..store.disk import writable_output
@@ -183,13 +183,17 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
                              "before the documents are read; take the values a run derived (`exitbench run "
                              "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     use_threads(threads)
-    config = ExitConfig(**knobs, seed=seed)  # an unknown policy or bad knob fails before the checkpoint loads
+    # an unknown policy or bad knob fails before the checkpoint loads; a file (an all_of's rules) replaces the flags
+    config = ExitConfig.from_dict({"seed": seed, **ExitConfig.read_yaml(exit_config)},
+                                  what=f"knob in exit config {exit_config}") if exit_config is not None \
+        else ExitConfig(**knobs, seed=seed)
     check_calibratable(config.policy)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    grid = parse_thresholds(thresholds) or list(ck.model.exit_grids().get(config.policy,
-                                                                          REGISTRY[config.policy].default_grid))
+    rule = config.build_policy()  # a conjunction calibrates its varied member's threshold, over that one's grid
+    grid = parse_thresholds(thresholds) or list(ck.model.exit_grids().get(rule.vary or config.policy,
+                                                                          rule.default_grid))
     check_fitted_for(ck, config.fitted_exit_model)
     path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
     with console.status("calibrate: reading the documents"):

@@ -59,6 +59,12 @@ class ExitConfig:
     exit_model: str | None = field(default=None, metadata=knob(
         "The learned policy's exit model (the JSON file `exitbench fit-exit` wrote).", role="policy",
         when_set=True))
+    rules: list[dict[str, Any]] | None = field(default=None, metadata=knob(
+        "all_of: its member rules, each a mapping with `policy` and its own threshold, patience, min_steps, "
+        "relative (given in an --exit-config file).", role="policy", when_set=True, command_line=False))
+    vary: str | None = field(default=None, metadata=knob(
+        "all_of: the member rule whose threshold is the conjunction's τ, the one a sweep varies (default: the "
+        "first member given without a threshold).", role="policy", when_set=True, command_line=False))
     # How the engine runs tokens.
     prefill: str = field(default="full", metadata=knob(
         "Prompt tokens run at full depth ('full') or with exits like the rest ('exit').", role="engine"))
@@ -164,6 +170,21 @@ class ExitConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ExitConfig":
+        return cls.from_dict(cls.read_yaml(path), what=f"knob in exit config {path}")
+
+    @classmethod
+    def with_file(cls, path: str | Path, knobs: dict[str, Any], what: str) -> "ExitConfig":
+        """The knobs of an exit-config file with `knobs` given one by one beside it; a knob set in both is
+        refused rather than silently taken from one."""
+        raw = cls.read_yaml(path)
+        both = sorted(set(raw) & set(knobs))
+        if both:
+            raise ExitbenchError(f"{what} {both[0]} is set both in exit config {path} and on its own; set it once")
+        return cls.from_dict({**raw, **knobs}, what=f"knob in exit config {path}")
+
+    @staticmethod
+    def read_yaml(path: str | Path) -> dict[str, Any]:
+        """An exit-config file's knobs as written (a mapping), unchecked."""
         try:
             raw = yaml.load(Path(path).read_text(), Loader=_KnobLoader) or {}
         except OSError as exc:
@@ -175,7 +196,7 @@ class ExitConfig:
             raise ExitbenchError(f"cannot read exit config {path}: not valid YAML{where}: {problem}") from None
         if not isinstance(raw, dict):
             raise ExitbenchError(f"exit config {path} must be a mapping of knobs")
-        return cls.from_dict(raw)
+        return raw
 
     @classmethod
     def knobs(cls, *, role: str | None = None, swept: bool | None = None, command_line: bool | None = None

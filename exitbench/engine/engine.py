@@ -242,6 +242,7 @@ class Run:
         self.ran_all = [p.max_steps for p in engine.policies] if mode in ("select", "weighted", "freeze") else None
         self.freeze = mode == "freeze"
         self.probed = [p.needs_logits or mode == "weighted" for p in engine.policies]
+        self.counts_stalls = any(p.counts_stalls for p in engine.policies)
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1,
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
@@ -502,4 +503,5 @@ class Run:
         return TokenRecord(token.position, token.exit_steps, {},
                            self.engine.flops.token(token.position + 1, ran, probes, mlp_steps=mlp),
                            token.signals if self.engine.config.record_signals else None, token.nonfinite,
+                           token.stalled if self.counts_stalls else None,
                            attention_steps=sum(ran), mlp_steps=sum(mlp))

@@ -167,6 +167,11 @@ class TokenLoop:
             for trace, v in zip(self.trace, values):
                 trace.append(v)
         leave = policy.decide(self.k, values, self.streak)
+        if policy.counts_stalls:
+            for token, k, v in zip(self.tokens, self.k, values):
+                # at the cap without the rule's own exit (under `select`, none chosen earlier either)
+                if k >= max(self.K, policy.defined_from) and token.selected is None and policy.stalled(v):
+                    token.stalled = True
         return (logits, self._select(leave, logits)) if self.hold else (logits, leave)
 
     def _mix(self, ctx: AttnContext) -> torch.Tensor:
@@ -206,7 +211,7 @@ class TokenLoop:
         for token, k, j in zip(tokens, steps, gone):
             token.exit_steps.append(k)
             if self.record:
-                token.signals.append(self.trace[j] + [float("nan")] * (self.K - len(self.trace[j])))
+                token.signals.append(self.trace[j] + [self.policy.padding] * (self.K - len(self.trace[j])))
             self.clock.charge(token.uid, self.index, self.joined[j], end)
             self.tokens[j] = None
         self.count -= len(gone)

@@ -222,9 +222,7 @@ class Recorder:
             for key, policy in self.variants.items():
                 if policy.needs_logits and logp64 is None:
                     continue
-                value = policy.signal(s_k, memory[key], logp64).double()
-                if k < policy.defined_from:
-                    value = torch.full_like(value, policy.never)
+                value = policy.defined_tensor(k, policy.signal(s_k, memory[key], logp64).double())
                 readings.signals[g][key].append(value)
             self.seconds["signals"] += time.perf_counter() - t0
 

@@ -21,6 +21,8 @@ class Token:
     exit_steps: list[int] = field(default_factory=list)
     signals: list[list[float]] = field(default_factory=list)
     nonfinite: bool = False
+    # Reached max_steps in some loop group still unsettled by its rule's own measure (`ExitPolicy.stalled`).
+    stalled: bool = False
     # Exit mode `select`: the step the rule chose in the current loop group, and its state (1, d) and readout
     # logits (V,), held while the token runs on to max_steps.
     selected: tuple[int, Any, Any] | None = None
@@ -36,6 +38,7 @@ class TokenRecord:
     flops: dict[str, float]
     signals: list[list[float]] | None = None
     nonfinite: bool = False  # a NaN or infinity in the token's exit states or logits
+    stalled: bool | None = None  # see Token.stalled; None where the rule has no such measure
     # Iterations its attention layers ran and its MLPs ran, summed over loop groups (IBM vLLM-Hook's cost axes):
     # both its exit steps under physical exits (None: as exit_steps), both K under select and weighted; under
     # freeze K and its exit steps.

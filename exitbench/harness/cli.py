@@ -162,17 +162,21 @@ def check_model_args(model_args: dict[str, Any]) -> None:
     from .model import ExitbenchLM, ModelArgs
 
     params = inspect.signature(ExitbenchLM.__init__).parameters
-    # exit_config and on_progress are for Python callers; on lm-eval's command line knobs come one by one
+    # on_progress is for Python callers; exit_config, on lm-eval's command line, is a file's path
     own = [name for name, p in params.items()
            if name not in ("self", "exit_config", "on_progress") and p.kind is not p.VAR_KEYWORD]
     exit_knobs = [f.name for f in dataclasses.fields(ExitConfig)]
-    unknown = sorted(set(model_args) - set(own) - set(exit_knobs))
+    unknown = sorted(set(model_args) - set(own) - set(exit_knobs) - {"exit_config"})
     if unknown:
         raise ExitbenchError(f"unknown exitbench model argument {unknown[0]!r} in --model_args; "
-                             f"known: {', '.join(own + exit_knobs)}")
+                             f"known: {', '.join([*own, 'exit_config', *exit_knobs])}")
     bound = {name: model_args.get(name, params[name].default) for name in own}
     parse(ModelArgs, {k: v for k, v in bound.items() if k in ModelArgs.model_fields}, "exitbench model arguments")
-    ExitConfig(**{k: v for k, v in model_args.items() if k in exit_knobs})
+    given = {k: v for k, v in model_args.items() if k in exit_knobs}
+    if "exit_config" in model_args:
+        ExitConfig.with_file(str(model_args["exit_config"]), given, "exitbench model argument")
+    else:
+        ExitConfig(**given)
     check_dtype_name(bound["dtype"])
     check_checkpoint(bound["checkpoint"])
 

@@ -62,12 +62,13 @@ class ExitbenchLM(LM):
     def __init__(self, checkpoint: str | Checkpoint | None = None, dtype: str = "auto", batch_size: int | str = 1,
                  max_batch_size: int | None = None, device: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool | None = None, allow_nonfinite: bool = False,
-                 schedule: str = "auto", exit_config: ExitConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
+                 schedule: str = "auto", exit_config: ExitConfig | str | None = None, on_progress: Callable[[int, int], None] | None = None,
                  pretrained: str | None = None, **exit_knobs: Any):
         """The one constructor. lm-eval builds the model from its model arguments (its own
         `create_from_arg_string`): a checkpoint by path or embedded name, and any of ExitConfig's fields
         (policy, threshold, min_steps, …). A sweep hands it a Checkpoint it loaded once for all its cells, and
-        each cell's ExitConfig (`exit_config`, instead of knobs). `schedule`: how the engine runs teacher-forced
+        each cell's ExitConfig (`exit_config`, instead of knobs); on lm-eval's command line, `exit_config` names
+        an exit-config YAML file (knobs given one by one beside it may not repeat its own). `schedule`: how the engine runs teacher-forced
         requests (exitbench.engine.ExitEngine; auto: depth-major wherever exact), a speed choice only.
         `pretrained` is lm-eval's usual name for `checkpoint` (a directory, an embedded name or a hub id)."""
         super().__init__()
@@ -83,6 +84,8 @@ class ExitbenchLM(LM):
                               "max_gen_toks": max_gen_toks, "allow_nonfinite": allow_nonfinite,
                               "schedule": schedule},
                   "exitbench model arguments")
+        if isinstance(exit_config, str):  # lm-eval's model args name an exit-config file (an all_of's rules)
+            exit_config, exit_knobs = ExitConfig.with_file(exit_config, exit_knobs, "exitbench model argument"), {}
         if exit_config is not None and exit_knobs:
             raise ExitbenchError(f"give exit_config or exit knobs ({', '.join(sorted(exit_knobs))}), not both")
         if exit_config is None:

@@ -30,7 +30,7 @@ Memory = dict[str, torch.Tensor]
 
 REGISTRY: dict[str, type["ExitPolicy"]] = {}
 # The knobs a policy takes (their defaults and help live in exitbench.engine.config.ExitConfig).
-POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model")
+POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "rules", "vary")
 
 
 def register(cls: type["ExitPolicy"]) -> type["ExitPolicy"]:
@@ -64,6 +64,8 @@ class ExitPolicy:
     # Reads the model's trained exit gate (`LoopGroup.gate`), given at `bind`.
     needs_gate: ClassVar[bool] = False
     gate = None
+    # Combines other rules (`rules`, `vary`): the conjunction.
+    takes_rules: ClassVar[bool] = False
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(POLICY_KNOBS))
@@ -77,6 +79,7 @@ class ExitPolicy:
         self.patience = self.default_patience if patience is None else patience
         self.relative = knobs.get("relative", False)
         self.exit_model = knobs.get("exit_model")
+        self.rules, self.vary = knobs.get("rules"), knobs.get("vary")
         self._validate()
 
     def _validate(self) -> None:
@@ -99,6 +102,9 @@ class ExitPolicy:
         if self.needs_exit_model and not self.exit_model:
             raise ExitbenchError(f"{self.name}: needs --exit-model FILE, the exit model `exitbench fit-exit` "
                                  "writes for this checkpoint")
+        if (self.rules is not None or self.vary is not None) and not self.takes("rules"):
+            raise ExitbenchError(f"{self.name}: rules and vary have no meaning for this policy; they define an "
+                                 "all_of conjunction")
         if self.exit_model and not self.takes("exit_model"):
             raise ExitbenchError(f"{self.name}: --exit-model has no meaning for this policy; it applies to "
                                  f"{', '.join(n for n, c in REGISTRY.items() if c.takes('exit_model'))}")
@@ -107,7 +113,8 @@ class ExitPolicy:
     def takes(cls, knob: str) -> bool:
         """Whether this rule has a use for `knob`: every rule takes its threshold, step limits and patience;
         `relative` only a rule that reads step norms, the exit model only the learned rule."""
-        return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model}.get(knob, True)
+        return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model, "rules": cls.takes_rules,
+                "vary": cls.takes_rules}.get(knob, True)
 
     def bind(self, max_steps: int, group: Any = None) -> "ExitPolicy":
         """Fix max_steps from the loop group when the config left it open; a gate rule takes the group's gate."""
@@ -123,7 +130,7 @@ class ExitPolicy:
 
     def knobs(self) -> dict[str, Any]:
         return {"policy": self.name, **{name: getattr(self, name) for name in POLICY_KNOBS
-                                        if name != "exit_model" or self.exit_model}}
+                                        if name not in ("exit_model", "rules", "vary") or getattr(self, name)}}
 
     @property
     def variant(self) -> str:
@@ -140,6 +147,15 @@ class ExitPolicy:
         """The rule's value for each token from its new state s (n, d), shape (n,); updates `memory`."""
         raise NotImplementedError
 
+    def stalled(self, value: float) -> bool:
+        """Whether a token that ran to max_steps with this last signal never settled by the rule's own measure
+        (the contraction rule: still not contracting); such tokens are counted in the cell."""
+        return False
+
+    @property
+    def counts_stalls(self) -> bool:
+        return type(self).stalled is not ExitPolicy.stalled
+
     # ---- the shared exit rule, on the host ---------------------------------------------------------------
     @property
     def never(self) -> float:
@@ -149,12 +165,22 @@ class ExitPolicy:
         """The signal as the rule reads it at iteration k: `never` before `defined_from`."""
         return value if k >= self.defined_from else self.never
 
+    def defined_tensor(self, k: int, value: torch.Tensor) -> torch.Tensor:
+        """`defined` for every token of a recording at iteration k at once."""
+        return value if k >= self.defined_from else torch.full_like(value, self.never)
+
+    @property
+    def padding(self) -> float:
+        """A recorded trajectory's entry for the iterations after the token's exit."""
+        return math.nan
+
     def hit(self, value: float) -> bool:
         return value < self.threshold if self.exits_below else value >= self.threshold  # NaN never hits
 
     def decide(self, k: list[int], values: list[float], streak: list[int]) -> list[bool]:
         """Which tokens exit after their iteration k[j] with signal values[j] (as `defined` reads them):
-        `patience` consecutive hits at k ≥ min_steps, or k = max_steps. Updates the hit streaks in place."""
+        `patience` consecutive hits at k ≥ min_steps, or k = max_steps. Updates the hit streaks in place
+        (`streak[j]` is the rule's own count for the token, 0 when it starts)."""
         leave = []
         for j, (kj, v) in enumerate(zip(k, values)):
             streak[j] = streak[j] + 1 if self.hit(v) else 0

@@ -127,3 +127,23 @@ class Confidence(_DistributionRule):
 
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         return logp.max(-1).values.exp()
+
+
+@register
+class Margin(_DistributionRule):
+    """log p_k(top-1) − log p_k(top-2) ≥ τ: the readout's lead of its first choice over its second.
+
+    The peer's `logit_margin` (top-1 minus top-2 logit), which equals the log-probability margin since
+    softmax shifts every logit alike; not the probability difference p₁ − p₂, which shrinks with the mass of
+    the tail and would need a different grid per vocabulary. The peer's benchmark uses 0.125.
+    """
+
+    name = "margin"
+    source = "IBM vLLM-Hook recurrent-depth exit (PR #30, 2026), logit_margin readout"
+    exits_below = False
+    default_threshold = 0.125
+    default_grid = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        top2 = logp.topk(2, dim=-1).values
+        return top2[:, 0] - top2[:, 1]

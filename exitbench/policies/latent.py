@@ -24,6 +24,22 @@ def _dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _norm(a - b)
 
 
+class _StepNorms(ExitPolicy):
+    """Rules that compare consecutive step norms ‖Δ_k‖, ‖Δ_{k−1}‖: defined from k = 2."""
+
+    defined_from = 2
+
+    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
+        return {"prev": s0, "step": torch.zeros(s0.shape[0], dtype=s0.dtype, device=s0.device)}
+
+    @staticmethod
+    def _step_norms(s: torch.Tensor, memory: Memory) -> tuple[torch.Tensor, torch.Tensor]:
+        """(‖Δ_k‖, ‖Δ_{k−1}‖) per token, memory moved on to s_k."""
+        step, before = _dist(s, memory["prev"]), memory["step"]
+        memory["prev"], memory["step"] = s, step
+        return step, before
+
+
 class _StepRule(ExitPolicy):
     uses_relative = True
     default_grid = LATENT_GRID
@@ -74,7 +90,7 @@ class SecondOrder(_StepRule):
 
 
 @register
-class SecondOrderMagnitude(_StepRule):
+class SecondOrderMagnitude(_StepNorms, _StepRule):
     """|‖Δ_k‖ − ‖Δ_{k−1}‖| < τ on `patience` (2) consecutive iterations; relative: divided by ‖s_k‖.
 
     The abstract's literal wording, "second-order difference in step-size": the change of the step's
@@ -85,16 +101,10 @@ class SecondOrderMagnitude(_StepRule):
     source = "Pappone, Crisostomi, Rodolà 2025 (arXiv 2509.23314), magnitude reading of the abstract"
     default_threshold = 1e-3
     default_patience = 2
-    defined_from = 2
-
-    def start(self, s0: torch.Tensor, vocab: int) -> Memory:
-        return {"prev": s0, "step": torch.zeros(s0.shape[0], dtype=s0.dtype, device=s0.device)}
 
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
-        step = _dist(s, memory["prev"])
-        value = (step - memory["step"]).abs()
-        memory["prev"], memory["step"] = s, step
-        return self._scale(value, s)
+        step, before = self._step_norms(s, memory)
+        return self._scale((step - before).abs(), s)
 
 
 @register
@@ -116,3 +126,32 @@ class Cosine(ExitPolicy):
         ns, npv = _norm(s).unsqueeze(-1), _norm(prev).unsqueeze(-1)
         value = 0.5 * _dist(s / ns.clamp_min(1e-12), prev / npv.clamp_min(1e-12)) ** 2
         return torch.where(torch.minimum(ns, npv).squeeze(-1) < 1e-12, torch.ones_like(value), value)
+
+
+@register
+class Contraction(_StepNorms):
+    """‖Δ_k‖·r̂/(1 − r̂) / ‖s_k‖ < τ and r̂ < 1, with r̂ = ‖Δ_k‖/‖Δ_{k−1}‖: the distance still to go, relative.
+
+    If the loop contracts at rate r̂, the steps ahead form a geometric series whose sum is the predicted
+    remaining distance (r̂ clamped at 0.999 as in the peer, so a barely contracting token reads ~1000 steps
+    out, not infinity). A token with r̂ ≥ 1 is not contracting: its signal is +inf (never a hit), and a token
+    that reaches max_steps that way is counted as non-converging. Defined from k = 2; 0/0 (a state that
+    stopped) reads r̂ = 0.
+    """
+
+    name = "contraction"
+    source = "IBM vLLM-Hook recurrent-depth exit (PR #30, 2026), contraction-rate rule (its default)"
+    default_threshold = 0.02
+    default_patience = 1
+    default_grid = log_grid(1e-4, 1.0, per_decade=2)
+    RATE_CAP = 0.999
+
+    def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
+        step, before = self._step_norms(s, memory)
+        rate = torch.where(step == 0, torch.zeros_like(step), step / before)  # x/0 → inf: not contracting
+        capped = rate.clamp(max=self.RATE_CAP)
+        remaining = step * capped / (1 - capped) / _norm(s).clamp_min(1e-12)
+        return torch.where(rate < 1, remaining, torch.full_like(remaining, torch.inf))
+
+    def stalled(self, value: float) -> bool:
+        return value == float("inf")

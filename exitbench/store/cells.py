@@ -20,7 +20,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
                cell's first requests timed again beside full depth (harness/retime.py; absent when not);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
-    numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity
+    numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;
+               nonconverging_tokens (contraction only): tokens that reached max_steps still not contracting
     samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
     run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
                versions, git_revision, started, host, machine, load {start, end, cpus}; thresholds {from,
@@ -38,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -60,13 +62,25 @@ def series(policy: dict[str, Any]) -> str:
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
     mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted", "freeze") else ""
-    return policy["policy"] + rel + window + mode
+    rule = conjunction(policy) if policy.get("rules") else policy["policy"]
+    return rule + rel + window + mode
+
+
+def conjunction(policy: dict[str, Any]) -> str:
+    """An all_of cell's series: its rules joined by ∧, each fixed threshold beside its rule and the varied rule
+    bare (its threshold is the cell's τ), e.g. `margin 0.125 ∧ argmax_stability`."""
+    rules = policy["rules"]
+    vary = policy.get("vary") or next((r["policy"] for r in rules if r.get("threshold") is None), rules[0]["policy"])
+    return " ∧ ".join(r["policy"] + ("-rel" if r.get("relative") else "")
+                      + ("" if r["policy"] == vary or r.get("threshold") is None else f" {r['threshold']:g}")
+                      for r in rules)
 
 
 def filename(cell: dict[str, Any]) -> str:
     p = cell["policy"]
     threshold = "" if p["threshold"] is None else f"{p['threshold']:g}"
-    return f"{cell['task']['name']}__{series(p)}-{threshold}__{cell['cell_id']}.json"
+    name = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", series(p))  # a conjunction's ∧ and spaces stay out of file names
+    return f"{cell['task']['name']}__{name}-{threshold}__{cell['cell_id']}.json"
 
 
 def mode(cell: dict[str, Any]) -> str:
@@ -158,6 +172,9 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
         "nonfinite": sum(1 for r in records if r.nonfinite),
         "attention_token_steps": sum(r.token_steps[0] for r in records),
         "mlp_token_steps": sum(r.token_steps[1] for r in records),
+        # only under a rule that can tell (contraction): tokens at the cap still not settling by its measure
+        **({"nonconverging": sum(1 for r in records if r.stalled)}
+           if any(getattr(r, "stalled", None) is not None for r in records) else {}),
     }
 
 
@@ -188,7 +205,9 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
                        "phases_s": dict(phases)},
         "flops": {"per_token": sum(s["flops"] for s in stats) / tokens if tokens else None,
                   "probe_per_token": sum(s["probe_flops"] for s in stats) / tokens if tokens else None},
-        "numerics": {"nonfinite_tokens": sum(s.get("nonfinite", 0) for s in stats)},
+        "numerics": {"nonfinite_tokens": sum(s.get("nonfinite", 0) for s in stats),
+                     **({"nonconverging_tokens": sum(s.get("nonconverging", 0) for s in stats)}
+                        if any("nonconverging" in s for s in stats) else {})},
         # How the engine ran the cell's requests (exitbench.engine.waves): depth_major, token_major, or both.
         "engine": {"schedule": "+".join(sorted({s["schedule"] for s in stats if "schedule" in s})) or None},
     }

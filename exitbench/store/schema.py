@@ -87,6 +87,7 @@ class FlopsPart(_Part):
 
 class NumericsPart(_Part):
     nonfinite_tokens: int = 0
+    nonconverging_tokens: Optional[int] = None  # only cells of a rule that can tell (contraction)
 
 
 class EnginePart(_Part):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from ..engine import ExitConfig, ExitEngine
 from ..engine.recorder import check_recordable
 from ..errors import ExitbenchError
-from ..policies import REGISTRY
+from ..policies import REGISTRY, ExitPolicy
 from ..runtime.files import atomic_write
 from ..runtime.provenance import run_metadata
 from ..runtime.validation import at_least
@@ -84,9 +84,10 @@ def fixed_sequence(pvalues: Sequence[float], delta: float) -> int:
     return accepted
 
 
-def conservative_order(policy: str, thresholds: Sequence[float]) -> list[float]:
-    """The grid from the threshold that exits latest to the one that exits earliest."""
-    below = REGISTRY[policy].exits_below
+def conservative_order(policy: "str | ExitPolicy", thresholds: Sequence[float]) -> list[float]:
+    """The grid from the threshold that exits latest to the one that exits earliest (a built rule: a
+    conjunction runs in its varied member's direction)."""
+    below = REGISTRY[policy].exits_below if isinstance(policy, str) else policy.exits_below
     return sorted(set(thresholds), reverse=not below)
 
 
@@ -168,7 +169,7 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
     full depth under the same window: the risk is what the exits cost in the cache regime that will serve."""
     _check_request(config, thresholds, epsilon, delta, test_fraction, batch_size, replay)
     engines = {tau: ExitEngine(model, _at_threshold(config, tau))
-               for tau in conservative_order(config.policy, thresholds)}  # validates every threshold first
+               for tau in conservative_order(config.build_policy(), thresholds)}  # validates every threshold first
     cal, test = split([list(d) for d in docs], test_fraction, seed)
     if not cal:
         raise ExitbenchError("calibrate: no calibration documents left after the held-out split")

@@ -7,8 +7,9 @@ cannot run, all before a checkpoint loads. `grid` is the sweep's exit configs; `
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,6 +40,9 @@ class RunOptions:
         "one recording pass (default: each policy's grid)."))
     baselines: Optional[str] = field(default=None, metadata=option(
         "Fixed depths, comma-separated (default 1,2,4,…,max)."))
+    exit_config: Optional[Path] = field(default=None, metadata=option(
+        "An exit-config YAML: its knobs (an all_of conjunction's rules among them) are the sweep's, its policy "
+        "and threshold the sweep's where --policy / --thresholds are not given.", "--exit-config"))
     checkpoint: Optional[str] = field(default=None, metadata=option(
         "Checkpoint directory or embedded name (default: the embedded tiny-raven).", "--checkpoint", "-c"))
     dtype: str = field(default="auto", metadata=option(
@@ -155,6 +159,8 @@ class SweepConfig:
             picked = {f.name: getattr(options, f.name) for f in fields(options)}
             options = RunOptions(**presets.apply(chosen, picked, given))
         o = options
+        if o.exit_config is not None:
+            o, knobs = with_exit_config(o, knobs, given)
         quantiles = parse_quantiles(o.thresholds)
         cfg = cls(tasks=[t.strip() for t in o.tasks.split(",") if t.strip()], policies=o.policy,
                   thresholds=None if quantiles else parse_thresholds(o.thresholds), quantiles=quantiles,
@@ -181,6 +187,26 @@ class SweepConfig:
                                  "machine's noise, see bench/RESULTS.md)")
         if self.num_fewshot is not None:
             at_least("--num-fewshot", self.num_fewshot, 0)
+
+
+def with_exit_config(options: RunOptions, knobs: dict[str, Any], given: set[str]
+                     ) -> tuple[RunOptions, dict[str, Any]]:
+    """--exit-config FILE: the file's knobs over the defaults; its policy and threshold where --policy and
+    --thresholds were not typed (so `--thresholds` sweeps a conjunction's varied rule). A knob typed on the
+    command line that the file sets too is refused: one of the two would be silently ignored."""
+    path = options.exit_config
+    raw = ExitConfig.read_yaml(path)
+    ExitConfig.from_dict(raw, what=f"knob in exit config {path}")  # whole and valid on its own, named by file
+    both = sorted(k for k in set(raw) & given if k != "threshold")
+    if both:
+        raise ExitbenchError(f"--{both[0].replace('_', '-')} is given on the command line and in --exit-config "
+                             f"{path}; set it in one place")
+    policy = [raw["policy"]] if "policy" in raw else options.policy
+    thresholds = options.thresholds
+    if "thresholds" not in given and raw.get("threshold") is not None:
+        thresholds = repr(raw["threshold"])
+    knobs = {**knobs, **{k: v for k, v in raw.items() if k not in ("policy", "threshold")}}
+    return replace(options, policy=policy, thresholds=thresholds), knobs
 
 
 def check_mode(cfg: SweepConfig, verify: bool = False, verify_cells: str | None = None) -> list[tuple[str, float]]:
@@ -316,9 +342,12 @@ def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...
                for r in (cfg.baselines or default_baselines(default_steps))]
     names = _runnable(cfg, shared, gated)
     for name in names:
+        # A conjunction sweeps its varied member's threshold, over that member's grid.
+        rule = ExitConfig.for_policy(name, None, shared).build_policy() if REGISTRY[name].takes_rules \
+            else REGISTRY[name]
         configs += [ExitConfig.for_policy(name, tau, {**shared, "seed": cfg.seed})
-                    for tau in _thresholds(REGISTRY[name], name, cfg.thresholds, grids)]
-    unique = {tuple(sorted(c.to_dict().items())): c for c in configs}
+                    for tau in _thresholds(rule, rule.vary if rule.takes_rules else name, cfg.thresholds, grids)]
+    unique = {json.dumps(c.to_dict(), sort_keys=True): c for c in configs}  # (an all_of's rules are a list)
     return list(unique.values())
 
 
@@ -329,6 +358,8 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
         names = [n for n in names if not REGISTRY[n].needs_exit_model]
     if "all" in cfg.policies and not gated:
         names = [n for n in names if not REGISTRY[n].needs_gate]
+    if "all" in cfg.policies and not shared.get("rules"):
+        names = [n for n in names if not REGISTRY[n].takes_rules]
     if (cfg.thresholds or cfg.quantiles) and not any(not REGISTRY[n].retrospective for n in names):
         given = f"quantiles:{cfg.quantiles}" if cfg.quantiles else ','.join(f'{t:g}' for t in cfg.thresholds)
         raise ExitbenchError(f"--thresholds {given} apply to none of the policies "

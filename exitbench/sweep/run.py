@@ -16,6 +16,7 @@ from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..policies.learned import check_fitted_for
 from ..runtime.distributed import init_distributed
+from ..store import cells
 from .config import SweepConfig, check_named
 from .replay import ReplaySweep, verify_frontier
 from .schedule import SweepPlan, exit_configs, plan, run_cells
@@ -133,10 +134,10 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     rows = []
     for c in cell_list:
         p = c["policy"]
+        name = (cells.conjunction(p) if p.get("rules") else p["policy"]) + (" (rel)" if p.get("relative") else "")
         origin = [w for w, yes in (("reused", c["cell_id"] in reused), ("replay", c.get("mode") == "replay")) if yes]
         rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"],
-                     "higher_is_better": c["quality"]["higher_is_better"], "policy": p["policy"]
-                     + (" (rel)" if p.get("relative") else ""), "threshold": p["threshold"],
+                     "higher_is_better": c["quality"]["higher_is_better"], "policy": name, "threshold": p["threshold"],
                      "quality": c["quality"]["value"], "mean_iterations": c["iterations"]["mean"],
                      "per_group": c["iterations"].get("per_group_mean") or [],
                      "ms_per_token": 1e3 * (c["wall_clock"]["per_token_s"] or 0.0),

@@ -18,13 +18,13 @@ from exitbench.models import AttnContext, LoopGroup, Stage
 from helpers.models import make_tiny_raven
 
 # Policies whose signal must pass *above* the threshold; every other rule exits below it.
-EXITS_ABOVE = {"confidence", "argmax_stability", "fixed", "qexit", "gate"}
+EXITS_ABOVE = {"confidence", "margin", "argmax_stability", "fixed", "qexit", "gate"}
 INTEGER_THRESHOLD = {"argmax_stability", "fixed"}
-DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence"}
+DISTRIBUTION = {"kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence", "margin"}
 RELATIVE = {"first_order", "second_order", "second_order_magnitude"}
 # The policies of the roster that run on every architecture (the gate rules run on Ouro only).
-ALL_POLICIES = ["kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence", "first_order", "second_order",
-                "second_order_magnitude", "cosine", "learned", "fixed", "oracle"]
+ALL_POLICIES = ["kl", "minp_kl", "entropy_diff", "argmax_stability", "confidence", "margin", "first_order",
+                "second_order", "second_order_magnitude", "cosine", "contraction", "learned", "fixed", "oracle"]
 
 
 # ---- the learned rule's model, for tests: a small MLP with fixed random weights -------------------------------
@@ -67,9 +67,21 @@ def exit_model_file() -> str:
     return path
 
 
+# The conjunction the roster-wide tests run: a latent rule (varied) and a decoding one, lenient enough that the
+# tests' thresholds for second_order spread its exits too (tests/test_conjunction.py tests conjunctions proper).
+CONJUNCTION = {"rules": [{"policy": "second_order"}, {"policy": "margin", "threshold": 0.01}]}
+
+
 def knobs_for(policy: str) -> dict:
-    """The knobs a policy cannot run without: the learned rule's exit model."""
+    """The knobs a policy cannot run without: the learned rule's exit model, a conjunction's rules."""
+    if policy == "all_of":
+        return CONJUNCTION
     return {"exit_model": exit_model_file()} if policy == "learned" else {}
+
+
+def varied(policy: str) -> str:
+    """The rule whose threshold a policy's τ is: a conjunction's varied member, else the policy itself."""
+    return CONJUNCTION["rules"][0]["policy"] if policy == "all_of" else policy
 
 
 def learned_risk(states: np.ndarray, model: dict = TEST_EXIT_MODEL) -> np.ndarray:
@@ -176,6 +188,14 @@ def direct_signals(name: str, states: np.ndarray, logps: np.ndarray, relative: b
             v = math.inf if k == 1 else norm(delta[k] - delta[k - 1])
         elif name == "second_order_magnitude":
             v = math.inf if k == 1 else abs(norm(delta[k]) - norm(delta[k - 1]))
+        elif name == "contraction":
+            if k == 1:
+                v = math.inf
+            else:
+                step, before = norm(delta[k]), norm(delta[k - 1])
+                rate = 0.0 if step == 0 else (math.inf if before == 0 else step / before)
+                capped = min(rate, 0.999)
+                v = step * capped / (1 - capped) / norm(s64[k]) if rate < 1 else math.inf
         elif name == "cosine":
             a, b = s64[k], s64[k - 1]
             v = 1.0 - float(a @ b) / max(norm(a) * norm(b), 1e-8)
@@ -188,6 +208,9 @@ def direct_signals(name: str, states: np.ndarray, logps: np.ndarray, relative: b
             v = math.inf if k == 1 else abs(ent(lp) - ent(lp_prev))
         elif name == "confidence":
             v = float(np.exp(lp.max()))
+        elif name == "margin":
+            top2 = np.sort(lp)[-2:]
+            v = float(top2[1] - top2[0])
         elif name == "argmax_stability":
             run = 0
             for j in range(2, k + 1):

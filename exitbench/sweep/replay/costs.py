@@ -69,7 +69,7 @@ def measure(model: LoopedLM, depth: int, variants: Sequence[ExitPolicy], sample:
         if policy.signal_free or policy.needs_logits in timed:
             continue
         config = ExitConfig(policy.name, relative=policy.relative, exit_model=policy.exit_model, min_steps=depth,
-                            max_steps=depth, seed=seed)
+                            max_steps=depth, rules=policy.rules, vary=policy.vary, seed=seed)
         stats = _run(model, config, sample, batch_size)
         timed[policy.needs_logits] = stats["probe"] / (max(stats["tokens"], 1.0) * depth * groups)
     costs.probe_s = {variant_key(p): timed[p.needs_logits] for p in variants if not p.signal_free}

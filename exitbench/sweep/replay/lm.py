@@ -20,7 +20,7 @@ from lm_eval.api.model import LM
 
 from ...engine import ExitConfig, TokenRecord
 from ...engine.flops import FlopModel
-from ...engine.recorder import Recorder, Sequence_, Trajectories
+from ...engine.recorder import Recorder, Sequence_, Trajectories, variant_key
 from ...harness.model import ExitbenchLM
 from ...models import Checkpoint
 from ...store import cells
@@ -154,8 +154,17 @@ class ReplayLM(LM):
             probes = [k if p.needs_logits else 0 for k, p in zip(steps, self.policies)]
             out.append(TokenRecord(position, steps, self.costs.token(steps, self.policies),
                                    self.flops.token(position + 1, steps, probes),
-                                   nonfinite=not bool(traj.finite[j, steps[-1] - 1])))
+                                   nonfinite=not bool(traj.finite[j, steps[-1] - 1]),
+                                   stalled=self._stalled(traj, j, steps)))
         return out
+
+    def _stalled(self, traj: Trajectories, j: int, steps: list[int]) -> bool | None:
+        """As the engine counts it: some group's token ran to its cap with the rule's last signal stalled."""
+        if not any(p.counts_stalls for p in self.policies):
+            return None
+        return any(p.counts_stalls and k >= max(p.max_steps, p.defined_from)
+                   and p.stalled(traj.signals[g][variant_key(p)][j, k - 1].tolist())
+                   for g, (p, k) in enumerate(zip(self.policies, steps)))
 
     def _record(self, req, kind: str, records: list[TokenRecord], tokens=(), logprobs=(), greedy=()) -> None:
         stats = cells.request_stats(records, 0.0)
