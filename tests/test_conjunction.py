@@ -222,3 +222,15 @@ def test_calibrate_chooses_the_varied_members_threshold(trajectories):
     assert report["config"]["rules"] == PEER
     iters = [r["mean_iterations"] for r in report["thresholds"]]
     assert iters == sorted(iters, reverse=True) and not math.isclose(iters[0], iters[-1])
+
+
+def test_a_gate_tells_conjunctions_apart_by_their_rules():
+    from exitbench.analysis.check import identity
+
+    def cell(rules, threshold):
+        return {"policy": {"policy": "all_of", "threshold": threshold, "rules": rules},
+                "task": {"name": "chains", "limit": 48}, "quality": {"metric": "exact_match,none"}}
+
+    other = [{"policy": "margin", "threshold": 0.5}, {"policy": "argmax_stability"}]
+    assert identity(cell(PEER, 2)) == identity(cell(PEER, 2.0))  # a threshold read back as 2.0 is the same one
+    assert identity(cell(PEER, 2)) != identity(cell(other, 2))

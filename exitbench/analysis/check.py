@@ -16,6 +16,8 @@ same run's full-depth time per token, against the same ratio in the baseline, wi
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,7 +49,9 @@ def identity(cell: dict[str, Any]) -> tuple:
     # The learned rule's exit model by its content, as the cell's key holds it: the same file at another path
     # is the same rule.
     ignored = {"seed", "record_signals"} | ({"exit_model"} if p.get("exit_model_sha256") else set())
-    knobs = tuple(sorted((k, v) for k, v in p.items() if k not in ignored))
+    # (a conjunction's rules, a list of mappings, as JSON; numbers as numbers, so 1 and 1.0 stay one threshold)
+    knobs = tuple(sorted((k, json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v)
+                         for k, v in p.items() if k not in ignored))
     return (cell["task"]["name"], cell["quality"]["metric"], cell["task"].get("limit"),
             cell["task"].get("n_shot"), knobs)
 
