@@ -37,6 +37,7 @@ def _policy(name: str, **knobs):
     ("first_order", {"threshold": 0.3}), ("second_order", {"threshold": 0.3}),
     ("second_order", {"threshold": 0.5, "patience": 3, "min_steps": 4}), ("confidence", {"threshold": 0.6}),
     ("argmax_stability", {"threshold": 3}), ("kl", {"threshold": 0.2, "max_steps": 9}),
+    ("contraction", {"threshold": 0.4, "patience": 2}), ("margin", {"threshold": 0.5, "min_steps": 3}),
 ])
 def test_first_exits_equal_the_policy_rule(name, knobs):
     rng = np.random.default_rng(0)
