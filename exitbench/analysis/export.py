@@ -12,13 +12,17 @@ from ..store import cells
 COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
            "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
            "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
-           "ms_per_token", "time_ratio", "time_spread", "timing_repeats", "timing_warnings", "probe_share",
+           "ms_per_token", "time_ratio", "time_spread", "timing_repeats", "overhead", "overhead_timing",
+           "timing_warnings", "probe_share",
            "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
            "git_revision",
            "started", "preset", "file"]
 
 
-def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
+def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The cell's columns; `full`, its full-depth cell (`frontier.references`), gives its overhead."""
+    from .frontier import overhead_fields
+
     policy, wall = cell["policy"], cell.get("wall_clock", {})
     per_token = wall.get("per_token_s")
     repeats = wall.get("repeats") or {}
@@ -36,6 +40,7 @@ def row(path: Path, cell: dict[str, Any]) -> dict[str, Any]:
         "p90_iterations": cell["iterations"].get("p90"),
         "ms_per_token": None if per_token is None else 1000 * per_token, "time_ratio": repeats.get("ratio"),
         "time_spread": repeats.get("spread"), "timing_repeats": repeats.get("repeats"),
+        **overhead_fields(cell, full),
         "timing_warnings": "; ".join(wall.get("warnings", [])) or None, "probe_share": wall.get("probe_share"),
         "flops_per_token": cell.get("flops", {}).get("per_token"),
         # (cells written before these counters existed have none)
@@ -53,7 +58,10 @@ def tidy(directories: list[Path]) -> list[dict[str, Any]]:
     found, _ = cells.scan(paths)
     if not found:
         raise ExitbenchError(f"no result cells under {', '.join(map(str, directories))}")
-    return sorted((row(path, cell) for path, cell in found),
+    from .frontier import references
+
+    full = references([cell for _, cell in found])
+    return sorted((row(path, cell, full.get(cell["cell_id"])) for path, cell in found),
                   key=lambda r: (r["model"] or "", r["task"], r["metric"], r["series"], r["threshold"] or 0, r["mode"]))
 
 

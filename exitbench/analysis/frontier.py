@@ -7,7 +7,8 @@ Frontiers are reported overall and per policy (each policy's own non-dominated t
 
 The matched-quality table answers "what does each policy save at (almost) no loss?": for a tolerance ε
 (relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
-point within ε, its iterations, its wall-clock speed-up over full depth, and its iterations over the oracle's.
+point within ε, its iterations, its wall-clock speed-up over full depth, its overhead (time ratio ÷ FLOP ratio to
+full depth, `overhead`) and its iterations over the oracle's.
 """
 from __future__ import annotations
 
@@ -193,6 +194,7 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 "evaluation_speedup": evaluated,
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,
+                **overhead_fields(best.cell, ref.cell),
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
                                            if oracle and oracle[0].cost("iterations") else None),
                 # A speed-up is a ratio of two cells' timings: only comparable when one run measured both.
@@ -205,6 +207,56 @@ def paired_timing(cell: dict[str, Any], depth: Any) -> dict[str, Any] | None:
     """The cell's repeated timings (harness/retime.py) where they were paired with fixed depth `depth`."""
     rep = cell.get("wall_clock", {}).get("repeats")
     return rep if rep and rep.get("full_depth") == depth else None
+
+
+def overhead(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The cell's overhead against its full-depth cell `full`: its time ratio to full depth ÷ its FLOP ratio
+    (1 when its time is what its FLOPs say; far above 1, an implementation's defect rather than the rule's
+    cost), with both ratios and `timing`: "paired" where the cell's repeats were timed beside this full depth
+    (one run, alternately: the fair ratio), else "plain" (the two cells' own per-token times). None where a
+    time or a FLOP count is missing (cells written before them). Without `full`, only the repeats'."""
+    rep = cell.get("wall_clock", {}).get("repeats")
+    if rep and rep.get("ratio") and (full is None or rep.get("full_depth") == full["policy"]["threshold"]):
+        flops = rep.get("flops_ratio") or _ratio(cell, full, "flops", "per_token")
+        if flops:
+            return {"overhead": rep["ratio"] / flops, "time_ratio": rep["ratio"], "flops_ratio": flops,
+                    "timing": "paired"}
+    if full is None:
+        return None
+    time, flops = _ratio(cell, full, "wall_clock", "per_token_s"), _ratio(cell, full, "flops", "per_token")
+    if not (time and flops):
+        return None
+    return {"overhead": time / flops, "time_ratio": time, "flops_ratio": flops, "timing": "plain"}
+
+
+def overhead_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
+    """`overhead` as a row's two fields: its value and which timing it comes from (None, None without one)."""
+    o = overhead(cell, full)
+    return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"]}
+
+
+def _ratio(cell: dict[str, Any], full: dict[str, Any] | None, section: str, key: str) -> float | None:
+    if full is None:
+        return None
+    a, b = (cell.get(section) or {}).get(key), (full.get(section) or {}).get(key)
+    return a / b if a and b else None
+
+
+def references(cell_list: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each cell's full-depth cell (`full_depth`) among the cells of its model, task, metric and setup, by
+    cell id; a cell whose group has no fixed-depth cell has none."""
+    grouped: dict[tuple, list[Point]] = {}
+    for c in cell_list:
+        key = (c["model"]["fingerprint"], c["task"]["name"], c["quality"]["metric"], setup(c))
+        grouped.setdefault(key, []).append(Point(c))
+    out = {}
+    for points in grouped.values():
+        try:
+            ref = full_depth(points).cell
+        except ExitbenchError:
+            continue
+        out.update((p.cell["cell_id"], ref) for p in points)
+    return out
 
 
 def run_id(cell: dict[str, Any]) -> str | None:

@@ -59,3 +59,15 @@ def speedup(speedup: float | None, spread: float | None = None) -> str:
 def spread_percent(spread: float) -> str:
     """Repeats' spread (range over median) as ± half of it, in percent."""
     return f"±{100 * spread / 2:.0f}%"
+
+
+def overhead(value: float | None, timing: str | None = None) -> str:
+    """A cell's overhead (its time ratio to full depth ÷ its FLOP ratio) as `1.07×`, marked `1.07×*` where it
+    comes from two cells' own timings (`plain`) rather than repeats paired in one run."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}×" + ("*" if timing == "plain" else "")
+
+
+# Said under every table that marks one.
+PLAIN_OVERHEAD = "overhead: time ratio ÷ FLOP ratio to full depth; * from the cells' own timings, not paired repeats"

@@ -27,7 +27,7 @@ from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
-from .labels import direction, setting, spread_percent
+from .labels import direction, overhead, setting, spread_percent
 from .plot import draw
 
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
@@ -218,12 +218,15 @@ def matched_table(entry: dict[str, Any]) -> str:
         spread = main.get("speedup_spread")
         rows.append([policy, _setting(policy, main.get("threshold")), main.get("quality"), main.get("mean_iterations"),
                      main.get("speedup"), None if spread is None else spread_percent(spread),
+                     # a plain one as text, marked, so it never reads as the paired kind
+                     main.get("overhead") if main.get("overhead_timing") != "plain"
+                     else overhead(main["overhead"], "plain"),
                      main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
     headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "spread of repeats",
-               "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
+               "overhead", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
     spread = headers.index("spread of repeats")
     if all(r[spread] is None for r in rows):
         # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
@@ -231,7 +234,7 @@ def matched_table(entry: dict[str, Any]) -> str:
         rows = [r[:spread] + r[spread + 1:] for r in rows]
     # a speed-up reads as 2.13×, a spread as ±5% and a fixed depth as r = 16, as in `pareto`
     return table(headers, rows, numeric=set(range(1, len(headers))),
-                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×"})
+                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×", headers.index("overhead"): overhead})
 
 
 def _setting(policy: str, threshold: Any) -> Any:
@@ -387,7 +390,9 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
              "click a column head to sort by it. The speed-up divides full depth's wall-clock per token by the "
              "cell's; the spread of repeats is the range of the cell's paired timings beside full depth over their "
              "median, for a cell that was retimed (exitbench run --timing-repeats; the column is left out where "
-             "none was).</p>")
+             "none was). The overhead is the cell's time ratio to full depth divided by its FLOP ratio: its paired "
+             "repeats' where retimed, else (marked *) the two cells' own timings; far above 1, the time measures "
+             "our implementation of a rule, not the rule.</p>")
     tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
               f"({direction(entry['higher_is_better'])})</small></h3>{matched_table(entry)}"
               for group, entry in rep.items()]

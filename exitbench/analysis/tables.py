@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..errors import ExitbenchError
 from .frontier import collapse_tolerances, table_rows
-from .labels import direction, metric_with_direction, setting, speedup
+from .labels import PLAIN_OVERHEAD, direction, metric_with_direction, overhead, setting, speedup
 
 TABLES = ("frontier", "matched")
 
@@ -19,7 +19,7 @@ TABLES = ("frontier", "matched")
 def summary_table(rows: list[dict[str, Any]], title: str) -> Group:
     """`run`'s tables: one per task and metric (named in the title, with the metric's direction), a row per
     cell. No value is ever cut to an ellipsis (a narrow terminal folds the headings instead); the origin column
-    only where some cell was not measured by this run."""
+    only where some cell was not measured by this run, the speed-up only where some cell was retimed."""
     by_task: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         by_task.setdefault((r["task"], r["metric"]), []).append(r)
@@ -30,12 +30,21 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Group:
 def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
     shown = [_summary_row(r) for r in rows]
     columns = [("policy", "left"), ("τ", "right"), ("quality", "right"), ("mean iters", "right"),
-               ("ms/token", "right"), ("speed-up", "right"), ("probe", "right"), ("cell", "left")]
+               ("ms/token", "right"), ("speed-up", "right"), ("overhead", "right"), ("probe", "right"),
+               ("cell", "left")]
     if all(r[-1] == "measured" for r in shown):
         columns, shown = columns[:-1], [r[:-1] for r in shown]
+    speed = [c for c, _ in columns].index("speed-up")
+    if all(r[speed] == "-" for r in shown):  # none retimed: an empty column would push the table past 100 columns
+        columns, shown = columns[:speed] + columns[speed + 1:], [r[:speed] + r[speed + 1:] for r in shown]
     table = Table(title=title)
+    if any(r.get("overhead_timing") == "plain" for r in rows):
+        table.caption = PLAIN_OVERHEAD
     for i, (col, justify) in enumerate(columns):
-        table.add_column(col, justify=justify, min_width=max(len(Text.from_markup(r[i])) for r in shown))
+        # A conjunction's name (`margin 0.125 ∧ argmax_stability`) may wrap at its spaces on a narrow terminal,
+        # so it alone does not push the numbers off the edge; no value is cut.
+        width = (lambda v: max(map(len, v.split()))) if col == "policy" else len
+        table.add_column(col, justify=justify, min_width=max(width(Text.from_markup(r[i]).plain) for r in shown))
     for r in shown:
         table.add_row(*r)
     return table
@@ -47,7 +56,8 @@ def _summary_row(r: dict[str, Any]) -> list[str]:
         iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
     quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
     return [r["policy"], setting(r["policy"], r["threshold"]), quality, iters, f"{r['ms_per_token']:.3f}",
-            _paired_speedup(r), f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
+            _paired_speedup(r), overhead(r.get("overhead"), r.get("overhead_timing")),
+            f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
 
 
 def _paired_speedup(row: dict[str, Any]) -> str:
@@ -102,14 +112,18 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
             continue
         t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth; "
                         f"{direction(entry['higher_is_better'])})")
-        for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "iters / oracle"):
+        for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
             t.add_column(col, justify="left" if col == "policy" else "right")
-        for r in collapse_tolerances(entry["matched_quality"]):
+        rows = collapse_tolerances(entry["matched_quality"])
+        for r in rows:
             eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                                  else "")
             t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
                       f"{r['mean_iterations']:.2f}", speedup(r["speedup"], r.get("speedup_spread")),
+                      overhead(r.get("overhead"), r.get("overhead_timing")),
                       "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
+        if any(r.get("overhead_timing") == "plain" for r in rows):
+            t.caption = PLAIN_OVERHEAD
         out.append(t)
         if table is None:
             out.append(_frontier_table(group, entry))

@@ -9,6 +9,10 @@ times; their median is the cell's time ratio to full depth, and their range says
 
 The per-token time is the one a cell reports (the scored tokens' own loops, `cells.request_stats`), and the
 requests are lm-eval's own, as the evaluation received them, so a repeat runs exactly what was scored.
+
+The same passes count their FLOPs (the engine's cost model), so the repeats also give the cell's FLOP ratio to
+full depth on the very requests timed, and with it the cell's overhead: time ratio ÷ FLOP ratio, how much more
+the cell's time costs than its arithmetic says (1 when a rule runs as fast as its FLOPs allow).
 """
 from __future__ import annotations
 
@@ -51,8 +55,14 @@ def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tup
 
 
 def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
-    """One timed pass of `work` through an ExitbenchLM: seconds per scored token. The model's own request
-    table and progress callback are left as they were, so a cell's statistics hold its evaluation alone."""
+    """One timed pass of `work` through an ExitbenchLM: seconds per scored token."""
+    return timed_pass(lm, work)[0]
+
+
+def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, float | None]:
+    """One pass of `work` through an ExitbenchLM: (seconds, FLOPs) per scored token; FLOPs None where a request's
+    stats carry none. The model's own request table and progress callback are left as they were, so a cell's
+    statistics hold its evaluation alone."""
     kept, lm.request_stats = lm.request_stats, []
     progress, lm.on_progress = lm.on_progress, None
     try:
@@ -62,7 +72,10 @@ def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
     finally:
         lm.request_stats, lm.on_progress = kept, progress
     tokens = sum(len(s["iterations"]) for s in stats)
-    return sum(s["token_seconds"] for s in stats) / tokens if tokens else None
+    if not tokens:
+        return None, None
+    flops = None if any(s.get("flops") is None for s in stats) else sum(s["flops"] for s in stats) / tokens
+    return sum(s["token_seconds"] for s in stats) / tokens, flops
 
 
 def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int
@@ -73,17 +86,23 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
         return None
     cell_s: list[float | None] = []
     full_s: list[float | None] = []
+    flops: dict[int, float | None] = {}
     for r in range(repeats):
         pair = [(lm, cell_s), (full_lm, full_s)]
         for model, into in pair if r % 2 == 0 else pair[::-1]:
-            into.append(per_token_seconds(model, work))
+            seconds, flops[id(into)] = timed_pass(model, work)
+            into.append(seconds)
     if any(t is None or t <= 0 for t in cell_s + full_s):
         return None
     ratios = [a / b for a, b in zip(cell_s, full_s)]
     median = statistics.median(ratios)
+    # FLOPs do not vary between repeats: the last pass's count is every pass's.
+    cell_f, full_f = flops[id(cell_s)], flops[id(full_s)]
+    flops_ratio = cell_f / full_f if cell_f and full_f else None
     return {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
             "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
-            "spread": (max(ratios) - min(ratios)) / median}
+            "spread": (max(ratios) - min(ratios)) / median, "flops_ratio": flops_ratio,
+            "overhead": median / flops_ratio if flops_ratio else None}
 
 
 def wide_spread(cell: dict[str, Any]) -> bool:

@@ -16,8 +16,10 @@ Schema `exitbench.cell` version 2 (documented in the README):
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
-               {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread}: the
-               cell's first requests timed again beside full depth (harness/retime.py; absent when not);
+               {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread,
+               flops_ratio, overhead}: the cell's first requests timed again beside full depth
+               (harness/retime.py; absent when not); overhead: the repeats' time ratio ÷ their FLOP ratio
+               (absent when not retimed, and in cells written before it);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;

@@ -78,6 +78,7 @@ class WallClockPart(_Part):
     probe_share: Optional[float]
     total_s: Optional[float] = None
     estimated: bool = False
+    overhead: Optional[float] = None  # cells written before it, or timed once, have none
 
 
 class FlopsPart(_Part):

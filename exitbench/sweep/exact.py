@@ -75,8 +75,13 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     made = task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
                       list(unique.values()), started, cfg.log_samples, elapsed)
     for cell, _ in made:
-        if timings.get(cell["task"]["name"]):
-            cell["wall_clock"]["repeats"] = timings[cell["task"]["name"]]
+        rep = timings.get(cell["task"]["name"])
+        if rep:
+            cell["wall_clock"]["repeats"] = rep
+            # Known now only from the repeats; a cell timed once gets its overhead at read time, against its
+            # sweep's full-depth cell (analysis/frontier.py `overhead`).
+            if rep.get("overhead") is not None:
+                cell["wall_clock"]["overhead"] = rep["overhead"]
         reasons = retime.warnings(cell)
         if reasons:  # said in the cell itself, for whoever reads it without exitbench
             cell["wall_clock"]["warnings"] = reasons

@@ -131,6 +131,9 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     """One row per cell, ordered task → baselines first → policy → threshold (the order quality moves in).
     `origin` says which rows this run did not measure exactly: cells reused from an earlier run (their
     cell ids in `reused`) and cells computed by replay."""
+    from ..analysis.frontier import overhead_fields, references
+
+    full = references(cell_list)
     rows = []
     for c in cell_list:
         p = c["policy"]
@@ -144,5 +147,6 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      "probe_share": c["wall_clock"]["probe_share"], "origin": ", ".join(origin) or "measured",
                      "time_ratio": (c["wall_clock"].get("repeats") or {}).get("ratio"),
                      "time_spread": (c["wall_clock"].get("repeats") or {}).get("spread"),
+                     **overhead_fields(c, full.get(c["cell_id"])),
                      "warnings": retime.warnings(c)})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))
