@@ -19,7 +19,7 @@ def test_one_row_per_cell_with_plain_columns(tmp_path):
     assert res.exit_code == 0, explain(res)
     rows = list(csv.DictReader(io.StringIO(res.stdout)))
     files = sorted(p.name for p in BASELINE.glob("*.json"))
-    assert len(rows) == len(files) == 201 and list(rows[0]) == COLUMNS
+    assert len(rows) == len(files) == 267 and list(rows[0]) == COLUMNS
     assert sorted(r["file"].rpartition("/")[2] for r in rows) == files
     assert {r["task"] for r in rows} == {"chains", "chains_mc", "chains_lambada"}
     assert all(" · " not in r["task"] and r["metric"] in ("exact_match,none", "acc,none", "perplexity,none")
