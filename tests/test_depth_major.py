@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.engine import EXITS_ABOVE, LOGP_TOL, exit_steps, knobs_for, mixed_requests, spread_threshold, tiny
+from helpers.engine import (EXITS_ABOVE, LOGP_TOL, exit_steps, knobs_for, mixed_requests, spread_threshold, tiny,
+                            varied)
 
 from exitbench.engine import ExitConfig, ExitEngine, waves
 from exitbench.errors import ExitbenchError
@@ -68,7 +69,10 @@ def _threshold(model, requests, policy: str) -> dict:
         return {}
     if REGISTRY[policy].integer_threshold:  # iterations of a stable argmax: a count, no rounding at stake
         return {"threshold": 2}
-    never = 1.0 if policy in EXITS_ABOVE else 1e-30  # (confidence: a probability, never above 1)
+    if REGISTRY[policy].takes_rules:  # a conjunction's τ is its varied rule's
+        return _threshold(model, requests, varied(policy))
+    # (confidence: a probability, never above 1; margin: a gap of log-probabilities, unbounded)
+    never = (1e9 if policy == "margin" else 1.0) if policy in EXITS_ABOVE else 1e-30
     probe = _engine(model, policy, schedule="token_major", threshold=never).score(requests)
     patience = REGISTRY[policy].default_patience
     return {"threshold": spread_threshold(probe, policy, K, 1, patience)}
@@ -97,7 +101,7 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
     if cls.retrospective:
         assert blocker and "settles" in blocker and auto.scoring_schedule == "token_major"
         return
-    if cls.needs_logits and name not in ("tiny-raven", "ouro-layout"):  # reading out through a coda or later groups
+    if auto.policies[0].needs_logits and name not in ("tiny-raven", "ouro-layout"):  # reading out through a coda or later groups
         assert blocker and "attend" in blocker and auto.scoring_schedule == "token_major"
         return
     # Decoding-free rules, and every rule of a model whose readout is norm + head, run depth-major.

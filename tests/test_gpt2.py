@@ -26,7 +26,7 @@ from exitbench.models import (LoopedGPT2, LoopedGPT2Config, LoopGroup, Stage, lo
 from exitbench.policies import REGISTRY
 
 from helpers.cli import assert_one_line_error
-from helpers.engine import expected_exit, knobs_for, mixed_requests
+from helpers.engine import expected_exit, knobs_for, mixed_requests, varied
 from helpers.models import GPT2_SHAPE, gpt2_config, make_gpt2, random_ids
 
 # vocab, n_embd, n_head, n_layer, n_positions: 100, 32, 4, 6, 64
@@ -448,7 +448,9 @@ def _never(cls) -> float:
     """A threshold the signal never passes, so the recorded run shows whole trajectories."""
     if cls.exits_below:
         return 1e-30
-    return 1000.0 if cls.integer_threshold else 1.0
+    if cls.integer_threshold:
+        return 1000.0
+    return 1e9 if cls.name == "margin" else 1.0  # (a margin is a gap of log-probabilities, not a probability)
 
 
 def _spread_threshold(model, requests, policy: str) -> float:
@@ -460,6 +462,8 @@ def _spread_threshold(model, requests, policy: str) -> float:
         return cls.default_threshold
     if cls.signal_free:
         return 3.0
+    if cls.takes_rules:  # a conjunction's τ is its varied rule's, spread as that rule's is
+        return _spread_threshold(model, requests, varied(policy))
     probe = ExitEngine(model, ExitConfig(policy=policy, threshold=_never(cls), max_steps=ENGINE_MAX,
                                          **knobs_for(policy),
                                          record_signals=True)).score(requests)
@@ -676,7 +680,8 @@ def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
     requests = [(ids[: 12 + 5 * i], 1 + 2 * i) for i in range(5)]
     thresholds = {"kl": 1e-3, "minp_kl": 1e-4, "entropy_diff": 1e-2, "argmax_stability": 2, "confidence": 0.3,
                   "first_order": 1.0, "second_order": 0.5, "second_order_magnitude": 0.1, "cosine": 1e-3,
-                  "learned": 0.883, "oracle": None, "fixed": 4}  # learned: mid-gap (0.8824-0.8836) of its risks here
+                  "learned": 0.883, "oracle": None, "fixed": 4,  # learned: mid-gap (0.8824-0.8836) of its risks here
+                  "margin": 1.0, "contraction": 0.1, "all_of": 0.5}  # (all_of: second_order's τ, margin ≥ 0.01 beside)
     assert set(thresholds) == {n for n, c in REGISTRY.items() if not c.needs_gate}  # no gate on GPT-2
     for name, tau in thresholds.items():
         cfg = ExitConfig(policy=name, threshold=tau, **knobs_for(name))

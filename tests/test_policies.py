@@ -100,6 +100,8 @@ def never_fires(policy):
         return 10 ** 6
     if policy == "confidence":
         return 1.0
+    if policy == "margin":  # a gap of log-probabilities: unbounded
+        return 1e9
     return 1e-30
 
 
