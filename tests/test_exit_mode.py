@@ -221,9 +221,12 @@ def test_a_frozen_row_writes_the_entries_of_its_pinned_state_and_runs_no_mlp(nam
 
 
 K = 8
-FREEZE_CASES = [("huginn-layout", "second_order"), ("huginn-layout", "kl"), ("ouro-tiny", "second_order"),
+# Fast: a latent rule on Huginn's layout and on Ouro's; a decoding rule and three loop groups with the slow tests
+# (the masked step itself is checked on every family, fast, above).
+FREEZE_CASES = [("huginn-layout", "second_order"), ("ouro-tiny", "second_order"),
+                pytest.param("huginn-layout", "kl", marks=pytest.mark.slow),
                 pytest.param("ouro-tiny", "kl", marks=pytest.mark.slow),
-                ("tiny-looped-gpt2", "second_order"),  # three loop groups
+                pytest.param("tiny-looped-gpt2", "second_order", marks=pytest.mark.slow),  # three loop groups
                 pytest.param("retrofit-llama-tiny", "first_order", marks=pytest.mark.slow)]
 
 

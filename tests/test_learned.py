@@ -256,6 +256,7 @@ def test_fit_exit_refuses_too_few_documents_in_one_line(tmp_path):
     assert_one_line_error(res, ["--limit must be ≥ 2"])
 
 
+@pytest.mark.slow  # 5 s: fit-exit then run through the CLI; fitting and reading the model stay fast (above)
 def test_fit_exit_then_run_learned(tmp_path):
     from helpers.cli import run_ok
     from helpers.cells import load_cells

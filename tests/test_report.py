@@ -6,6 +6,8 @@ import base64
 import json
 import re
 
+import pytest
+
 from exitbench.analysis import report
 
 from helpers.cells import ACC, PPL, paired, write_cells, write_samples
@@ -128,6 +130,7 @@ def _as_model(cell_list, fingerprint: str, source: str):
     return out
 
 
+@pytest.mark.slow  # 7 s: three models' committed sweeps in one page; the page's sections stay fast above and below
 def test_page_opens_with_other_models_on_the_tasks_they_share(tmp_path):
     """report.yaml (or --compare) names other models' sweeps: one figure per shared task, all models on its
     axes, before anything else; a task only one model ran is not drawn."""

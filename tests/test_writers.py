@@ -14,21 +14,19 @@ from typer.testing import CliRunner
 from exitbench.cli import app
 from exitbench.store import disk as results
 
+from helpers.cells import baseline_cells, copy_cells
 from helpers.cli import assert_one_line_error, explain
-from helpers.paths import A_CELL, BASELINE
+from helpers.paths import A_CELL
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def cells(tmp_path_factory):
-    """chains_lambada's cells of the committed baseline: enough for every reader, and drawn quickly."""
-    import shutil
-
-    folder = tmp_path_factory.mktemp("cells")
-    for cell in BASELINE.glob("chains_lambada__*.json"):
-        shutil.copy(cell, folder / cell.name)
-    return folder
+    """A few rules' chains_lambada cells of the committed baseline: a frontier, full depth and the oracle for
+    every reader, drawn quickly (the whole baseline's report takes seconds, and these tests are about writing)."""
+    return copy_cells(tmp_path_factory.mktemp("cells"),
+                      baseline_cells("chains_lambada", ("fixed", "kl", "second_order", "margin", "oracle")))
 
 
 # Every command that writes a file a user names (pareto's --plot takes only .png or .svg: no cell or samples file
@@ -37,15 +35,15 @@ WRITERS = {
     "calibrate --out": ["calibrate", "--programs", "4", "--thresholds", "0.1", "--out", "{path}"],
     "fit-exit --out": ["fit-exit", "--limit", "4", "--out", "{path}"],
     "trace --json": ["trace", "a=1 b=a", "--json", "{path}"],
-    "export -o": ["export", str(BASELINE), "-o", "{path}"],
-    "report --out": ["report", str(BASELINE), "--out", "{path}"],
+    "export -o": ["export", "{cells}", "-o", "{path}"],
+    "report --out": ["report", "{cells}", "--out", "{path}"],
     "geometry -o": ["geometry", "--programs", "4", "-o", "{dir}"],
 }
 
 
 @pytest.mark.parametrize("target", ["cell", "samples"])
 @pytest.mark.parametrize("command", list(WRITERS))
-def test_no_writer_replaces_a_cell_or_its_samples(command, target, tmp_path, capfd, monkeypatch):
+def test_no_writer_replaces_a_cell_or_its_samples(command, target, tmp_path, capfd, monkeypatch, cells):
     """One check that every writer calls (store.disk.writable_output), before anything is computed or read."""
     import exitbench.harness.documents as documents
     import exitbench.models.checkpoint as checkpoint
@@ -63,7 +61,7 @@ def test_no_writer_replaces_a_cell_or_its_samples(command, target, tmp_path, cap
         victim = tmp_path / (A_CELL.name if target == "cell" else A_CELL.name.replace(".json", results.SAMPLES_SUFFIX))
     victim.write_bytes(A_CELL.read_bytes() if target == "cell" else b'{"doc_id": 0}\n')
     before = victim.read_bytes()
-    args = [a.format(path=victim, dir=tmp_path) for a in WRITERS[command]]
+    args = [a.format(path=victim, dir=tmp_path, cells=cells) for a in WRITERS[command]]
     capfd.readouterr()
     res = runner.invoke(app, args)
     words = ["result cell"] if target == "cell" else ["samples file"]
