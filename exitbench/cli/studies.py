@@ -175,7 +175,7 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..studies.calibrate import calibrate as run_calibration
     from ..studies.calibrate import check_calibratable, write_report
     from ..sweep.config import parse_thresholds
-    from ..sweep.quantiles import parse_quantiles
+    from ..sweep.config import parse_quantiles
 
     if parse_quantiles(thresholds):
         # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.

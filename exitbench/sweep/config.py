@@ -21,7 +21,6 @@ from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least
-from .quantiles import parse_quantiles
 
 
 def option(help: str, *flags: str) -> dict[str, Any]:
@@ -261,6 +260,25 @@ def parse_thresholds(text: str | None) -> list[float] | None:
             raise ExitbenchError(f"--thresholds: every threshold must be a finite number > 0, got {part.strip()}")
         out.append(value)
     return out
+
+
+# quantiles:N takes at most this many: past it the grid is finer than a sweep can afford to run.
+MAX_QUANTILES = 100
+
+
+def parse_quantiles(text: str | None) -> int | None:
+    """N of `quantiles:N`; None for any other --thresholds value (numbers, or the option not given)."""
+    if text is None or not text.strip().lower().startswith("quantiles"):
+        return None
+    head, sep, n = text.strip().partition(":")
+    try:
+        value = int(n.strip()) if head.lower() == "quantiles" and sep else None
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_QUANTILES:
+        raise ExitbenchError(f"--thresholds {text.strip()}: give quantiles:N with N a whole number from 1 to "
+                             f"{MAX_QUANTILES} (e.g. quantiles:9), or comma-separated thresholds")
+    return value
 
 
 def parse_depths(text: str | None, flag: str) -> list[int] | None:

@@ -26,26 +26,10 @@ from ..errors import ExitbenchError
 from ..policies import REGISTRY, ExitPolicy
 
 SPAN = (0.02, 0.98)
-MAX_QUANTILES = 100
 # Documents per task an exact sweep records to place its grid (the peer calibrates on 64–256 examples). The
 # smallest of those: the pass reads the readout at every iteration, so it costs more than a cell, and the 2–98%
 # quantiles of a few thousand token-iterations are already stable to the 3 digits a threshold keeps.
 SAMPLE_DOCS = 64
-
-
-def parse_quantiles(text: str | None) -> int | None:
-    """N of `quantiles:N`; None for any other --thresholds value (numbers, or the option not given)."""
-    if text is None or not text.strip().lower().startswith("quantiles"):
-        return None
-    head, sep, n = text.strip().partition(":")
-    try:
-        value = int(n.strip()) if head.lower() == "quantiles" and sep else None
-    except ValueError:
-        value = None
-    if value is None or not 1 <= value <= MAX_QUANTILES:
-        raise ExitbenchError(f"--thresholds {text.strip()}: give quantiles:N with N a whole number from 1 to "
-                             f"{MAX_QUANTILES} (e.g. quantiles:9), or comma-separated thresholds")
-    return value
 
 
 def trajectories(recording: Any) -> list[Trajectories]:
