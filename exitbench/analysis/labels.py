@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..store.cells import series
+
 # lm-eval's metric names, as a reader says them; others read with their underscores as spaces.
 METRIC_NAMES = {"exact_match": "exact match", "acc": "accuracy", "acc_norm": "accuracy (length-normalised)",
                 "perplexity": "perplexity", "word_perplexity": "word perplexity",
@@ -41,6 +43,11 @@ def config_label(policy: str, threshold: Any) -> str:
     if threshold is None:
         return policy
     return f"{policy} r={threshold:g}" if policy.startswith("fixed") else f"{policy} τ={threshold:g}"
+
+
+def exit_config_label(config: Any) -> str:
+    """An ExitConfig in running text (progress lines): its series' name, so a conjunction reads as its rules."""
+    return config_label(series(config.to_dict()), config.threshold)
 
 
 def point_label(policy: str, threshold: Any) -> str:

@@ -38,6 +38,16 @@ def register(cls: type["ExitPolicy"]) -> type["ExitPolicy"]:
     return cls
 
 
+def runs_end(hits: np.ndarray, p: int) -> np.ndarray:
+    """(n, K) booleans: a run of p consecutive hits ends at k (the hit count over (k − p, k] is p)."""
+    n, K = hits.shape
+    counts = np.concatenate([np.zeros((n, 1), dtype=np.int64), np.cumsum(hits, axis=1, dtype=np.int64)], axis=1)
+    ends = np.zeros_like(hits)
+    if p <= K:
+        ends[:, p - 1:] = (counts[:, p:] - counts[:, :-p]) == p
+    return ends
+
+
 def log_grid(lo: float, hi: float, per_decade: int = 1) -> tuple[float, ...]:
     n = round(math.log10(hi / lo) * per_decade)
     return tuple(float(f"{lo * 10 ** (i / per_decade):.3g}") for i in range(n + 1))
@@ -200,19 +210,12 @@ class ExitPolicy:
     def first_exits(self, values: np.ndarray) -> np.ndarray:
         """Exit step (1-based) of each token from its signals (n, K) at iterations 1 … K, as `defined` reads
         them (+inf / −inf where undefined), K ≥ max_steps: `decide`'s rule as a few array operations."""
-        n, K = values.shape
-        K = min(K, self.max_steps)
+        K = min(values.shape[1], self.max_steps)
         v = values[:, :K]
         with np.errstate(invalid="ignore"):
             hits = v < self.threshold if self.exits_below else v >= self.threshold  # NaN never hits
-        p = self.patience
-        # A run of p hits ends at k when the hit count over (k − p, k] is p.
-        counts = np.concatenate([np.zeros((n, 1), dtype=np.int64), np.cumsum(hits, axis=1, dtype=np.int64)], axis=1)
-        ends = np.zeros_like(hits)
-        if p <= K:
-            ends[:, p - 1:] = (counts[:, p:] - counts[:, :-p]) == p
         steps = np.arange(1, K + 1)
-        leave = ends & (steps >= self.min_steps)
+        leave = runs_end(hits, self.patience) & (steps >= self.min_steps)
         leave[:, K - 1] = True  # k = max_steps
         return leave.argmax(axis=1) + 1
 

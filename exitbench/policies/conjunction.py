@@ -20,20 +20,10 @@ import numpy as np
 import torch
 
 from ..errors import ExitbenchError
-from .base import REGISTRY, ExitPolicy, Memory, register
+from .base import REGISTRY, ExitPolicy, Memory, register, runs_end
 
 # What a member may set for itself; step caps and the exit model file are the conjunction's.
 MEMBER_KNOBS = ("policy", "threshold", "patience", "min_steps", "relative")
-
-
-def _runs_end(hits: np.ndarray, p: int) -> np.ndarray:
-    """(n, K) booleans: a run of p consecutive hits ends at k."""
-    n, K = hits.shape
-    counts = np.concatenate([np.zeros((n, 1), dtype=np.int64), np.cumsum(hits, axis=1, dtype=np.int64)], axis=1)
-    ends = np.zeros_like(hits)
-    if p <= K:
-        ends[:, p - 1:] = (counts[:, p:] - counts[:, :-p]) == p
-    return ends
 
 
 @register
@@ -189,7 +179,7 @@ class AllOf(ExitPolicy):
             v = values[:, :K, i]
             with np.errstate(invalid="ignore"):
                 hits = v < m.threshold if m.exits_below else v >= m.threshold
-            ready &= _runs_end(hits, m.patience)
-        leave = _runs_end(ready, self.patience) & (np.arange(1, K + 1) >= self.min_steps)
+            ready &= runs_end(hits, m.patience)
+        leave = runs_end(ready, self.patience) & (np.arange(1, K + 1) >= self.min_steps)
         leave[:, K - 1] = True
         return leave.argmax(axis=1) + 1

@@ -21,7 +21,7 @@ from ..store import cells, disk
 from .config import SweepConfig, check_depths, grid
 from .exact import evaluation_error, run_config
 from .keys import cell_key, model_record
-from ..analysis.labels import config_label
+from ..analysis.labels import exit_config_label
 
 
 @dataclass
@@ -143,7 +143,7 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
                 if there is not None:
                     finished[cid] = there.cell
                 if progress:
-                    progress.cell_finished(f"{config_label(cells.series(exit_cfg.to_dict()), exit_cfg.threshold)} on {tasks.names[t]} "
+                    progress.cell_finished(f"{exit_config_label(exit_cfg)} on {tasks.names[t]} "
                                            "(computed by another run)")
             else:
                 left.append((t, exit_cfg, key))
@@ -187,7 +187,7 @@ def _agree(value: Any) -> Any:
 
 def _run_group(ck, tasks, cfg, out, sweep, group, progress, finished) -> None:
     exit_cfg = group[0][1]
-    label = f"{config_label(cells.series(exit_cfg.to_dict()), exit_cfg.threshold)} on {', '.join(tasks.names[t] for t, *_ in group)}"
+    label = f"{exit_config_label(exit_cfg)} on {', '.join(tasks.names[t] for t, *_ in group)}"
     if progress:
         progress.cell_started(label)
     produced = run_config(ck, tasks, [t for t, *_ in group], exit_cfg, cfg, sweep.model, [k for _, _, k, _ in group],

@@ -33,7 +33,7 @@ from ..exact import resolved_policy, task_cells
 from ..schedule import SweepPlan, claim_cells
 from .costs import measure
 from .lm import RecordingLM, ReplayLM
-from ...analysis.labels import config_label
+from ...analysis.labels import exit_config_label
 
 
 @contextlib.contextmanager
@@ -209,7 +209,7 @@ class ReplaySweep:
                     if not mine:
                         continue
                     config = self.configs[cid]
-                    label = (f"{config_label(cells.series(config.to_dict()), config.threshold)} on "
+                    label = (f"{exit_config_label(config)} on "
                              f"{', '.join(self.tasks.names[t] for (t, _), _ in mine)} (replay)")
                     if progress:
                         progress.cell_started(label)
@@ -246,7 +246,7 @@ class ReplaySweep:
             if there is not None and (there.has_samples or not self.cfg.log_samples):
                 finished[there.cell["cell_id"]] = there.cell
                 if self.progress:
-                    self.progress.cell_finished(f"{config_label(cells.series(c.to_dict()), c.threshold)} on {self.tasks.names[t]} "
+                    self.progress.cell_finished(f"{exit_config_label(c)} on {self.tasks.names[t]} "
                                                 "(computed by another run)")
             else:
                 still.append((t, c, key))

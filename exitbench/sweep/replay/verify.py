@@ -19,7 +19,7 @@ from ...store import cells, disk
 from ..exact import run_config
 from ..keys import cell_key
 from .sweep import ReplaySweep
-from ...analysis.labels import config_label
+from ...analysis.labels import exit_config_label
 
 REPORT = "replay-vs-exact.json"
 SCHEMA = "exitbench.replay_verification"
@@ -68,7 +68,7 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
                          ck.model.device.type, n_docs=sweep.n_docs.get(tasks.names[t])) for t in task_idx]
         progress = replayer.progress
         if progress:
-            progress.cell_started(f"verifying {config_label(cells.series(config.to_dict()), config.threshold)} exactly")
+            progress.cell_started(f"verifying {exit_config_label(config)} exactly")
         exact_stats: list[dict] = []
         exact = run_config(ck, tasks, task_idx, config, exact_cfg, sweep.model, keys, sweep.run_id,
                            on_requests=progress.requests if progress else None, stats_out=exact_stats)
@@ -77,7 +77,7 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
             disk.write(where, cells.strict(cell), None)
             rows.append(compare(rc, cell, lm.request_stats, exact_stats))
         if progress:
-            progress.note(f"[verify {i}/{len(todo)}] {config_label(cells.series(config.to_dict()), config.threshold)} exact, "
+            progress.note(f"[verify {i}/{len(todo)}] {exit_config_label(config)} exact, "
                           f"{time.perf_counter() - started:.0f} s so far")
     report = {"schema": SCHEMA, "directory": str(out), "rows": sorted(rows, key=lambda r: (r["task"], r["policy"],
                                                                                            r["threshold"]))}
