@@ -7,6 +7,7 @@ written out by hand, the reference forward reads the state dict and uses explici
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -505,15 +506,20 @@ def _replay(model, tokens, n_ctx, exits, M):
     depth M in every group, then each scored position alone at its own per-group depths, and after it, in each
     group it left early, its KV entries at the exit iteration copied into the slots above (by direct indexing).
     Returns the teacher-forced log-probs."""
+    return [float(logp[tokens[pos + 1]]) for pos, logp in
+            zip(range(n_ctx - 1, len(tokens) - 1), _replay_distributions(model, tokens, n_ctx, exits, M))]
+
+
+def _replay_distributions(model, tokens, n_ctx, exits, M):
+    """`_replay`'s whole next-token log-distributions, one per scored position that `exits` names."""
     groups = model.loop_groups()
     cache = model.new_cache(1, len(tokens), [M] * len(groups))
     ids = torch.tensor([tokens])
     if n_ctx > 1:
         run(model, ids[:, :n_ctx - 1], [M] * len(groups), cache=cache)
     out = []
-    for j, pos in enumerate(range(n_ctx - 1, len(tokens) - 1)):
-        logp = torch.log_softmax(run(model, ids[:, pos:pos + 1], exits[j], cache=cache, start=pos)[0, 0].double(), -1)
-        out.append(float(logp[tokens[pos + 1]]))
+    for j, pos in enumerate(range(n_ctx - 1, n_ctx - 1 + len(exits))):
+        out.append(torch.log_softmax(run(model, ids[:, pos:pos + 1], exits[j], cache=cache, start=pos)[0, 0].double(), -1))
         for group, e in zip(groups, exits[j]):
             for layer in group.attn_layers:
                 for store in (cache.k, cache.v):
@@ -589,6 +595,66 @@ def test_kl_probe_reads_out_later_groups_at_default_depth(gpt2, requests_16):
                 prev = lp
                 checked += 1
     assert checked > 8 * 3
+
+
+def _probe_signals(model, tokens, n_ctx, exits, g, M):
+    """The KL signals of group g at every scored position, from plain forwards at given depths, under the rule
+    of engine/probe_cache.py: the readout of position j after iteration m reads, in the stages after group g,
+    each earlier position's entries as that position's own readout left them after iteration min(m, its exit)
+    (the prefix's as the prefill left them), and in group g and before it the run's entries (the `latest` rule).
+    Kept per iteration m: a cache whose later layers hold every position's readout entries of iteration m."""
+    groups = model.loop_groups()
+    later = [layer for st in model.stages()[model.stages().index(groups[g]) + 1:] for layer in st.attn_layers]
+    run_cache = model.new_cache(1, len(tokens), [M] * len(groups))
+    ids = torch.tensor([tokens])
+    run(model, ids[:, :n_ctx - 1], [M] * len(groups), cache=run_cache)
+    probes = {m: copy.deepcopy(run_cache) for m in range(1, M + 1)}
+    uniform = torch.full((V,), -math.log(V), dtype=torch.float64)
+    signals = []
+    for j, pos in enumerate(range(n_ctx - 1, n_ctx - 1 + len(exits))):
+        e, prev, mine = exits[j], uniform, []
+        for m in range(1, e[g] + 1):
+            cache = copy.deepcopy(probes[m])
+            for layer in set(run_cache.k) - set(later):  # group g and before: the run's entries
+                cache.k[layer], cache.v[layer] = run_cache.k[layer].clone(), run_cache.v[layer].clone()
+            logits = run(model, ids[:, pos:pos + 1], e[:g] + [m] + STEPS[g + 1:], cache=cache, start=pos)[0, 0]
+            lp = torch.log_softmax(logits.double(), -1)
+            mine.append(float((prev.exp() * (prev - lp)).sum()))
+            prev = lp
+            for layer in later:  # this position's readout entries of iteration m, and above it once it exits
+                for depth in range(m, M + 1) if m == e[g] else (m,):
+                    for ours, theirs in ((probes[depth].k, cache.k), (probes[depth].v, cache.v)):
+                        ours[layer][:, 0, pos] = theirs[layer][:, 0, pos]
+        signals.append(mine)
+        run(model, ids[:, pos:pos + 1], e, cache=run_cache, start=pos)
+        for group, x in zip(groups, e):
+            for layer in group.attn_layers:
+                for store in (run_cache.k, run_cache.v):
+                    store[layer][x:, 0, pos] = store[layer][x - 1, 0, pos].clone()
+    return signals
+
+
+@pytest.mark.parametrize("schedule", ["depth_major", "token_major"])
+def test_a_probe_reads_earlier_positions_as_their_own_readouts_left_them(gpt2, requests_16, schedule):
+    """Scoring, the KL signal of position t in loop group g after iteration k reads out through the later
+    groups reading each earlier scored position's entries of its own readout after iteration min(k, its exit):
+    computed here from plain forwards (`_probe_signals`), against both schedules, where exits spread."""
+    tokens, n_ctx = next((t[:9], 3) for t, _ in requests_16 if len(t) >= 9)
+
+    def score(tau):
+        config = ExitConfig(policy="kl", threshold=tau, max_steps=ENGINE_MAX, record_signals=True)
+        return ExitEngine(gpt2, config, schedule=schedule).score([(tokens, n_ctx)])[0]
+    # τ at the median of the earlier groups' signals of this sequence: their positions exit apart
+    never = score(1e-30)
+    tau = float(np.median([v for rec in never.records for g in (0, 1) for v in rec.signals[g]]))
+    res = score(tau)
+    exits = [rec.exit_steps for rec in res.records]
+    assert len({e[0] for e in exits}) > 1 and len({e[1] for e in exits}) > 1, exits
+    for g in range(3):
+        want = _probe_signals(gpt2, tokens, n_ctx, exits, g, ENGINE_MAX)
+        for rec, signal in zip(res.records, want):
+            got = rec.signals[g][:len(signal)]
+            assert got == pytest.approx(signal, rel=1e-4, abs=1e-7), (g, got, signal)
 
 
 def test_policy_max_steps_below_later_groups_default(gpt2, requests_16):

@@ -32,6 +32,7 @@ from .config import ExitConfig
 from .flops import FlopModel
 from .loop import Leaving, TokenLoop, positions_runs, uniform_chunk
 from .noise import PositionNoise
+from .probe_cache import ProbeCache, later_attention
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
 from .waves import DepthMajor, block_positions, depth_major_blocker
@@ -243,8 +244,12 @@ class Run:
         self.freeze = mode == "freeze"
         self.probed = [p.needs_logits or mode == "weighted" for p in engine.policies]
         self.counts_stalls = any(p.counts_stalls for p in engine.policies)
+        # Scoring, a readout through stages that attend reads other tokens in its own world, and its logits are
+        # then not the token's output (probe_cache.py).
+        self.probe_caches = [self._probe_cache(g, depth_major) for g in range(len(engine.groups))]
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
-                                probe_is_final=g == len(engine.groups) - 1,
+                                probe_is_final=g == len(engine.groups) - 1 and self.probe_caches[g] is None,
+                                probe_cache=self.probe_caches[g],
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
                                 select=engine.config.exit_mode == "select",
                                 weighted=engine.config.exit_mode == "weighted", freeze=self.freeze)
@@ -265,6 +270,13 @@ class Run:
         self.uids = iter(range(1 << 62))
         self.on_request, self.requests_done = on_request, 0
         self.steps = 0
+
+    def _probe_cache(self, g: int, depth_major: bool) -> ProbeCache | None:
+        layers = later_attention(self.model, self.engine.bounds[g])
+        if not (self.teacher_forced and self.probed[g] and layers):
+            return None
+        return ProbeCache(self.model, g, self.engine.readout_steps, self.cache, layers,
+                          self.engine.policies[g].max_steps, per_iteration=not depth_major)
 
     @property
     def n_records(self) -> int:
@@ -369,6 +381,10 @@ class Run:
         else:
             ids = self._padded([r.tokens for _, r in pairs], L)
             self.model.walk(self.model.embed(ids, 0), ctx, depths, noise=noise, on_state=keep_final)
+        firsts = [(b, r.first) for b, r in pairs if r.first > 0]
+        for probes in self.probe_caches:
+            if probes is not None:
+                probes.copy_prefix(cache, firsts)
         self.clock.stop(started, "prefill", [])
 
     def _padded(self, seqs: list[list[int]], length: int) -> torch.Tensor:

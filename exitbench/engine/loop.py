@@ -19,6 +19,7 @@ from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
 from ..policies.gate import exit_mass
 from .hindsight import Hindsight
+from .probe_cache import ProbeCache
 from .records import Token
 from .timing import PhaseClock
 
@@ -36,8 +37,11 @@ class Leaving:
 class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
-                 window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False):
+                 window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False,
+                 probe_cache: ProbeCache | None = None):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
+        # Scoring, a readout that attends to other tokens reads them in the probe's own world (probe_cache.py).
+        self.probe_cache = probe_cache
         # Exit mode `select` (Ouro's own semantics): every token runs all K iterations, writing every entry; the
         # rule only chooses which iteration's state is the group's output. Nothing is saved, nothing carried.
         self.select = select
@@ -137,13 +141,14 @@ class TokenLoop:
         # A block step's contexts are chunks; a readout reads each token at its own position (built only for
         # a rule that decodes).
         ran = [k - 1 for k in self.k]
-        logits, leave = self._probe(lambda: ctx if ctx is not None else self._context(cache, at=ran))
+        logits, leave = self._probe(lambda: ctx if ctx is not None else self._context(cache, at=ran), blocks)
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
             return None
         return self._leave(leave, logits, cache)
 
-    def _probe(self, context: Callable[[], AttnContext]) -> tuple[torch.Tensor | None, list[bool]]:
+    def _probe(self, context: Callable[[], AttnContext], blocks: tuple[AttnContext, int] | None = None
+               ) -> tuple[torch.Tensor | None, list[bool]]:
         """Signals and the exit decision: which tokens leave after this iteration."""
         policy = self.policy
         if self.weighted:
@@ -153,7 +158,7 @@ class TokenLoop:
                 for trace, k in zip(self.trace, self.k):
                     trace.append(float(k))
             return None, [k >= self.K for k in self.k]
-        logits = self.model.readout(self.index, self.s, context(), self.readout_steps)[:, 0] if self.decodes else None
+        logits = self._readout(context, blocks) if self.decodes else None
         if self.hindsight:
             self.hindsight.record(self.record_of, self.s, self.k, logits)
             return logits, [k >= self.K for k in self.k]
@@ -173,6 +178,12 @@ class TokenLoop:
                 if k >= max(self.K, policy.defined_from) and token.selected is None and policy.stalled(v):
                     token.stalled = True
         return (logits, self._select(leave, logits)) if self.hold else (logits, leave)
+
+    def _readout(self, context: Callable[[], AttnContext], blocks: tuple[AttnContext, int] | None) -> torch.Tensor:
+        """Every token's logits "if it exited now", (n, V)."""
+        if self.probe_cache is not None:
+            return self.probe_cache.readout(self.s, self.tokens, self.k, blocks, context)
+        return self.model.readout(self.index, self.s, context(), self.readout_steps)[:, 0]
 
     def _mix(self, ctx: AttnContext) -> torch.Tensor:
         """Exit mode `weighted`: add this iteration's logits under its exit probability; the mixture so far."""
@@ -207,6 +218,8 @@ class TokenLoop:
                 {name: value[gone] for name, value in self.record_of.items()}, tokens, cache,
                 (lambda st, ctx: self.model.readout(self.index, st, ctx, self.readout_steps)[:, 0])
                 if self.probe_is_final else None)
+        if self.probe_cache is not None and not self.hold:
+            self.probe_cache.exited(tokens, steps)
         end = self.clock.steps_so_far(self.index)
         for token, k, j in zip(tokens, steps, gone):
             token.exit_steps.append(k)

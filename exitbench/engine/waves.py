@@ -13,9 +13,9 @@ at one batched step per iteration instead of one per (position, iteration).
   would read j's entry of iteration k rather than of e_j;
 - a KV window shorter than a loop's depth: a token decoded after j reads what j's *last lap* left in a
   reused slot, which does not exist while j still iterates;
-- `warm_start`: a token starts from the previous token's final state;
-- a decoding rule whose readout attends to other tokens (a coda, a later loop group): its decision at t
-  reads earlier tokens' final outputs.
+- `warm_start`: a token starts from the previous token's final state.
+A decoding rule whose readout attends to other tokens (a coda, a later loop group) reads them in its probe's own
+world (probe_cache.py), which holds each earlier position at its exit or at the wave's iteration: exact too.
 
 Loop groups run one after another: a row's positions enter group g+1 together once all of them have left
 group g (the plain layers between groups attend to earlier positions' entries of their own, written in the
@@ -41,18 +41,15 @@ WAVE_GATHER_BYTES = 256 * 2**20
 def depth_major_blocker(engine: Any) -> str | None:
     """Why a teacher-forced run of this ExitEngine cannot run depth-major exactly (None: it can). (Typed Any:
     the engine imports this module, not the other way round.)"""
-    config, model = engine.config, engine.model
+    config = engine.config
     if config.warm_start:
         return "warm_start: each token starts from the previous token's final state"
-    stages = model.stages()
-    for g, (group, policy) in enumerate(zip(engine.groups, engine.policies)):
+    for group, policy in zip(engine.groups, engine.policies):
         if policy.retrospective:
             return f"{policy.name}: it settles each token's exit after running it to max_steps"
         if config.kv_window and config.kv_window < policy.max_steps and group.attn_layers:
             return (f"kv_window {config.kv_window} < {policy.max_steps} iterations: later tokens read an earlier "
                     "token's last lap")
-        if policy.needs_logits and any(st.attn_layers for st in stages[engine.bounds[g] + 1:]):
-            return f"{policy.name} decodes through layers that attend to earlier tokens' final outputs"
     return None
 
 
