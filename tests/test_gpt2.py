@@ -28,7 +28,7 @@ from exitbench.policies import REGISTRY
 
 from helpers.cli import assert_one_line_error
 from helpers.engine import expected_exit, knobs_for, mixed_requests, varied
-from helpers.models import GPT2_SHAPE, gpt2_config, make_gpt2, random_ids
+from helpers.models import GPT2_SHAPE, gpt2_config, make_gpt2, make_tiny_raven, random_ids
 
 # vocab, n_embd, n_head, n_layer, n_positions: 100, 32, 4, 6, 64
 V, D, H, L, P = (GPT2_SHAPE[k] for k in ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions"))
@@ -655,6 +655,26 @@ def test_a_probe_reads_earlier_positions_as_their_own_readouts_left_them(gpt2, r
         for rec, signal in zip(res.records, want):
             got = rec.signals[g][:len(signal)]
             assert got == pytest.approx(signal, rel=1e-4, abs=1e-7), (g, got, signal)
+
+
+def test_a_decoding_rules_cells_through_later_groups_are_keyed_apart(gpt2):
+    """Cells scored before issue 45 read earlier positions' final outputs in such a readout: a decoding rule's
+    cell on a model whose readout attends is keyed apart from them; every other cell keeps its id."""
+    from exitbench.sweep.config import SweepConfig
+    from exitbench.sweep.keys import cell_key, readout_attends
+
+    from exitbench.models.checkpoint import open_checkpoint
+
+    # three loop groups, a Huginn-layout coda: the readout attends; the embedded tiny-raven has no coda
+    assert readout_attends(gpt2) and readout_attends(make_tiny_raven())
+    assert not readout_attends(open_checkpoint("tiny-raven").model)
+    cfg = SweepConfig(tasks=["chains"], policies=["kl"])
+    key = lambda model, c: cell_key(model, "chains", "t", c, cfg, "cpu")  # noqa: E731
+    plain, attends = {"fingerprint": "f", "dtype": "float32"}, {"fingerprint": "f", "dtype": "float32",
+                                                                "readout_attends": True}
+    assert key(attends, ExitConfig("kl"))["probe"] == "own_readouts" and "probe" not in key(plain, ExitConfig("kl"))
+    for latent in (ExitConfig("second_order"), ExitConfig("fixed", threshold=3)):
+        assert key(attends, latent) == key(plain, latent)
 
 
 def test_policy_max_steps_below_later_groups_default(gpt2, requests_16):

@@ -27,7 +27,14 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
     return {"path": str(ck.path), "source": source_label(ck.path), **({"hub": hub} if hub else {}),
             "architecture": ck.model.architecture,
             "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
-            "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {})}
+            "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {}),
+            **({"readout_attends": True} if readout_attends(ck.model) else {})}
+
+
+def readout_attends(model: Any) -> bool:
+    """Whether a loop group's readout runs stages that attend to other tokens (a coda, a later loop group)."""
+    stages, groups = model.stages(), {id(g) for g in model.loop_groups()}
+    return any(id(st) in groups and any(later.attn_layers for later in stages[i + 1:]) for i, st in enumerate(stages))
 
 
 def key_limit(limit: int | float | None, n_docs: int | None) -> int | float | None:
@@ -52,7 +59,11 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     # Prompt settings (chat template, system instruction, …) only when set, so other cells keep their ids.
     prompt = cfg.prompting.key_dict()
     prompt = {"prompt": prompt} if prompt else {}
-    return {**mode, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, **prompt, "task": task,
+    # A decoding rule whose readout attends to other tokens reads them in its own readouts' entries since issue
+    # 45 (engine/probe_cache.py); before, in the run's final ones. Named only there, so other cells keep their ids.
+    probe = {"probe": "own_readouts"} if model.get("readout_attends") and (
+        exit_cfg.build_policy().needs_logits or exit_cfg.exit_mode == "weighted") else {}
+    return {**mode, **probe, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, **prompt, "task": task,
             "task_fingerprint": task_fingerprint,
             "limit": key_limit(cfg.limit, n_docs), "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),
             "add_bos_token": cfg.add_bos_token, "bootstrap_iters": cfg.bootstrap_iters,
