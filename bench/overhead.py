@@ -4,7 +4,7 @@
     python bench/overhead.py --quick                  # 1 document
     python bench/overhead.py --models tiny-raven --policies kl,second_order --json bench/overhead-results.json
     python bench/overhead.py --models wide --batch-size 16 --docs 16 --json bench/overhead-wide-16.json
-    python bench/overhead.py --models tiny-looped-gpt2 --batch-size 16 --docs 16 --policies second_order
+    python bench/overhead.py --models tiny-looped-gpt2 --batch-size 16 --docs 16 --threshold second_order=1
 
 Per model (the embedded tiny-looped-gpt2 and tiny-raven; `wide`: bench/engine.py's random Raven of n_embd 1024,
 4 core layers, where arithmetic dominates), one torch thread: the rolling perplexity of the first --docs GSM8K
@@ -92,9 +92,9 @@ CONJUNCTION = {"rules": [{"policy": "margin", "threshold": 0.125}, {"policy": "a
                "vary": "argmax_stability"}
 
 
-def configs(gated: bool, only: list[str] | None) -> dict[str, ExitConfig]:
+def configs(gated: bool, only: list[str] | None, at: dict[str, float] | None = None) -> dict[str, ExitConfig]:
     """Every rule this model can run without a fitted exit model, at its default threshold (a conjunction at its
-    varied member's), by name."""
+    varied member's) or the one `at` names, by name."""
     out = {}
     for name in expand_policies(["all"]):
         rule = REGISTRY[name]
@@ -104,20 +104,21 @@ def configs(gated: bool, only: list[str] | None) -> dict[str, ExitConfig]:
             out["margin 0.125 ∧ argmax_stability"] = ExitConfig.for_policy(
                 name, REGISTRY["argmax_stability"].default_threshold, CONJUNCTION)
             continue
-        out[name] = ExitConfig.for_policy(name, rule.default_threshold, {})
+        out[name] = ExitConfig.for_policy(name, (at or {}).get(name, rule.default_threshold), {})
     return {k: v for k, v in out.items() if not only or k in only or v.policy in only}
 
 
-def measure(model: str, docs: int, repeats: int, slow: float, only: list[str] | None, batch: int) -> dict:
+def measure(model: str, docs: int, repeats: int, slow: float, only: list[str] | None, batch: int,
+            at: dict[str, float], chars: int | None) -> dict:
     ck = load(model)
     full_depth = ck.model.loop_groups()[0].default_steps
-    texts = gsm8k_texts(docs)
+    texts = [t[:chars] for t in gsm8k_texts(docs)]
     work = [("loglikelihood_rolling", rolling(texts))]
     full = ExitbenchLM(ck, exit_config=ExitConfig("fixed", threshold=full_depth), batch_size=batch)
     full_iterations = mean_iterations(full, work)
     rows = []
-    for name, cfg in configs(ck.model.gated, only).items():
-        cfg = tuned(ck, cfg, texts) if model == "wide" else cfg
+    for name, cfg in configs(ck.model.gated, only, at).items():
+        cfg = tuned(ck, cfg, texts) if model == "wide" and name not in at else cfg
         lm = ExitbenchLM(ck, exit_config=cfg, batch_size=batch)
         t0 = time.perf_counter()
         iterations = mean_iterations(lm, work)  # (also the warm pass: it allocates what the timed ones reuse)
@@ -150,6 +151,9 @@ def main() -> None:
     ap.add_argument("--slow", type=float, default=2.0, help="seconds of an untimed pass above which a rule is timed "
                     "once")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--threshold", action="append", default=[], metavar="POLICY=TAU",
+                    help="a rule's threshold instead of its default (or, on the wide model, its tuned one)")
+    ap.add_argument("--chars", type=int, default=None, help="each document's first N characters only")
     ap.add_argument("--quick", action="store_true", help="1 document")
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "overhead-results.json")
     args = ap.parse_args()
@@ -157,13 +161,15 @@ def main() -> None:
         args.docs = 1
     torch.set_num_threads(1)
     only = [p for p in args.policies.split(",") if p] or None
+    at = {name: float(tau) for name, tau in (pair.split("=", 1) for pair in args.threshold)}
     print(f"overhead at batch size {args.batch_size}, 1 thread, {args.docs} GSM8K document(s), {args.repeats} paired "
           f"repeats (1 where a pass takes over {args.slow:g} s); targets: 1.5 (tiny models), 1.25 (wide)")
     print(f"  {'model':<17} {'policy':<33} {'FLOPs':>7} {'iters':>7} {'time':>8} {'':>5} {'overhead':>8} {'t/iters':>8}")
-    results = {"docs": args.docs, "repeats": args.repeats, "slow_s": args.slow, "threads": 1,
-               "batch_size": args.batch_size, "models": {}}
+    results = {"docs": args.docs, "chars": args.chars, "repeats": args.repeats, "slow_s": args.slow, "threads": 1,
+               "batch_size": args.batch_size, "thresholds": at, "models": {}}
     for model in args.models.split(","):
-        results["models"][model] = measure(model, args.docs, args.repeats, args.slow, only, args.batch_size)
+        results["models"][model] = measure(model, args.docs, args.repeats, args.slow, only, args.batch_size, at,
+                                           args.chars)
     failed = [f"{m} {r['policy']}" for m, res in results["models"].items() for r in res["rows"] if not r["passes"]]
     print(f"target overhead at batch size {args.batch_size}: "
           + ("every policy passes" if not failed else f"{len(failed)} fail: {', '.join(failed)}"))

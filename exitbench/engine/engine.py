@@ -250,6 +250,7 @@ class Run:
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1 and self.probe_caches[g] is None,
                                 probe_cache=self.probe_caches[g],
+                                readout_attends=bool(later_attention(self.model, engine.bounds[g])),
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
                                 select=engine.config.exit_mode == "select",
                                 weighted=engine.config.exit_mode == "weighted", freeze=self.freeze)

@@ -38,10 +38,13 @@ class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
                  window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False,
-                 probe_cache: ProbeCache | None = None):
+                 probe_cache: ProbeCache | None = None, readout_attends: bool = True):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
-        # Scoring, a readout that attends to other tokens reads them in the probe's own world (probe_cache.py).
+        # Scoring, a readout that attends to other tokens reads them in the probe's own world (probe_cache.py);
+        # one that attends to none (norm and head, an empty coda) needs no context, which costs a token-mode
+        # index per step to build.
         self.probe_cache = probe_cache
+        self.readout_attends = bool(readout_attends)
         # Exit mode `select` (Ouro's own semantics): every token runs all K iterations, writing every entry; the
         # rule only chooses which iteration's state is the group's output. Nothing is saved, nothing carried.
         self.select = select
@@ -183,7 +186,8 @@ class TokenLoop:
         """Every token's logits "if it exited now", (n, V)."""
         if self.probe_cache is not None:
             return self.probe_cache.readout(self.s, self.tokens, self.k, blocks, context)
-        return self.model.readout(self.index, self.s, context(), self.readout_steps)[:, 0]
+        ctx = context() if self.readout_attends else AttnContext()
+        return self.model.readout(self.index, self.s, ctx, self.readout_steps)[:, 0]
 
     def _mix(self, ctx: AttnContext) -> torch.Tensor:
         """Exit mode `weighted`: add this iteration's logits under its exit probability; the mixture so far."""
