@@ -14,7 +14,8 @@ the sweep's own retiming (exitbench/harness/retime.py): the median of the paired
 the iteration ratio of the same passes (the engine's cost model and its exits), and overhead = time ratio ÷ FLOP
 ratio (time ÷ iterations beside it). A rule whose untimed pass took over --slow seconds is timed once.
 Issue 45's targets: overhead ≤ 1.5 for every policy at batch size 1 on both embedded models; ≤ 1.25 at width 1024,
-batch sizes 1 and 16; time ratio ÷ iteration ratio ≤ 1.15 at batch size 16 on the looped GPT-2. A rule far above
+batch sizes 1 and 16; a decoding-free rule's time ratio ÷ iteration ratio ≤ 1.15 at batch size 16 on the looped
+GPT-2 (a decoding rule's iterations do not measure its cost: overhead ≤ 1.5 there). A rule far above
 its target costs more than its arithmetic: an implementation defect, not the rule's. The oracle is a bound, not a
 rule one can run (it reads the answer), and runs one position at a time (engine/waves.py): it is shown, not held
 to a target.
@@ -46,9 +47,13 @@ MODELS = ("tiny-looped-gpt2", "tiny-raven")
 WIDE_WIDTH = 1024
 
 
-def target(model: str) -> float:
-    """Issue 45's overhead target: 1.25 where arithmetic dominates (the wide model), 1.5 on the tiny ones."""
-    return 1.25 if model == "wide" else 1.5
+def target(model: str, batch: int, decodes: bool) -> tuple[str, float]:
+    """Issue 45's target, as (the ratio it bounds, its bound): overhead ≤ 1.25 where arithmetic dominates (the
+    wide model), ≤ 1.5 on the tiny ones; at larger batches on a tiny model a decoding-free rule's time ratio ÷
+    iteration ratio ≤ 1.15 (the design's batched target; a decoding rule's iterations do not measure its cost)."""
+    if model == "wide":
+        return "overhead", 1.25
+    return ("time_over_iterations", 1.15) if batch > 1 and not decodes else ("overhead", 1.5)
 
 
 def load(model: str):
@@ -77,16 +82,18 @@ def tuned(ck, cfg: ExitConfig, texts: list[str]) -> ExitConfig:
     return dataclasses.replace(cfg, threshold=float(np.nanmedian(middle)))
 
 
-def mean_iterations(lm, work) -> float:
-    """Iterations per scored token of one pass (the exits do not change between passes)."""
+def mean_iterations(lm, work) -> tuple[float, float]:
+    """Iterations per scored token of one pass (the exits do not change between passes), and the loop steps the
+    pass took (batched iterations: where dispatch, not arithmetic, sets the time, the time follows these)."""
     kept, lm.request_stats = lm.request_stats, []
+    steps = lm.engine.stats["steps"]
     try:
         for kind, requests in work:
             getattr(lm, kind)(requests)
         its = [i for s in lm.request_stats for i in s["iterations"]]
     finally:
         lm.request_stats = kept
-    return sum(its) / len(its)
+    return sum(its) / len(its), lm.engine.stats["steps"] - steps
 # The peer-rule conjunction the baseline sweeps (docs/findings.md): a decoding rule gated by another.
 CONJUNCTION = {"rules": [{"policy": "margin", "threshold": 0.125}, {"policy": "argmax_stability"}],
                "vary": "argmax_stability"}
@@ -115,31 +122,34 @@ def measure(model: str, docs: int, repeats: int, slow: float, only: list[str] | 
     texts = [t[:chars] for t in gsm8k_texts(docs)]
     work = [("loglikelihood_rolling", rolling(texts))]
     full = ExitbenchLM(ck, exit_config=ExitConfig("fixed", threshold=full_depth), batch_size=batch)
-    full_iterations = mean_iterations(full, work)
+    full_iterations, full_steps = mean_iterations(full, work)
     rows = []
     for name, cfg in configs(ck.model.gated, only, at).items():
         cfg = tuned(ck, cfg, texts) if model == "wide" and name not in at else cfg
         lm = ExitbenchLM(ck, exit_config=cfg, batch_size=batch)
         t0 = time.perf_counter()
-        iterations = mean_iterations(lm, work)  # (also the warm pass: it allocates what the timed ones reuse)
+        iterations, steps = mean_iterations(lm, work)  # (also the warm pass: it allocates what the timed ones reuse)
         n = 1 if time.perf_counter() - t0 > slow else repeats
         rep = retime.retime(lm, full, work, n, full_depth)
         it_ratio = iterations / full_iterations
         bound = REGISTRY[cfg.policy].retrospective
         rows.append({"policy": name, "threshold": cfg.threshold, "repeats": n, "flops_ratio": rep["flops_ratio"],
-                     "iterations_ratio": it_ratio, "time_ratio": rep["ratio"], "spread": rep["spread"],
+                     "iterations_ratio": it_ratio, "steps_ratio": steps / full_steps, "time_ratio": rep["ratio"], "spread": rep["spread"],
                      "overhead": rep["overhead"], "time_over_iterations": rep["ratio"] / it_ratio,
                      "ms_per_token": 1e3 * min(rep["per_token_s"]),
                      "full_ms_per_token": 1e3 * min(rep["full_per_token_s"]), "bound": bound,
-                     "passes": bound or (rep["overhead"] is not None and rep["overhead"] <= target(model)),
+                     "passes": None,
                      "seconds": time.perf_counter() - t0, "schedule": lm.engine.scoring_schedule})
+        rows[-1]["target"] = dict([target(model, batch, lm.engine.policies[0].needs_logits)])
         r = rows[-1]
+        (measure_, bound_), = r["target"].items()
+        r["passes"] = bound or (r[measure_] is not None and r[measure_] <= bound_)
         verdict = "bound" if bound else "pass" if r["passes"] else "FAIL"
         print(f"  {model:<17} {name:<33} {r['flops_ratio']:>7.3f} {it_ratio:>7.3f} {r['time_ratio']:>8.3f} "
               f"±{50 * r['spread']:>3.0f}% {r['overhead']:>8.2f} {r['time_over_iterations']:>8.2f}  {verdict:<5}  "
               f"({r['ms_per_token']:.3f} vs {r['full_ms_per_token']:.3f} ms/token, {n} repeat{'s' if n > 1 else ''}, "
-              f"{r['schedule']})", flush=True)
-    return {"full_depth": full_depth, "target": target(model), "rows": rows}
+              f"{r['schedule']}, steps ×{r['steps_ratio']:.2f})", flush=True)
+    return {"full_depth": full_depth, "rows": rows}
 
 
 def main() -> None:
@@ -163,7 +173,8 @@ def main() -> None:
     only = [p for p in args.policies.split(",") if p] or None
     at = {name: float(tau) for name, tau in (pair.split("=", 1) for pair in args.threshold)}
     print(f"overhead at batch size {args.batch_size}, 1 thread, {args.docs} GSM8K document(s), {args.repeats} paired "
-          f"repeats (1 where a pass takes over {args.slow:g} s); targets: 1.5 (tiny models), 1.25 (wide)")
+          f"repeats (1 where a pass takes over {args.slow:g} s); targets: overhead 1.5 (tiny models), 1.25 (wide); "
+          "time ÷ iterations 1.15 (a decoding-free rule on a tiny model, larger batches)")
     print(f"  {'model':<17} {'policy':<33} {'FLOPs':>7} {'iters':>7} {'time':>8} {'':>5} {'overhead':>8} {'t/iters':>8}")
     results = {"docs": args.docs, "chars": args.chars, "repeats": args.repeats, "slow_s": args.slow, "threads": 1,
                "batch_size": args.batch_size, "thresholds": at, "models": {}}
@@ -171,7 +182,7 @@ def main() -> None:
         results["models"][model] = measure(model, args.docs, args.repeats, args.slow, only, args.batch_size, at,
                                            args.chars)
     failed = [f"{m} {r['policy']}" for m, res in results["models"].items() for r in res["rows"] if not r["passes"]]
-    print(f"target overhead at batch size {args.batch_size}: "
+    print(f"targets at batch size {args.batch_size}: "
           + ("every policy passes" if not failed else f"{len(failed)} fail: {', '.join(failed)}"))
     results["failed"] = failed
     args.json.write_text(json.dumps(results, indent=2) + "\n")
