@@ -18,7 +18,7 @@ Huginn's `latest` rule), so an exit saves compute.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,25 +28,13 @@ from torch import nn
 from ..errors import CheckpointError
 from . import limits
 from .attention import AttnContext, rope_table, rotary_attention
+from .hf_config import HFNamedConfig
 from .looped import LoopedLM, LoopGroup, frozen_layers, on_rows
 from .raven import RMSNorm
 
 
 @dataclass
-class OuroConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_hidden_layers: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 65536
-    hidden_act: str = "silu"
-    tie_word_embeddings: bool = False
+class OuroConfig(HFNamedConfig):
     layer_types: list[str] | None = None
     use_sliding_window: bool = False
     sliding_window: int | None = None
@@ -55,47 +43,25 @@ class OuroConfig:
     # paper, T = 5…8); deeper runs are allowed because measuring that is a question users ask.
     max_ut_steps: int | None = None
     early_exit_threshold: float | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "ouro"
+    family = "Ouro"
+    hf_class = "OuroForCausalLM"
+    loop_positive = ("total_ut_steps", "max_ut_steps")
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.fill_heads()
         if self.max_ut_steps is None and isinstance(self.total_ut_steps, int):
             self.max_ut_steps = 2 * self.total_ut_steps
         self.validate()
 
     def validate(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "num_hidden_layers", "vocab_size", "max_position_embeddings", "total_ut_steps", "max_ut_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"config field {name} must be a positive integer, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise CheckpointError(f"config num_attention_heads={self.num_attention_heads} must be a multiple of "
-                                  f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
-        if self.head_dim % 2:
-            raise CheckpointError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
+        self.validate_common()
         if self.max_ut_steps < self.total_ut_steps:
             raise CheckpointError(f"config max_ut_steps={self.max_ut_steps} is below total_ut_steps="
                                   f"{self.total_ut_steps}")
         limits.loop_steps("total_ut_steps", self.total_ut_steps)
         limits.loop_steps("max_ut_steps", self.max_ut_steps)
-        limits.rope_base("rope_theta", self.rope_theta)
-        limits.norm_eps("rms_norm_eps", self.rms_norm_eps)
-        if self.hidden_act != "silu":
-            raise CheckpointError(f"config hidden_act={self.hidden_act!r}: Ouro's MLP is SiLU-gated; "
-                                  "only 'silu' is implemented")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type",
-                                                                         self.rope_scaling.get("type")) != "default":
-            raise CheckpointError(f"config rope_scaling={self.rope_scaling!r}: only plain RoPE (rope_scaling null) "
-                                  "is implemented, which is what every published Ouro checkpoint uses")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise CheckpointError(f"config layer_types lists {len(self.layer_types)} layers but "
@@ -108,43 +74,10 @@ class OuroConfig:
             raise CheckpointError("config use_sliding_window=true: sliding-window attention is not implemented "
                                   "(the published Ouro checkpoints set it false)")
 
-    # Names the rest of exitbench reads from every architecture's config.
-    @property
-    def n_embd(self) -> int:
-        return self.hidden_size
-
-    @property
-    def n_heads(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def n_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def block_size(self) -> int:
-        return self.max_position_embeddings
-
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "OuroConfig":
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in raw.items() if k in known}
-        extra = {k: v for k, v in raw.items() if k not in known}
-        for required in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
-            if required not in kwargs:
-                raise CheckpointError(f"config.json lacks the field {required!r}, which an Ouro model needs")
-        for name in ("rms_norm_eps", "rope_theta"):
-            if name in kwargs:
-                kwargs[name] = float(kwargs[name])
+    def refuse(cls, raw: dict[str, Any]) -> None:
         if raw.get("attention_bias"):
             raise CheckpointError("config attention_bias=true: Ouro's attention has no biases; set it false")
-        return cls(**kwargs, extra=extra)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "extra"}
-        out.update({"model_type": self.model_type, "architectures": ["OuroForCausalLM"]})
-        extra = {k: v for k, v in self.extra.items() if k not in out}
-        return {**extra, **out}
 
 
 class OuroAttention(nn.Module):

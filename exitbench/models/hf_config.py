@@ -1,0 +1,111 @@
+"""What the configs of families named the Hugging Face Llama/Qwen2 way share (Ouro, Nanbeige): the common
+fields' checks, the names the rest of exitbench reads, and reading and writing config.json with unknown fields
+kept. Each family's dataclass adds its own fields and loop, and says its name for messages (`family`), its
+Hugging Face class (`hf_class`) and which of its fields must be positive integers beyond the common ones."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from ..errors import CheckpointError
+from . import limits
+
+COMMON_POSITIVE = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "num_hidden_layers", "vocab_size", "max_position_embeddings")
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+@dataclass
+class HFNamedConfig:
+    """The common fields; a family redeclares one to change its default (the field keeps its place)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 65536
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    family: ClassVar[str]
+    hf_class: ClassVar[str]
+    model_type: ClassVar[str]
+    loop_positive: ClassVar[tuple[str, ...]] = ()
+
+    def fill_heads(self) -> None:
+        """Grouped-query and head-size defaults, as Hugging Face fills them."""
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and isinstance(self.num_attention_heads, int) and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def validate_common(self) -> None:
+        for name in (*COMMON_POSITIVE, *self.loop_positive):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CheckpointError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"config num_attention_heads={self.num_attention_heads} must be a multiple of "
+                                  f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise CheckpointError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
+        limits.rope_base("rope_theta", self.rope_theta)
+        limits.norm_eps("rms_norm_eps", self.rms_norm_eps)
+        if self.hidden_act != "silu":
+            raise CheckpointError(f"config hidden_act={self.hidden_act!r}: {self.family}'s MLP is SiLU-gated; "
+                                  "only 'silu' is implemented")
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type",
+                                                                         self.rope_scaling.get("type")) != "default":
+            raise CheckpointError(f"config rope_scaling={self.rope_scaling!r}: only plain RoPE (rope_scaling null) "
+                                  f"is implemented, which is what every published {self.family} checkpoint uses")
+
+    # Names the rest of exitbench reads from every architecture's config.
+    @property
+    def n_embd(self) -> int:
+        return self.hidden_size
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]):
+        cls.refuse(raw)
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        for required in REQUIRED:
+            if required not in kwargs:
+                raise CheckpointError(f"config.json lacks the field {required!r}, which a {cls.family} model needs")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if name in kwargs:
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs, extra=extra)
+
+    @classmethod
+    def refuse(cls, raw: dict[str, Any]) -> None:
+        """Raise CheckpointError for a config.json setting this family does not implement (default: none)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        out.update({"model_type": self.model_type, "architectures": [self.hf_class]})
+        extra = {k: v for k, v in self.extra.items() if k not in out}
+        return {**extra, **out}
