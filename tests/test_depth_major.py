@@ -34,7 +34,7 @@ K = 8
 LOGP_RTOL = 2e-5
 
 
-MODELS = ["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout", "retrofit-llama"]
+MODELS = ["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout", "retrofit-llama", "nanbeige"]
 # The fast suite runs a rule of each kind on the Ouro layout (norm + head readout and a trained-gate stand-in, so
 # every rule runs depth-major there): latent, decoding, fixed and gate; and on every model a decoding-free rule and
 # a decoding one (whose readout reads other tokens through the other models' codas or later loop groups). The whole
@@ -47,8 +47,8 @@ FAST_CASES = ({("ouro-layout", p) for p in ("second_order", "kl", "fixed", "qexi
 def _model_case(name: str):
     if name == "huginn-layout":
         model, vocab = tiny(init_scale=1.0), 100
-    elif name in ("ouro-layout", "retrofit-llama"):
-        fixture = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny"}[name]
+    elif name in ("ouro-layout", "retrofit-llama", "nanbeige"):
+        fixture = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny", "nanbeige": "nanbeige-tiny"}[name]
         model = checkpoint.load_checkpoint(Path(__file__).parent / "fixtures" / fixture).model.eval()
         vocab = model.output_size
     else:

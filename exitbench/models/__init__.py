@@ -4,9 +4,11 @@ from .cache import KVCache
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .gpt2 import LoopedGPT2, LoopedGPT2Config
 from .looped import LoopedLM, LoopGroup, Stage
+from .nanbeige import Nanbeige, NanbeigeConfig
 from .ouro import Ouro, OuroConfig
 from .raven import Raven, RavenConfig
 from .registry import ARCHITECTURES
 
 __all__ = ["ARCHITECTURES", "AttnContext", "Checkpoint", "KVCache", "LoopGroup", "LoopedGPT2", "LoopedGPT2Config",
-           "LoopedLM", "Ouro", "OuroConfig", "Raven", "RavenConfig", "Stage", "load_checkpoint", "save_checkpoint"]
+           "LoopedLM", "Nanbeige", "NanbeigeConfig", "Ouro", "OuroConfig", "Raven", "RavenConfig", "Stage",
+           "load_checkpoint", "save_checkpoint"]

@@ -146,6 +146,12 @@ class ConfigFile(_Strict):
     total_ut_steps: StrictInt = None
     max_ut_steps: StrictInt | None = None
     early_exit_threshold: Number | None = None
+    # Nanbeige4.2 (its loop's fields; the rest are the Hugging Face Llama names above).
+    num_loops: StrictInt = None
+    max_loops: StrictInt | None = None
+    loop_loss_weights: list[Number] | None = None
+    skip_loop_final_norm: StrictBool = None
+    mlp_bias: StrictBool = None
     # Declared after vocab_size, so the validator below sees it.
     bos_token_id: TokenId | None = None
     eos_token_id: TokenId | None = None

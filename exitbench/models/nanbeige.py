@@ -1,0 +1,209 @@
+"""Nanbeige4.2 (Nanbeige LLM Lab, arXiv 2607.22083), a Llama whose whole layer stack is looped, written from its
+published checkpoints' layout (Nanbeige/Nanbeige4.2-3B and -Base) with no remote code.
+
+    h_0 = embed_tokens(ids)                                  no scaling
+    h_k = norm(layers(h_{k-1}))                              all layers, shared weights, k = 1 … num_loops (2)
+    logits = lm_head(h_L)                                    untied
+
+Each layer is Llama's pre-norm block, h = x + Attn(N_in x), y = h + MLP(N_post h), with grouped-query attention
+whose head_dim (128) is not hidden_size / heads, rotate-half RoPE and no biases. The residual stream is carried
+across loops with no re-injection; `model.norm` ends every loop, so the state after loop 1 is both loop 2's input
+and, through lm_head alone, the readout "if the token stopped here": the loop step is one pass of the stack.
+With `skip_loop_final_norm` the loops chain unnormed and the norm runs once, after the last (and before a
+readout). Each loop keeps its own keys and values (one cache slot per loop and layer, as the reference's
+`layer + loop · layers`), which is the engine's one slot per iteration.
+
+The reference carries research options that are off in the released configs and have no weights; a config that
+turns one on is refused in one line rather than loaded into something else (`REFUSED`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from . import limits
+from .attention import AttnContext, rope_table
+from .hf_config import HFNamedConfig
+from .looped import LoopedLM, LoopGroup, frozen_layers, on_rows
+from .ouro import OuroAttention, OuroMLP
+from .raven import RMSNorm
+
+# Reference options a loader must not ignore: (field, the value that is off, what it would change).
+REFUSED = (
+    ("enable_double_loop_split", False, "LoopSplit runs a middle block of layers several times within one loop"),
+    ("loop_share_kv", False, "loops would share one KV cache (the report tried and dropped it)"),
+    ("enable_depth_attention", False, "attention across loop depths"),
+    ("enable_hyper_connection", False, "hyper-connections replace the residual stream"),
+    ("enable_mhc", False, "manifold hyper-connections replace the residual stream"),
+    ("qk_layernorm", False, "a norm on queries and keys"),
+    ("emb_neighbor_num", 0, "n-gram embeddings add neighbouring tokens' embeddings"),
+    ("attention_bias", False, "biases on q, k, v and o (the released checkpoints have none)"),
+    ("mlp_bias", False, "biases on the MLP (the released checkpoints have none)"),
+)
+
+
+@dataclass
+class NanbeigeConfig(HFNamedConfig):
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 7e7
+    max_position_embeddings: int = 262144
+    num_loops: int = 2
+    loop_loss_weights: list[float] | None = None
+    skip_loop_final_norm: bool = False
+    # exitbench's own: the deepest loop count a run may ask for. Only num_loops was trained (the report found more
+    # loops destabilised training); deeper runs are extrapolation, allowed because measuring it is a question.
+    max_loops: int | None = None
+
+    model_type = "nanbeige"
+    family = "Nanbeige4.2"
+    hf_class = "NanbeigeForCausalLM"
+    loop_positive = ("num_loops", "max_loops")
+
+    def __post_init__(self):
+        self.fill_heads()
+        if self.max_loops is None and isinstance(self.num_loops, int):
+            self.max_loops = 2 * self.loops
+        self.validate()
+
+    @property
+    def loops(self) -> int:
+        """The trained loop count, as the reference reads it: one per per-loop loss weight plus one, when the
+        checkpoint lists them, else num_loops."""
+        return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
+
+    def validate(self) -> None:
+        self.validate_common()
+        if self.max_loops < self.loops:
+            raise CheckpointError(f"config max_loops={self.max_loops} is below the trained {self.loops} loops")
+        limits.loop_steps("num_loops", self.loops)
+        limits.loop_steps("max_loops", self.max_loops)
+
+    @classmethod
+    def refuse(cls, raw: dict[str, Any]) -> None:
+        for name, off, what in REFUSED:
+            if raw.get(name) is not None and raw[name] != off:
+                raise CheckpointError(f"config {name}={raw[name]!r}: {what}, which exitbench does not implement; "
+                                      f"the released Nanbeige4.2 checkpoints set {name}={off!r}")
+
+
+class NanbeigeLayer(nn.Module):
+    """Llama's pre-norm block: h = x + Attn(N_in x); y = h + MLP(N_post h). (Ouro's attention and MLP modules
+    are Qwen2's without biases, which is Llama's with the same key names.)"""
+
+    def __init__(self, c: NanbeigeConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = OuroAttention(c, layer_id)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = OuroMLP(c)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return self.feed(self.attend(x, rope, ctx))
+
+    # The attention sublayer, then the MLP sublayer: exit mode freeze runs them apart (looped.frozen_layers).
+    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), rope, ctx)
+
+    def feed(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Nanbeige(LoopedLM):
+    architecture = NanbeigeConfig.model_type
+    config_class = NanbeigeConfig
+
+    def __init__(self, config: NanbeigeConfig):
+        super().__init__()
+        self.config = c = config
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
+            layers=nn.ModuleList(NanbeigeLayer(c, i) for i in range(c.num_hidden_layers)),
+            norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # (positions, head_dim/2, 2) cos/sin, in float32 from rope_theta over head_dim, never stored (a checkpoint's
+        # rotary_emb.inv_freq, where one has it, is dropped by adapt_checkpoint).
+        self.register_buffer("rope", rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta),
+                             persistent=False)
+        self._stages = self._build_stages()
+
+    @classmethod
+    def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in tensors.items() if not k.endswith("self_attn.rotary_emb.inv_freq")}
+
+    def reset_buffers(self) -> None:
+        c = self.config
+        self.rope = rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta).to(self.lm_head.weight.device)
+
+    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
+        """Llama's init: N(0, std) for every matrix and the embedding, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=generator)
+
+    @property
+    def tied_head(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def tie_head(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def exit_grids(self) -> dict[str, tuple[float, ...]]:
+        """After the loop's RMSNorm ‖h‖ ≈ sqrt(d) · (the norm's weights), so the step-norm grids span 1% … 100%
+        of sqrt(d) (as for Ouro, whose loop also ends in its norm); cosine's 1 − cos spans 1e-4 … 0.5."""
+        scale = self.config.hidden_size ** 0.5
+        steps = tuple(float(f"{scale * 10 ** (i / 3 - 2):.3g}") for i in range(7))
+        return {"first_order": steps, "second_order": steps, "second_order_magnitude": steps,
+                "cosine": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.5)}
+
+    # ---- the stage view the engine uses ----------------------------------------------------------
+    def _loop_norm(self, s: torch.Tensor) -> torch.Tensor:
+        return s if self.config.skip_loop_final_norm else self.model.norm(s)
+
+    def _step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        for layer in self.model.layers:
+            s = layer(s, self.rope, ctx)
+        return self._loop_norm(s)
+
+    def _frozen_step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext, keep: torch.Tensor) -> torch.Tensor:
+        out = frozen_layers(self.model.layers, s, s, keep, lambda layer, h: layer.attend(h, self.rope, ctx))
+        return on_rows(s, keep, self._loop_norm, out)  # a pinned state is not normed again
+
+    def _finish(self, s: torch.Tensor) -> torch.Tensor:
+        # Normed after every loop already, unless the loops chain unnormed and one norm ends the last.
+        return self.model.norm(s) if self.config.skip_loop_final_norm else s
+
+    def _build_stages(self) -> list[LoopGroup]:
+        c, m = self.config, self.model
+        return [LoopGroup("loops", init=lambda x, noise: x, step=self._step, finish=self._finish,
+                          attn_layers=list(range(c.num_hidden_layers)), n_layers=c.num_hidden_layers,
+                          default_steps=c.loops, max_steps=c.max_loops, modules=[m.layers, m.norm],
+                          frozen_step=self._frozen_step)]
+
+    def stages(self) -> list[LoopGroup]:
+        return self._stages
+
+    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.embed_tokens(ids)  # positions enter through RoPE, in attention
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x).float()  # the state is normed (the loop's last norm, or the finish's)
+
+    def layer_split(self) -> dict[str, int]:
+        return {"loop": self.config.num_hidden_layers}
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        m = self.model
+        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+        parts = {"embedding": count(m.embed_tokens), "layers": count(m.layers), "norm": count(m.norm)}
+        if not self.config.tie_word_embeddings:
+            parts["lm_head"] = count(self.lm_head)
+        return parts
