@@ -1,0 +1,99 @@
+"""Write a random checkpoint in Nanbeige4.2-3B's published layout: what a user who downloads Nanbeige/Nanbeige4.2-3B
+points exitbench at, minus the training.
+
+    python bench/make_nanbeige_size.py /tmp/nanbeige-3b [--dtype bfloat16]
+
+- config.json with the hub config's fields (shared/reference/nanbeige.md: hidden 3072, intermediate 10752, 22
+  physical layers, `num_loops` 2, 48 heads, 8 KV heads, `head_dim` 128, `rope_theta` 7e7, vocabulary 166,144,
+  untied head, `skip_loop_final_norm` false, `loop_loss_weights` [], `auto_map` naming the remote code), as the
+  Base model's ids (BOS `<s>` 1, EOS `</s>` 2, PAD `<unk>` 0);
+- the published keys, written from that reference's list and not from exitbench's module tree (so loading it
+  tests exitbench's reading of the layout): `model.embed_tokens`, per layer q/k/v/o projections without biases,
+  gate/up/down MLP and two RMSNorms, `model.norm`, an untied `lm_head`, in one `model.safetensors` as the hub has;
+- a byte-level BPE tokenizer.json of the vocabulary with `<unk>`, `<s>`, `</s>` first and `add_bos_token` (the
+  hub's Base repo ships a SentencePiece `tokenizer.model` instead, which needs sentencepiece to read).
+
+Weights N(0, 0.02), norms 1. 4,169,800,704 parameters, 8.34 GB in bfloat16; one tensor in memory at a time
+beside the file being written. Why here and not in the package: no user needs a random Nanbeige. It is the
+fixture of the slow full-size test (tests/test_nanbeige_full_size.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_huginn_size import byte_level_bpe  # noqa: E402
+from make_ouro_size import write_weights  # noqa: E402
+
+SHAPE = dict(hidden_size=3072, intermediate_size=10752, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
+             num_hidden_layers=22, vocab_size=166144, max_position_embeddings=262144, rope_theta=7e7)
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def config_json(dtype: torch.dtype) -> dict:
+    return {**SHAPE, "model_type": "nanbeige", "architectures": ["NanbeigeForCausalLM"],
+            "auto_map": {"AutoConfig": "configuration_nanbeige.NanbeigeConfig",
+                         "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"},
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_scaling": None, "tie_word_embeddings": False,
+            "attention_bias": False, "kv_channels": 128, "pretraining_tp": 1, "num_loops": 2, "loop_loss_weights": [],
+            "skip_loop_final_norm": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def layout() -> list[tuple[str, tuple[int, ...]]]:
+    c = SHAPE
+    H, inter, hd, V = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    keys = [("model.embed_tokens.weight", (V, H))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        keys += [(f"{p}.self_attn.q_proj.weight", (q, H)), (f"{p}.self_attn.k_proj.weight", (kv, H)),
+                 (f"{p}.self_attn.v_proj.weight", (kv, H)), (f"{p}.self_attn.o_proj.weight", (H, q)),
+                 (f"{p}.mlp.gate_proj.weight", (inter, H)), (f"{p}.mlp.up_proj.weight", (inter, H)),
+                 (f"{p}.mlp.down_proj.weight", (H, inter)),
+                 (f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,))]
+    return keys + [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
+
+
+def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    keys = layout()
+    g = torch.Generator().manual_seed(seed)
+
+    def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
+        t.fill_(1.0) if key.endswith("norm.weight") else t.normal_(0.0, 0.02, generator=g)
+        return t.to(dtype)
+
+    total = write_weights(out, keys, make, dtype, 1, log)
+    tok = byte_level_bpe(SHAPE["vocab_size"], SPECIAL)
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
+    assert tok.get_vocab_size(with_added_tokens=True) == SHAPE["vocab_size"] and tok.token_to_id("</s>") == 2
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
+                                                           "eos_token": "</s>", "unk_token": "<unk>",
+                                                           "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    (out / "config.json").write_text(json.dumps(config_json(dtype), indent=2, sort_keys=True) + "\n")
+    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write(args.out, getattr(torch, args.dtype), args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
