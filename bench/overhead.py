@@ -133,16 +133,16 @@ def measure(model: str, docs: int, repeats: int, slow: float, only: list[str] | 
         rep = retime.retime(lm, full, work, n, full_depth)
         it_ratio = iterations / full_iterations
         bound = REGISTRY[cfg.policy].retrospective
+        measure_, bound_ = target(model, batch, lm.engine.policies[0].needs_logits)
         rows.append({"policy": name, "threshold": cfg.threshold, "repeats": n, "flops_ratio": rep["flops_ratio"],
-                     "iterations_ratio": it_ratio, "steps_ratio": steps / full_steps, "time_ratio": rep["ratio"], "spread": rep["spread"],
+                     "iterations_ratio": it_ratio, "steps_ratio": steps / full_steps, "time_ratio": rep["ratio"],
+                     "spread": rep["spread"],
                      "overhead": rep["overhead"], "time_over_iterations": rep["ratio"] / it_ratio,
                      "ms_per_token": 1e3 * min(rep["per_token_s"]),
                      "full_ms_per_token": 1e3 * min(rep["full_per_token_s"]), "bound": bound,
-                     "passes": None,
-                     "seconds": time.perf_counter() - t0, "schedule": lm.engine.scoring_schedule})
-        rows[-1]["target"] = dict([target(model, batch, lm.engine.policies[0].needs_logits)])
+                     "seconds": time.perf_counter() - t0, "schedule": lm.engine.scoring_schedule,
+                     "target": {measure_: bound_}})
         r = rows[-1]
-        (measure_, bound_), = r["target"].items()
         r["passes"] = bound or (r[measure_] is not None and r[measure_] <= bound_)
         verdict = "bound" if bound else "pass" if r["passes"] else "FAIL"
         print(f"  {model:<17} {name:<33} {r['flops_ratio']:>7.3f} {it_ratio:>7.3f} {r['time_ratio']:>8.3f} "

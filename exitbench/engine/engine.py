@@ -32,7 +32,7 @@ from .config import ExitConfig
 from .flops import FlopModel
 from .loop import Leaving, TokenLoop, positions_runs, uniform_chunk
 from .noise import PositionNoise
-from .probe_cache import ProbeCache, later_attention
+from .probe_cache import ProbeCache
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
 from .waves import DepthMajor, block_positions, depth_major_blocker
@@ -90,6 +90,8 @@ class ExitEngine:
         # A probe reads out the later groups at their default depth, capped where this run's policy caps them
         # (the cache has no slot past a group's max_steps).
         self.readout_steps = [min(g.default_steps, p.max_steps) for g, p in zip(self.groups, self.policies)]
+        # The attention layers each group's readout runs (none: it reads no other token).
+        self.readout_layers = [model.readout_attention(g) for g in range(len(self.groups))]
         self.noise = PositionNoise(self.config.seed, self._state_dim())
         self.flops = FlopModel(model, self.readout_steps)
         # Seconds per phase and in all, tokens recorded, and loop steps run (batched iterations: with rows
@@ -250,7 +252,7 @@ class Run:
         self.loops = [TokenLoop(self.model, g, group, policy, self.clock, readout_steps=engine.readout_steps,
                                 probe_is_final=g == len(engine.groups) - 1 and self.probe_caches[g] is None,
                                 probe_cache=self.probe_caches[g],
-                                readout_attends=bool(later_attention(self.model, engine.bounds[g])),
+                                readout_attends=bool(engine.readout_layers[g]),
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
                                 select=engine.config.exit_mode == "select",
                                 weighted=engine.config.exit_mode == "weighted", freeze=self.freeze)
@@ -273,7 +275,7 @@ class Run:
         self.steps = 0
 
     def _probe_cache(self, g: int, depth_major: bool) -> ProbeCache | None:
-        layers = later_attention(self.model, self.engine.bounds[g])
+        layers = self.engine.readout_layers[g]
         if not (self.teacher_forced and self.probed[g] and layers):
             return None
         return ProbeCache(self.model, g, self.engine.readout_steps, self.cache, layers,

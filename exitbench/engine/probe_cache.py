@@ -35,16 +35,11 @@ from ..models import AttnContext, KVCache, LoopedLM
 from .records import Token
 
 
-def later_attention(model: LoopedLM, bound: int) -> list[int]:
-    """The attention layers of every stage after stage `bound` (a loop group): what its readout attends with."""
-    return [layer for stage in model.stages()[bound + 1:] for layer in stage.attn_layers]
-
-
 class ProbeCache:
     def __init__(self, model: LoopedLM, group_index: int, readout_steps: list[int], main: KVCache,
                  layers: list[int], depth: int, per_iteration: bool):
         self.model, self.group_index, self.readout_steps = model, group_index, readout_steps
-        self.layers, self.depth = layers, depth
+        self.layers = layers
         slots = {layer: main.slots[layer] for layer in layers}
         self.caches = [KVCache(main.batch, main.n_heads, main.head_dim, slots, main.capacity, main.dtype, main.device,
                                main.window) for _ in range(depth if per_iteration else 1)]

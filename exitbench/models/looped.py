@@ -351,11 +351,20 @@ class LoopedLM(nn.Module):
                   noise=self.generator_noise(generator), on_state=lambda g, k, s: kept.setdefault(g, []).append(s))
         return [torch.stack(kept[g]) for g in sorted(kept)]
 
+    def _after(self, group_index: int) -> int:
+        """The index among the stages of the stage after loop group `group_index`."""
+        group = self.loop_groups()[group_index]
+        return next(i for i, stage in enumerate(self.stages()) if stage is group) + 1
+
+    def readout_attention(self, group_index: int) -> list[int]:
+        """The attention layers `readout(group_index, …)` runs: every stage's after that loop group (a coda, later
+        loop groups); empty where the readout reads no other token."""
+        return [layer for stage in self.stages()[self._after(group_index):] for layer in stage.attn_layers]
+
     def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext,
                 steps: Sequence[int] | None = None) -> torch.Tensor:
         """Logits "if we exited now": finish group `group_index` from `state`, run the rest at default depth
         (or at `steps`, one per loop group, e.g. when a cache holds fewer iterations than the default).
         A later loop group starts from its input (its noise, if any, is left out: a readout is a probe)."""
         group = self.loop_groups()[group_index]
-        after = next(i for i, stage in enumerate(self.stages()) if stage is group) + 1
-        return self.head(self.walk(group.finish(state), ctx, steps, start=after))
+        return self.head(self.walk(group.finish(state), ctx, steps, start=self._after(group_index)))

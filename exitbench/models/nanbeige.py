@@ -29,7 +29,7 @@ from . import limits
 from .attention import AttnContext, rope_table
 from .hf_config import HFNamedConfig
 from .looped import LoopedLM, LoopGroup, frozen_layers, on_rows
-from .ouro import OuroAttention, OuroMLP
+from .ouro import OuroAttention, OuroMLP, normed_loop_grids
 from .raven import RMSNorm
 
 # Reference options a loader must not ignore: (field, the value that is off, what it would change).
@@ -157,12 +157,8 @@ class Nanbeige(LoopedLM):
         self.lm_head.weight = self.model.embed_tokens.weight
 
     def exit_grids(self) -> dict[str, tuple[float, ...]]:
-        """After the loop's RMSNorm ‖h‖ ≈ sqrt(d) · (the norm's weights), so the step-norm grids span 1% … 100%
-        of sqrt(d) (as for Ouro, whose loop also ends in its norm); cosine's 1 − cos spans 1e-4 … 0.5."""
-        scale = self.config.hidden_size ** 0.5
-        steps = tuple(float(f"{scale * 10 ** (i / 3 - 2):.3g}") for i in range(7))
-        return {"first_order": steps, "second_order": steps, "second_order_magnitude": steps,
-                "cosine": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.5)}
+        """Its loop ends in its norm, as Ouro's does: the same grids."""
+        return normed_loop_grids(self.config.hidden_size)
 
     # ---- the stage view the engine uses ----------------------------------------------------------
     def _loop_norm(self, s: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,15 @@ class OuroConfig(HFNamedConfig):
             raise CheckpointError("config attention_bias=true: Ouro's attention has no biases; set it false")
 
 
+def normed_loop_grids(hidden_size: int) -> dict[str, tuple[float, ...]]:
+    """Latent rules' grids for a loop that ends in an RMSNorm: ‖h‖ ≈ sqrt(d) (unit norm weights) after every
+    step, so the step-norm grids span 1% … 100% of that; cosine's 1 − cos spans 1e-4 … 0.5."""
+    scale = hidden_size ** 0.5
+    steps = tuple(float(f"{scale * 10 ** (i / 3 - 2):.3g}") for i in range(7))
+    return {"first_order": steps, "second_order": steps, "second_order_magnitude": steps,
+            "cosine": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.5)}
+
+
 class OuroAttention(nn.Module):
     """Qwen2's attention without biases: q/k/v/o projections, rotate-half RoPE, grouped-query heads
     (attention.rotary_attention: repeated before the cache, so a grouped model's cache is n_heads /
@@ -177,13 +186,8 @@ class Ouro(LoopedLM):
 
     def exit_grids(self) -> dict[str, tuple[float, ...]]:
         """Ouro's steps do not contract within its 4 trained steps (a third party measured ‖Δh‖/‖h‖ ≈ 0.2 at the
-        last one), so the latent rules' grids, tuned on contracting models, would never fire. After the loop's
-        RMSNorm ‖h‖ ≈ sqrt(d) (unit norm weights), so the step-norm grids span 1% … 100% of that; cosine's
-        1 − cos spans 1e-4 … 0.5."""
-        scale = self.config.hidden_size ** 0.5
-        steps = tuple(float(f"{scale * 10 ** (i / 3 - 2):.3g}") for i in range(7))
-        return {"first_order": steps, "second_order": steps, "second_order_magnitude": steps,
-                "cosine": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 0.5)}
+        last one), so the latent rules' grids, tuned on contracting models, would never fire."""
+        return normed_loop_grids(self.config.hidden_size)
 
     def tie_head(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight

@@ -33,8 +33,7 @@ def model_record(ck: Checkpoint) -> dict[str, Any]:
 
 def readout_attends(model: Any) -> bool:
     """Whether a loop group's readout runs stages that attend to other tokens (a coda, a later loop group)."""
-    stages, groups = model.stages(), {id(g) for g in model.loop_groups()}
-    return any(id(st) in groups and any(later.attn_layers for later in stages[i + 1:]) for i, st in enumerate(stages))
+    return any(model.readout_attention(g) for g in range(len(model.loop_groups())))
 
 
 def key_limit(limit: int | float | None, n_docs: int | None) -> int | float | None:
