@@ -34,22 +34,25 @@ K = 8
 LOGP_RTOL = 2e-5
 
 
-MODELS = ["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout", "retrofit-llama", "nanbeige"]
+MODELS = ["huginn-layout", "tiny-raven", "tiny-looped-gpt2", "ouro-layout", "retrofit-llama", "nanbeige", "hrm-text"]
+FIXTURE_OF = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny", "nanbeige": "nanbeige-tiny",
+              "hrm-text": "hrm-text-tiny"}
 # The fast suite runs a rule of each kind on the Ouro layout (norm + head readout and a trained-gate stand-in, so
 # every rule runs depth-major there): latent, decoding, fixed and gate; and on every model a decoding-free rule and
 # a decoding one (whose readout reads other tokens through the other models' codas or later loop groups). The whole
 # matrix (every rule on every model) is slow.
 FAST_CASES = ({("ouro-layout", p) for p in ("second_order", "kl", "fixed", "qexit")}
-              | {(m, p) for m in MODELS for p in ("second_order", "kl")})
+              | {(m, p) for m in MODELS for p in ("second_order", "kl") if m != "hrm-text"})
+# (HRM-Text's H cycle is eight stack calls, the priciest step here: tests/test_hrm_text.py runs both schedules on
+# it fast, this matrix runs them slow.)
 
 
 @functools.cache
 def _model_case(name: str):
     if name == "huginn-layout":
         model, vocab = tiny(init_scale=1.0), 100
-    elif name in ("ouro-layout", "retrofit-llama", "nanbeige"):
-        fixture = {"ouro-layout": "ouro-tiny", "retrofit-llama": "retrofit-llama-tiny", "nanbeige": "nanbeige-tiny"}[name]
-        model = checkpoint.load_checkpoint(Path(__file__).parent / "fixtures" / fixture).model.eval()
+    elif name in FIXTURE_OF:
+        model = checkpoint.load_checkpoint(Path(__file__).parent / "fixtures" / FIXTURE_OF[name]).model.eval()
         vocab = model.output_size
     else:
         model = checkpoint.open_checkpoint(name).model.eval()

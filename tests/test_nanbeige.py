@@ -158,38 +158,12 @@ def test_a_stored_rotary_frequency_table_is_dropped(tmp_path):
 def test_every_command_runs_on_a_nanbeige_checkpoint(tmp_path):
     """run with every policy exactly and by replay (both schedules: tests/test_depth_major.py), calibrate, fit-exit and the learned rule, trace,
     geometry, report and info --plan."""
-    from exitbench.cli import app
+    from helpers.commands import run_every_command
 
-    from helpers.cli import explain, runner
-
-    ck = str(FIXTURES / "nanbeige-tiny")
-    docs = tmp_path / "docs.txt"
-    docs.write_text("\n\n".join(f"the cat sat on the mat {i} and the dog ran" for i in range(24)))
-    exit_model = tmp_path / "exit.json"
-    common = ["-c", ck, "--tasks", "chains_lambada", "--limit", "2", "--baselines", "2", "--quiet"]
-    commands = {
-        "run": ["run", *common, "-p", "all", "--out", str(tmp_path / "r")],
-        "replay": ["run", *common, "-p", "all", "--replay", "--out", str(tmp_path / "replay")],
-        "calibrate": ["calibrate", "-c", ck, "--text", str(docs), "--policy", "confidence", "--thresholds",
-                      "0.3,0.9", "--out", str(tmp_path / "cal.json")],
-        "fit-exit": ["fit-exit", "-c", ck, "--text", str(docs), "--limit", "24", "--tokens", "600",
-                     "-o", str(exit_model)],
-        "learned": ["run", *common, "-p", "learned", "--exit-model", str(exit_model), "--thresholds", "0.5",
-                    "--out", str(tmp_path / "r")],
-        "geometry": ["geometry", "-c", ck, "--text", str(docs), "-n", "6", "--tokens", "300", "-o",
-                     str(tmp_path / "geo")],
-        "trace": ["trace", "a=7 b=a", "-c", ck, "-p", "second_order", "--generate", "2",
-                  "--json", str(tmp_path / "trace.json")],
-        "report": ["report", str(tmp_path / "r")],
-        "info": ["info", "-c", ck, "--plan", "--json"],
-    }
-    for name, args in commands.items():
-        res = runner.invoke(app, args)
-        assert res.exit_code == 0, f"{name}: {explain(res)}"
-    cells = [json.loads(f.read_text()) for f in (tmp_path / "r").glob("*.json")]
+    out = run_every_command(str(FIXTURES / "nanbeige-tiny"), tmp_path, calibrate="0.3,0.9",
+                            sentence="the cat sat on the mat and the dog ran")
+    cells = out["cells"]
     assert {"fixed", "kl", "second_order", "oracle", "learned"} <= {c["policy"]["policy"] for c in cells}
     assert all(c["model"]["architecture"] == "nanbeige" and c["iterations"]["max"] <= 2 for c in cells
                if c["policy"]["policy"] != "fixed")
-    assert len(list((tmp_path / "replay").glob("*.json"))) > 10
-    assert json.loads(res.stdout)["plan"]["kv_layout"]["slots_per_loop_layer"] == [2]
-    assert (tmp_path / "r" / "report.html").exists() and (tmp_path / "geo" / "geometry.json").exists()
+    assert out["replayed"] > 10 and out["info"]["plan"]["kv_layout"]["slots_per_loop_layer"] == [2]

@@ -4,7 +4,10 @@ How a run moves:
 - A run has B rows, each serving one request at a time; when a request is done its row takes the next one
   (continuous batching), so the rows stay full until the queue runs dry.
 - A request's prefix whose outputs nobody scores is prefilled at full depth, all positions at once (or, with
-  `prefill="exit"`, token by token with exits like everything else).
+  `prefill="exit"`, token by token with exits like everything else). A prefix-LM's prompt (`model.prefix_lm`:
+  a scoring request's context, a generation's prompt) is one bidirectional block, so the prefill runs all of it,
+  its last position too; that position then runs again with exits as the first scored one, reading the block as
+  its causal self would (the last member of a block sees exactly what causal attention gives it).
 - From then on each row advances on its own: it holds one token in flight; when that token has left the last
   loop group the row moves to its next position while the other rows' tokens keep iterating. Every tick, each
   loop group runs one iteration for whatever tokens are in it (`TokenLoop`), whatever their rows, positions
@@ -48,13 +51,15 @@ DEFERRED_BATCH = 256
 @dataclass
 class Request:
     """One sequence: positions start … end produce consumed outputs; `first` is where exits begin (start under
-    prefill="full", 0 under prefill="exit")."""
+    prefill="full", 0 under prefill="exit"); the first `block` positions are a prefix-LM's bidirectional prompt
+    (0: none)."""
 
     index: int
     tokens: list[int]
     first: int
     start: int
     end: int
+    block: int = 0
 
 
 SCHEDULES = ("auto", "depth_major", "token_major")
@@ -77,6 +82,13 @@ class ExitEngine:
                                                     or model.stages()[-1] is not self.groups[0]):
             raise ExitbenchError(f"exit_mode weighted averages the readouts of one loop group under its trained exit "
                                  f"gate; this {model.architecture} model has no such group (Ouro's models do)")
+        if self.config.warm_start and not all(g.injects_input for g in self.groups):
+            raise ExitbenchError(f"warm_start starts a token from the previous token's final state, but this "
+                                 f"{model.architecture} model's loop reads the token's input only as its start state, "
+                                 f"so the token would be lost; warm_start needs a loop that injects its input (Raven's)")
+        if model.prefix_lm and self.config.prefill == "exit":
+            raise ExitbenchError(f"prefill exit runs a prompt token by token with exits, but this {model.architecture} "
+                                 f"model reads its prompt as one bidirectional block (prefix_lm); use prefill full")
         if self.config.exit_mode == "freeze" and any(g.frozen_step is None for g in self.groups):
             raise ExitbenchError(f"exit_mode freeze runs a loop group's MLPs for its active tokens only; this "
                                  f"{model.architecture} model's loop groups have no such step")
@@ -174,7 +186,10 @@ class ExitEngine:
         if end + 1 > self.model.config.block_size:
             raise ExitbenchError(f"a sequence needs {end + 1} positions but the model's context is "
                                  f"{self.model.config.block_size}")
-        return Request(index, tokens, start if self.config.prefill == "full" else 0, start, end)
+        # A prefix-LM's prompt is everything before the first output's input's successor: the context (scoring)
+        # or the prompt (generation), start + 1 tokens.
+        block = start + 1 if self.model.prefix_lm else 0
+        return Request(index, tokens, start if self.config.prefill == "full" else 0, start, end, block)
 
     # ---- a run: rows serving requests, advancing on their own ----------------------------------------------
     def _run(self, reqs: list[Request], consume: Consume, results: list[SequenceResult], teacher_forced: bool,
@@ -356,13 +371,14 @@ class Run:
         rows = [b for b, _ in pairs]
         every_row = rows == list(range(self.B))
         index = None if every_row else torch.tensor(rows, device=cache.device)
-        ctx = AttnContext(start=0, cache=cache, rows=index)
+        blocks = torch.tensor([r.block for _, r in pairs], device=cache.device) if self.model.prefix_lm else None
+        ctx = AttnContext(start=0, cache=cache, rows=index, prefix=blocks)
         if self.teacher_forced:  # everything before the first loop group, for every position
             L = max(r.end + 1 for _, r in pairs)
             ids = self._padded([r.tokens for _, r in pairs], L)
             x = self.model.walk(self.model.embed(ids, 0), ctx, stop=engine.bounds[0])
             self.inputs[rows, :L] = x
-        L = max(r.first for _, r in pairs)
+        L = max(max(r.first, r.block) for _, r in pairs)
         if L == 0:
             self.clock.stop(started, "prefill", [])
             return

@@ -307,11 +307,11 @@ class TokenLoop:
 
     def _step_blocks(self, blocks: tuple[AttnContext, int], keep: torch.Tensor | None = None) -> torch.Tensor:
         ctx, rows = blocks
-        d = self.s.shape[-1]
-        s, x = self.s.view(rows, -1, d), self.x.view(rows, -1, d)
+        # (a state may be wider than the group's input: HRM-Text's holds its two levels side by side)
+        s, x = self.s.view(rows, -1, self.s.shape[-1]), self.x.view(rows, -1, self.x.shape[-1])
         # (places are the block rows' positions in order, so `keep` indexes the flattened blocks as it is)
         out = self.group.step(s, x, ctx) if keep is None else self.group.frozen_step(s, x, ctx, keep)
-        return out.reshape(-1, 1, d)
+        return out.reshape(-1, 1, out.shape[-1])
 
 
 def uniform_chunk(runs: list[tuple[int, int, int, int]] | None, batch: int, cache: KVCache, iteration: int = 0

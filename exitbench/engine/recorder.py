@@ -95,6 +95,7 @@ class _Chunk:
     rows: torch.Tensor
     cols: torch.Tensor
     scored: torch.Tensor
+    lo_of: torch.Tensor  # (B,) each row's first scored position
 
     @classmethod
     def of(cls, seqs: list[Sequence_], device) -> _Chunk:
@@ -105,7 +106,7 @@ class _Chunk:
         cols = torch.tensor([p - lo for s in seqs for p in range(s.first, len(s.inputs))], device=device)
         scored = (torch.arange(lo, L, device=device).unsqueeze(0)
                   >= torch.tensor([s.first for s in seqs], device=device).unsqueeze(1)).unsqueeze(-1)
-        return cls(ids, lo, rows, cols, scored)
+        return cls(ids, lo, rows, cols, scored, torch.tensor([s.first for s in seqs], device=device))
 
 
 @dataclass
@@ -201,7 +202,9 @@ class Recorder:
                 whole[k] = s
 
         noise = self._noise(B, L)
-        model.walk(model.embed(chunk.ids, 0), AttnContext(start=0, cache=cache), [K] * G, noise=noise,
+        # A prefix-LM reads each pass's context (up to its first scored position) as one bidirectional block.
+        prefix = chunk.lo_of + 1 if model.prefix_lm else None
+        model.walk(model.embed(chunk.ids, 0), AttnContext(start=0, cache=cache, prefix=prefix), [K] * G, noise=noise,
                    on_state=on_state)
         self.seconds["walk"] += time.perf_counter() - t0
         return cache, kept, whole

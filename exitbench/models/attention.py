@@ -44,11 +44,14 @@ class AttnContext:
     index: "TokenIndex | None" = None
     # Token mode: each RoPE table's rows at `positions`, gathered once and shared by every layer and iteration.
     rotations: dict[int, torch.Tensor] | None = None
+    # Chunk mode, a prefix-LM's prompt: per row (B,) or for all rows (int), how many leading positions form one
+    # bidirectional block (they attend to each other; every later position is causal). None: all causal.
+    prefix: torch.Tensor | int | None = None
 
     def at_iteration(self, iteration: int | torch.Tensor, host: list[int] | None = None) -> "AttnContext":
         """At `iteration`; `host`: the same per-token iterations as a list, so no device read is needed."""
         if self.places is None:
-            return AttnContext(self.start, self.cache, self.rows, iteration)
+            return AttnContext(self.start, self.cache, self.rows, iteration, prefix=self.prefix)
         return AttnContext(self.start, self.cache, self.rows, iteration, self.positions, self.places,
                            self.cache.at_iteration(self.places, iteration, host), self.rotations)
 
@@ -135,6 +138,15 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
     return cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
 
 
+def prefix_mask(prefix: torch.Tensor | int, start: int, T: int, L: int, device: torch.device) -> torch.Tensor:
+    """(B or 1, 1, T, L) mask of queries at start … start+T−1 over keys 0 … L−1: causal, except that positions
+    below a row's `prefix` see each other whatever their order (a prefix-LM's bidirectional prompt block)."""
+    blocks = torch.as_tensor(prefix, device=device).view(-1, 1, 1, 1)
+    query = torch.arange(start, start + T, device=device).view(1, 1, T, 1)
+    key = torch.arange(L, device=device).view(1, 1, 1, L)
+    return (key <= query) | ((key < blocks) & (query < blocks))
+
+
 @torch.compiler.disable
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
@@ -156,6 +168,9 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if ctx.cache is not None:
         k, v = ctx.cache.update(layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
     k, v = expand_groups(q, k, v)
+    if ctx.prefix is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=prefix_mask(ctx.prefix, ctx.start, T, k.shape[2],
+                                                                            q.device))
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v)
     if k.shape[2] == T:

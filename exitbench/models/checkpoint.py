@@ -152,6 +152,15 @@ class ConfigFile(_Strict):
     loop_loss_weights: list[Number] | None = None
     skip_loop_final_norm: StrictBool = None
     mlp_bias: StrictBool = None
+    # HRM-Text (its stacks' and cycles' fields).
+    num_layers_per_stack: StrictInt | None = None
+    H_cycles: StrictInt = None
+    L_cycles: StrictInt = None
+    max_H_cycles: StrictInt | None = None
+    L_bp_cycles: list[StrictInt] | None = None
+    embedding_scale: Number | None = None
+    prefix_lm: StrictBool = None
+    rope_parameters: dict | None = None
     # Declared after vocab_size, so the validator below sees it.
     bos_token_id: TokenId | None = None
     eos_token_id: TokenId | None = None

@@ -62,6 +62,10 @@ class LoopGroup:
     # every other row is pinned at its state in s (`frozen_layers`). With every row in `keep` it computes what
     # `step` does, bit for bit. None: the family has no such step, and freeze is refused.
     frozen_step: Callable[[torch.Tensor, torch.Tensor, AttnContext, torch.Tensor], torch.Tensor] | None = None
+    # Whether `step` reads the group's input x at every iteration (Raven's adapter injects it). Only then can a
+    # token start from another token's state (warm_start) and still see its own input; a group that starts from
+    # its input and never reads it again would lose the token.
+    injects_input: bool = False
 
 
 def on_rows(base: torch.Tensor, keep: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor
@@ -177,6 +181,12 @@ class LoopedLM(nn.Module):
         """Default threshold grids of rules whose useful thresholds depend on the model (its scale, how far its
         steps contract), by policy name; a rule not named here sweeps its own `default_grid`."""
         return {}
+
+    @property
+    def prefix_lm(self) -> bool:
+        """Whether the model was trained as a prefix-LM: a prompt is one bidirectional block, so the engine prefills
+        it as one (AttnContext.prefix)."""
+        return False
 
     @property
     def gated(self) -> bool:
@@ -326,18 +336,19 @@ class LoopedLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, num_steps: int | Sequence[int] | None = None, *,
                 backprop_depth: int | Sequence[int] | None = None, cache: KVCache | None = None, start: int = 0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, prefix: torch.Tensor | int | None = None) -> torch.Tensor:
         """Logits for `ids` (B, T) at fixed depth: every token runs `num_steps` iterations of every group.
 
         With `backprop_depth` k (one for all groups, or one per group) only the last k iterations of each group
         keep gradients (truncated BPTT, Huginn §1.6). With a cache, `ids` continue a sequence whose first `start`
-        tokens are cached.
+        tokens are cached. With `prefix` (one length, or one per row) the leading positions form a bidirectional
+        block (a prefix-LM's prompt, `prefix_lm`); the rest is causal.
         """
         steps = self.resolve_steps(num_steps)
         if cache is not None:
             self._check_cache_depth(cache, steps)
         grad = self.resolve_steps(backprop_depth) if backprop_depth is not None else None
-        x = self.walk(self.embed(ids, start), AttnContext(start=start, cache=cache), steps,
+        x = self.walk(self.embed(ids, start), AttnContext(start=start, cache=cache, prefix=prefix), steps,
                       noise=self.generator_noise(generator), grad_steps=grad)
         return self.head(x)
 

@@ -5,20 +5,22 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .gpt2 import LoopedGPT2
+from .hrm_text import HrmText
 from .looped import LoopedLM
 from .nanbeige import Nanbeige
 from .ouro import Ouro
 from .raven import Raven
 
 ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2,
-                                             Ouro.architecture: Ouro, Nanbeige.architecture: Nanbeige}
+                                             Ouro.architecture: Ouro, Nanbeige.architecture: Nanbeige,
+                                             HrmText.architecture: HrmText}
 # A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
 _MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture}
 # Source families of the retrofitted-recurrence conversions: a converted checkpoint that kept its source's model_type.
 _RETROFIT_SOURCES = ("llama", "olmo", "olmo2", "gemma2", "qwen2", "mistral")
 _HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
                    "GPT2LMHeadModel": LoopedGPT2.architecture, "OuroForCausalLM": Ouro.architecture,
-                   "NanbeigeForCausalLM": Nanbeige.architecture}
+                   "NanbeigeForCausalLM": Nanbeige.architecture, "HrmTextForCausalLM": HrmText.architecture}
 
 
 def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:

@@ -140,7 +140,7 @@ class Raven(LoopedLM):
                       attn_layers=ids(t.core_block), n_layers=len(t.core_block),
                       default_steps=c.mean_recurrence, max_steps=c.max_recurrence,
                       random_init=c.init_scale > 0 and not from_input, modules=[t.adapter, t.core_block],
-                      frozen_step=self._frozen_core_step),
+                      frozen_step=self._frozen_core_step, injects_input=True),
             Stage("coda", lambda x, ctx: self._run_layers(t.coda, x, ctx.at_iteration(0)), ids(t.coda), modules=[t.coda]),
         ]
 
