@@ -1,0 +1,97 @@
+"""Write a random checkpoint in HRM-Text-1B's published layout: what a user who downloads sapientinc/HRM-Text-1B
+points exitbench at, minus the training.
+
+    python bench/make_hrm_text_size.py /tmp/hrm-text-1b [--dtype bfloat16]
+
+- config.json as transformers saves the released one (shared/reference/hrm-text.md: hidden 1536, intermediate
+  4096, 12 heads of 128, 16 layers per stack, 2 H cycles of 3 L cycles, vocabulary 65,536, 4,096 positions, RoPE
+  base 1e4, initializer_range 1/√1536 and embedding_scale √1536, prefix_lm, untied head), with the pair
+  num_hidden_layers 128 / num_layers_per_stack 16 that transformers writes, and the ids bos 6, eos 11, pad 5;
+- the published keys, written from that reference's list and not from exitbench's module tree (so loading it
+  tests exitbench's reading of the layout): `model.embed_tokens`, `model.z_L_init`, per stack and layer the fused
+  `attn.gqkv_proj` (gate, q, k, v rows) and `attn.o_proj`, the fused `mlp.gate_up_proj` and `mlp.down_proj`, no
+  norm keys, an untied `lm_head`, in one `model.safetensors` as the hub has;
+- a byte-level BPE tokenizer.json of the vocabulary whose first fourteen tokens are the fixture's special ones
+  (tests/fixtures/make_hrm_text_tiny.py: <|im_start|> 6, <|box_end|> 11, …).
+
+Weights N(0, 0.02), z_L_init N(0, 1). 1,182,795,264 parameters, 2.37 GB in bfloat16; one tensor in memory at a
+time beside the file being written. Why here and not in the package: no user needs a random HRM-Text. It is the
+fixture of the slow full-size test (tests/test_hrm_text_full_size.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_huginn_size import byte_level_bpe  # noqa: E402
+from make_ouro_size import write_weights  # noqa: E402
+
+SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12, head_dim=128, num_layers_per_stack=16,
+             H_cycles=2, L_cycles=3, vocab_size=65536, max_position_embeddings=4096)
+SPECIAL = ["<|reserved_0|>", "<|reserved_1|>", "<|reserved_2|>", "<|reserved_3|>", "<|reserved_4|>", "<|pad|>",
+           "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+           "<|box_end|>", "<|quad_start|>", "<|quad_end|>"]
+
+
+def config_json(dtype: torch.dtype) -> dict:
+    c = SHAPE
+    return {**c, "model_type": "hrm_text", "architectures": ["HrmTextForCausalLM"],
+            "num_hidden_layers": c["num_layers_per_stack"] * c["H_cycles"] * (c["L_cycles"] + 1),
+            "num_key_value_heads": c["num_attention_heads"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "initializer_range": 1536 ** -0.5, "embedding_scale": 1536 ** 0.5,
+            "L_bp_cycles": [2], "prefix_lm": True, "tie_word_embeddings": False, "attention_bias": False,
+            "mlp_bias": False, "bos_token_id": 6, "eos_token_id": 11, "pad_token_id": 5,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def layout() -> list[tuple[str, tuple[int, ...]]]:
+    c = SHAPE
+    H, inter, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    width = c["num_attention_heads"] * c["head_dim"]
+    keys = [("model.embed_tokens.weight", (V, H)), ("model.z_L_init", (H,))]
+    for stack in ("H_module", "L_module"):
+        for i in range(c["num_layers_per_stack"]):
+            p = f"model.{stack}.layers.{i}"
+            keys += [(f"{p}.attn.gqkv_proj.weight", (4 * width, H)), (f"{p}.attn.o_proj.weight", (H, width)),
+                     (f"{p}.mlp.gate_up_proj.weight", (2 * inter, H)), (f"{p}.mlp.down_proj.weight", (H, inter))]
+    return keys + [("lm_head.weight", (V, H))]
+
+
+def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    keys = layout()
+    g = torch.Generator().manual_seed(seed)
+
+    def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        std = 1.0 if key.endswith("z_L_init") else 0.02
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(dtype)
+
+    total = write_weights(out, keys, make, dtype, 1, log)
+    tok = byte_level_bpe(SHAPE["vocab_size"], SPECIAL)
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
+    assert tok.get_vocab_size(with_added_tokens=True) == SHAPE["vocab_size"] and tok.token_to_id("<|box_end|>") == 11
+    tok.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(config_json(dtype), indent=2, sort_keys=True) + "\n")
+    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write(args.out, getattr(torch, args.dtype), args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
