@@ -26,6 +26,7 @@ from ..runtime.validation import parse
 from .looped import LoopedLM
 from .raven.config import stale_token_ids
 from .registry import architecture_of
+from .quantized import group_quantized
 from .shards import DTYPE_NAMES, TensorEntry, read_tensors, scan
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -274,7 +275,7 @@ class CheckpointLayout:
         """The floating dtype the weights are stored in (the most bytes' dtype when they are mixed)."""
         sizes: dict[torch.dtype, int] = {}
         for e in self.stored.values():
-            if e.dtype.is_floating_point:
+            if e.dtype.is_floating_point and e.dtype.itemsize > 1:  # (float8: quantised parts, not a run dtype)
                 sizes[e.dtype] = sizes.get(e.dtype, 0) + e.nbytes
         return str(max(sizes, key=sizes.get)).removeprefix("torch.") if sizes else None
 
@@ -308,7 +309,8 @@ def inspect_checkpoint(path: str | Path) -> CheckpointLayout:
     shards = weight_files(path)
     stored = scan(path, shards, INDEX_FILE)
     model_config = model_cls.read_config(config, set(stored), str(path))
-    found = model_cls.adapt_checkpoint(stored, model_config)
+    # A tensor stored block-quantised (its parts `K`, `K_scale`, …) is one logical entry, dequantised at load.
+    found = model_cls.adapt_checkpoint(group_quantized(stored), model_config)
     # The module tree is built before keys can be compared, and each layer is Python objects even on the meta
     # device (20,000 layers: 40 s and 1 GB for `info`; a million exhaust memory). Every layer stores at least
     # one tensor, so a config naming more layers than the files hold tensors is wrong whatever the keys say.
@@ -343,6 +345,10 @@ def _check_dtype(path: Path, key: str, entry: TensorEntry, wanted: torch.dtype) 
     dtype); any other must be stored as it is. An I32 tensor the size of an F32 one passes every byte count,
     and loaded as it is it would be an integer weight."""
     if wanted.is_floating_point:
+        if entry.dtype.itemsize == 1:  # float8: a quantised format's values, meaningless without their scales
+            raise CheckpointError(f"{path / entry.shard}: tensor {key} is stored as {DTYPE_NAMES[entry.dtype]} with no "
+                                  f"{key}_scale beside it; exitbench reads float8 only as a block-quantised format's "
+                                  "values (NVFP4, MXFP8: models/quantized.py)")
         if not entry.dtype.is_floating_point:
             raise CheckpointError(f"{path / entry.shard}: tensor {key} is stored as {DTYPE_NAMES[entry.dtype]}, but "
                                   "the model needs floating-point weights there (F32, F16, BF16 or F64)")

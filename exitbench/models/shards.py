@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from .quantized import QuantizedEntry, dequantize
 
 # safetensors' dtype codes (https://github.com/huggingface/safetensors, format.md) that torch can hold.
 DTYPE_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-               "BOOL": torch.bool}
+               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+               "F8_E8M0": torch.float8_e8m0fnu}
 DTYPE_NAMES = {dtype: code for code, dtype in DTYPE_CODES.items()}
 # A header larger than this is not a header (the format caps it at 100 MB).
 MAX_HEADER_BYTES = 100_000_000
@@ -169,12 +171,19 @@ def scan(path: Path, shards: dict[str, list[str]], index_name: str) -> dict[str,
     return entries
 
 
-def read_tensors(path: Path, wanted: dict[str, TensorEntry], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The `wanted` tensors, floating ones at `dtype` (others as stored), shard by shard in file order."""
+def read_tensors(path: Path, wanted: dict[str, TensorEntry | QuantizedEntry], dtype: torch.dtype
+                 ) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors, floating ones at `dtype` (others as stored), shard by shard in file order; a quantised
+    one read as its parts, as stored, and dequantised to `dtype` (models/quantized.py)."""
+    quantized = {key: entry for key, entry in wanted.items() if isinstance(entry, QuantizedEntry)}
     out: dict[str, torch.Tensor] = {}
+    for key, entry in quantized.items():
+        parts = {name: _read_one_file(path, f"{key}:{name}", part) for name, part in entry.parts.items()}
+        out[key] = dequantize(entry, parts, dtype)
     by_shard: dict[str, list[tuple[str, TensorEntry]]] = {}
     for key, entry in wanted.items():
-        by_shard.setdefault(entry.shard, []).append((key, entry))
+        if key not in quantized:
+            by_shard.setdefault(entry.shard, []).append((key, entry))
     for shard, items in by_shard.items():
         # Unbuffered: readinto then fills the tensor from the kernel's page cache with no Python-side copy.
         with open(path / shard, "rb", buffering=0) as fh:
@@ -182,6 +191,12 @@ def read_tensors(path: Path, wanted: dict[str, TensorEntry], dtype: torch.dtype)
                 target = dtype if entry.dtype.is_floating_point else entry.dtype
                 out[key] = _read_one(fh, path / shard, key, entry, target)
     return out
+
+
+def _read_one_file(path: Path, key: str, entry: TensorEntry) -> torch.Tensor:
+    """One tensor as stored, opening its shard for it (a quantised tensor's parts)."""
+    with open(path / entry.shard, "rb", buffering=0) as fh:
+        return _read_one(fh, path / entry.shard, key, entry, entry.dtype)
 
 
 def _read_one(fh, file: Path, key: str, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:

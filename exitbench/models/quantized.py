@@ -1,0 +1,155 @@
+"""Weights a checkpoint ships quantised, read from their safetensors parts and dequantised at load: no quantisation
+library, no quantised compute. Two block formats (Inkling 2 Mini's routed experts use both):
+
+- NVFP4: a uint8 tensor of two E2M1 codes per byte (the even element in the low nibble, so its last axis is half the
+  logical one), one float8 (E4M3) scale per 16 values in `_scale`, and a per-tensor-slice factor
+  `_amax / _outer_scale_denominator` (one per expert: the leading axis). value = code × scale × amax / denominator.
+- MXFP8: float8 (E4M3) values with one power-of-two scale per 32 in `_scale`, a byte s meaning 2^(s − 127) (stored as
+  U8, or as F8_E8M0, whose value is that power already).
+
+Both are dequantised in float32 and cast once to the run's dtype, in the order transformers' loader computes them
+(shared/reference/inkling2.md), so a dequantised weight equals the reference's bit for bit.
+A checkpoint's parts are grouped under the logical key (`group_quantized`) into one `QuantizedEntry`, which
+`shards.read_tensors` reads part by part and dequantises, and which `info` counts from the headers alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .shards import TensorEntry
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
+# Slices of the leading (expert) axis dequantised at a time: the float32 intermediates of a few experts, not of all.
+CHUNK = 8
+SUFFIXES = ("_scale", "_amax", "_outer_scale_denominator")
+
+
+@dataclass(frozen=True)
+class QuantizedEntry:
+    """A tensor stored as quantised parts: its logical (dequantised) shape, and where its parts lie."""
+
+    format: str  # "nvfp4" or "mxfp8"
+    shape: tuple[int, ...]
+    parts: dict[str, TensorEntry]  # "weight", "scale", and for NVFP4 "amax", "denominator"
+
+    dtype = torch.float32  # what it holds once read: floating, converted to the run's dtype like any weight
+
+    @property
+    def shard(self) -> str:
+        return self.parts["weight"].shard
+
+    @property
+    def start(self) -> int:
+        return self.parts["weight"].start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk, every part included."""
+        return sum(p.nbytes for p in self.parts.values())
+
+
+def group_quantized(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry | QuantizedEntry]:
+    """`entries` with every quantised tensor's parts (`K`, `K_scale`, and for NVFP4 `K_amax`,
+    `K_outer_scale_denominator`) replaced by one QuantizedEntry under `K`; every other entry as it is."""
+    out: dict[str, TensorEntry | QuantizedEntry] = {}
+    taken = set()
+    for key, entry in entries.items():
+        scale = entries.get(key + "_scale")
+        if scale is None or key.endswith(SUFFIXES):
+            continue
+        amax, denominator = entries.get(key + "_amax"), entries.get(key + "_outer_scale_denominator")
+        out[key] = quantized_entry(key, entry, scale, amax, denominator)
+        taken |= {key, key + "_scale", key + "_amax", key + "_outer_scale_denominator"}
+    out.update({k: v for k, v in entries.items() if k not in taken})
+    return out
+
+
+def quantized_entry(key: str, weight: TensorEntry, scale: TensorEntry, amax: TensorEntry | None,
+                    denominator: TensorEntry | None) -> QuantizedEntry:
+    """The logical entry of one quantised tensor, its parts' dtypes and shapes checked against each other."""
+    if (amax is None) != (denominator is None):
+        has, lacks = ("_amax", "_outer_scale_denominator") if amax else ("_outer_scale_denominator", "_amax")
+        raise CheckpointError(f"{weight.shard}: {key}{has} is there but {key}{lacks} is not; NVFP4 needs both "
+                              "(MXFP8 neither)")
+    lead, last = weight.shape[:-1], weight.shape[-1] if weight.shape else 0
+    if amax is not None:
+        fmt, shape, block = "nvfp4", (*lead, 2 * last), NVFP4_BLOCK
+        if len(shape) != 3:
+            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 of shape {shape}; exitbench reads NVFP4 as a stack "
+                                  "of expert matrices (3 axes, one amax per expert), as Inkling 2 Mini ships it")
+        if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 (it has an _amax) but is stored as {weight.dtype} "
+                                  f"with {scale.dtype} scales; NVFP4 stores U8 codes and F8_E4M3 scales")
+        experts = weight.shape[0] if weight.shape else 0
+        for name, part in (("_amax", amax), ("_outer_scale_denominator", denominator)):
+            if part.numel != experts:
+                raise CheckpointError(f"{weight.shard}: {key}{name} holds {part.numel} values; NVFP4 needs one per "
+                                      f"slice of the leading axis ({experts})")
+    else:
+        fmt, shape, block = "mxfp8", tuple(weight.shape), MXFP8_BLOCK
+        if weight.dtype != torch.float8_e4m3fn or scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+            raise CheckpointError(f"{weight.shard}: {key} has a _scale and no _amax, so MXFP8, but is stored as "
+                                  f"{weight.dtype} with {scale.dtype} scales; MXFP8 stores F8_E4M3 values and U8 or "
+                                  "F8_E8M0 scales")
+    if not shape or shape[-1] % block or tuple(scale.shape) != (*shape[:-1], shape[-1] // block):
+        raise CheckpointError(f"{weight.shard}: {key}_scale has shape {tuple(scale.shape)}; {fmt} values of shape "
+                              f"{shape} need one scale per {block}: {(*shape[:-1], shape[-1] // block)}")
+    parts = {"weight": weight, "scale": scale}
+    if amax is not None:
+        parts.update(amax=amax, denominator=denominator)
+    return QuantizedEntry(fmt, shape, parts)
+
+
+@torch.no_grad()
+def dequantize(entry: QuantizedEntry, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The logical tensor of `entry` at `dtype`, from its parts as stored."""
+    if entry.format == "nvfp4":
+        return dequantize_nvfp4(parts["weight"], parts["scale"], parts["amax"], parts["denominator"], dtype)
+    return dequantize_mxfp8(parts["weight"], parts["scale"], dtype)
+
+
+def dequantize_nvfp4(codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, denominator: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """(n, rows, cols / 2) bytes of E2M1 pairs → (n, rows, cols) at `dtype`."""
+    n, rows = codes.shape[:2]
+    out = torch.empty(n, rows, 2 * codes.shape[-1], dtype=dtype)
+    table = torch.tensor(E2M1_VALUES)
+    byte = torch.arange(256)
+    pairs = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1)  # a byte's (low, high) values
+    factor = amax.float().reshape(n) / denominator.float().reshape(n)
+    for first in range(0, n, CHUNK):
+        part = slice(first, first + CHUNK)
+        block_scale = scale[part].float()
+        values = pairs[codes[part].long()].view(*block_scale.shape, NVFP4_BLOCK) * block_scale[..., None]
+        values = values * factor[part, None, None, None]
+        out[part] = values.reshape(-1, rows, out.shape[-1]).to(dtype)
+    return out
+
+
+def dequantize_mxfp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float8 values (…, cols) with (…, cols / 32) exponent bytes → (…, cols) at `dtype` (any tensor: an expert
+    stack or a plain matrix)."""
+    out = torch.empty(values.shape, dtype=dtype)
+    for first in range(0, values.shape[0], CHUNK):
+        part = slice(first, first + CHUNK)
+        block_scale = scale[part]
+        # An E8M0 scale's value is the power of two itself; a byte is its biased exponent.
+        power = block_scale.float() if block_scale.dtype == torch.float8_e8m0fnu else \
+            torch.exp2(block_scale.float() - 127)
+        blocks = values[part].float().view(*block_scale.shape, MXFP8_BLOCK) * power[..., None]
+        out[part] = blocks.view(out[part].shape).to(dtype)
+    return out
