@@ -14,6 +14,7 @@ A checkpoint's parts are grouped under the logical key (`group_quantized`) into 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,10 +52,7 @@ class QuantizedEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ lies would otherwise load one tensor's bytes as another's, and the model would r
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
