@@ -15,8 +15,29 @@ COMMON_POSITIVE = ("hidden_size", "intermediate_size", "num_attention_heads", "n
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 
 
+class HFNames:
+    """The names the rest of exitbench reads from every architecture's config, for a config named the Hugging Face
+    way (hidden_size, num_attention_heads, num_hidden_layers, max_position_embeddings)."""
+
+    @property
+    def n_embd(self) -> int:
+        return self.hidden_size
+
+    @property
+    def n_heads(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def block_size(self) -> int:
+        return self.max_position_embeddings
+
+
 @dataclass
-class HFNamedConfig:
+class HFNamedConfig(HFNames):
     """The common fields; a family redeclares one to change its default (the field keeps its place)."""
 
     hidden_size: int
@@ -68,23 +89,6 @@ class HFNamedConfig:
                                                                          self.rope_scaling.get("type")) != "default":
             raise CheckpointError(f"config rope_scaling={self.rope_scaling!r}: only plain RoPE (rope_scaling null) "
                                   f"is implemented, which is what every published {self.family} checkpoint uses")
-
-    # Names the rest of exitbench reads from every architecture's config.
-    @property
-    def n_embd(self) -> int:
-        return self.hidden_size
-
-    @property
-    def n_heads(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def n_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def block_size(self) -> int:
-        return self.max_position_embeddings
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]):

@@ -182,6 +182,10 @@ class LoopedLM(nn.Module):
         steps contract), by policy name; a rule not named here sweeps its own `default_grid`."""
         return {}
 
+    # Why the exit engine cannot run this architecture yet (one line), or None: it can. Its plain forward, `info`
+    # and the depth geometry run either way.
+    engine_blocker: str | None = None
+
     @property
     def prefix_lm(self) -> bool:
         """Whether the model was trained as a prefix-LM: a prompt is one bidirectional block, so the engine prefills

@@ -6,6 +6,7 @@ from typing import Any
 from ..errors import CheckpointError
 from .gpt2 import LoopedGPT2
 from .hrm_text import HrmText
+from .inkling2 import Inkling2
 from .looped import LoopedLM
 from .nanbeige import Nanbeige
 from .ouro import Ouro
@@ -13,14 +14,18 @@ from .raven import Raven
 
 ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2,
                                              Ouro.architecture: Ouro, Nanbeige.architecture: Nanbeige,
-                                             HrmText.architecture: HrmText}
+                                             HrmText.architecture: HrmText, Inkling2.architecture: Inkling2}
 # A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
-_MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture}
+_MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture,
+                       # Inkling 2 Mini's multimodal release: its text model (Inkling2Config reads text_config)
+                       "inkling2_loop": Inkling2.architecture}
 # Source families of the retrofitted-recurrence conversions: a converted checkpoint that kept its source's model_type.
 _RETROFIT_SOURCES = ("llama", "olmo", "olmo2", "gemma2", "qwen2", "mistral")
 _HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
                    "GPT2LMHeadModel": LoopedGPT2.architecture, "OuroForCausalLM": Ouro.architecture,
-                   "NanbeigeForCausalLM": Nanbeige.architecture, "HrmTextForCausalLM": HrmText.architecture}
+                   "NanbeigeForCausalLM": Nanbeige.architecture, "HrmTextForCausalLM": HrmText.architecture,
+                   "Inkling2LoopForCausalLM": Inkling2.architecture,
+                   "Inkling2LoopForConditionalGeneration": Inkling2.architecture}
 
 
 def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
