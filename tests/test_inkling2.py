@@ -134,3 +134,17 @@ def test_the_engine_refuses_it_in_one_line_until_it_holds_its_caches(ck):
     with pytest.raises(ExitbenchError, match="inkling2_loop_text: the exit engine does not hold") as err:
         ExitEngine(ck.model, ExitConfig("fixed"))
     assert "\n" not in str(err.value)
+
+
+def test_what_the_reference_pins_stays_float32_in_a_bfloat16_run():
+    """Routers, small convolutions, depth queries and message-gate outputs load in float32 under --dtype bfloat16,
+    as the reference keeps them; the rest at the run's dtype. (The random fixture's bfloat16 logits are not compared:
+    its three passes of random experts amplify bfloat16 rounding to the logits' own size, in the reference too.)"""
+    model = load_checkpoint(FIXTURES / "inkling2-tiny", dtype="bfloat16").model
+    state = model.state_dict()
+    pinned = {k for k, v in state.items() if v.dtype == torch.float32}
+    assert pinned == model.float32_keys()
+    assert {"model.llm.layers.3.mlp.gate.bias", "model.llm.layers.0.attn.k_sconv.weight",
+            "model.llm.attn_res.output_query", "model.llm.layers.2.controllers.mlp.gain_weight"} <= pinned
+    assert state["model.llm.layers.1.attn.k_sconv.static_w"].dtype == torch.bfloat16  # (the dynamic taps are not)
+    assert state["model.llm.layers.3.mlp.experts.w13_weight"].dtype == torch.bfloat16

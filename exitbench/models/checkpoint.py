@@ -369,7 +369,9 @@ def load_checkpoint(path: str | Path, dtype: str = AUTO, device: str = "cpu",
     layout = inspect_checkpoint(path)
     path, model = layout.path, layout.model
     name = layout.resolve_dtype(dtype)
-    tensors = read_tensors(path, layout.entries, parse_dtype(name))
+    pinned = model.float32_keys() & set(layout.entries)
+    tensors = read_tensors(path, {k: e for k, e in layout.entries.items() if k not in pinned}, parse_dtype(name))
+    tensors.update(read_tensors(path, {k: layout.entries[k] for k in pinned}, torch.float32))
     if not allow_nonfinite:
         bad = first_nonfinite(tensors)
         if bad is not None:

@@ -487,6 +487,16 @@ class Inkling2(LoopedLM):
     def llm(self) -> Inkling2Text:
         return self.model.llm
 
+    # What the reference keeps in float32 under any dtype (its _keep_in_fp32_modules_strict), by the release's names:
+    # the router and its bias, the post-attention and post-MLP convolutions, the sliding layers' key and value
+    # convolutions, every depth query (block residuals and messages) and the message gates' output projections.
+    FLOAT32 = ("mlp.gate.weight", "mlp.gate.bias", "attn_sconv.weight", "mlp_sconv.weight", "attn.k_sconv.weight",
+               "attn.v_sconv.weight", "forget_weight", "gain_weight")
+
+    def float32_keys(self) -> set[str]:
+        return {k for k in self.state_dict() if k.endswith(self.FLOAT32) or ".attn_res." in k
+                or ".middle_cycle_cross_pass_" in k}
+
     @classmethod
     def adapt_checkpoint(cls, tensors: dict, config) -> dict:
         """The text model's tensors: the release's vision tower (`model.visual.*`) is left out."""

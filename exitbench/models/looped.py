@@ -182,6 +182,11 @@ class LoopedLM(nn.Module):
         steps contract), by policy name; a rule not named here sweeps its own `default_grid`."""
         return {}
 
+    def float32_keys(self) -> set[str]:
+        """Checkpoint keys loaded in float32 whatever the run's dtype (the reference pins them: routers, small
+        convolutions, depth queries); empty for most families."""
+        return set()
+
     # Why the exit engine cannot run this architecture yet (one line), or None: it can. Its plain forward, `info`
     # and the depth geometry run either way.
     engine_blocker: str | None = None
