@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from exitbench.errors import CheckpointError
 from exitbench.models.checkpoint import load_checkpoint
-from exitbench.models.quantized import QuantizedEntry, group_quantized
+from exitbench.models.quantized import QuantizedEntry, group_quantized, quantize_mxfp8, quantize_nvfp4
 from exitbench.models.shards import read_header, read_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -108,3 +108,20 @@ def test_any_checkpoint_may_store_a_weight_as_mxfp8(tmp_path):
     assert torch.equal(model.lm_head.weight, want.view(320, 64))
     # float8 keeps 3 mantissa bits: each value within 2^-4 of itself, relative
     assert ((model.lm_head.weight - head).abs() <= head.abs() / 16 + 1e-12).all()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_quantising_rounds_to_the_nearest_code_and_decodes_back(tmp_path, fmt):
+    """What random checkpoints in a quantised layout store: decoded, each value sits within half a code step of
+    the original (E2M1's steps are 0.5 to 2 units of its block scale; float8's 3 mantissa bits, 1/16 relative)."""
+    w = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(2))
+    quantize = quantize_nvfp4 if fmt == "nvfp4" else quantize_mxfp8
+    parts = quantize(w)
+    save_file({"w" + suffix: t for suffix, t in parts.items()}, str(tmp_path / "q.safetensors"))
+    (decoded,) = read_tensors(tmp_path, group_quantized(read_header(tmp_path / "q.safetensors")),
+                              torch.float32).values()
+    if fmt == "nvfp4":
+        unit = parts["_scale"].float() * (parts["_amax"] / parts["_outer_scale_denominator"])[:, None, None]
+        assert ((decoded - w).abs().view(3, 4, -1, 16) <= unit[..., None] + 1e-6).all()
+    else:
+        assert ((decoded - w).abs() <= w.abs() / 16 + 1e-6).all()

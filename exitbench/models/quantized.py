@@ -151,3 +151,28 @@ def dequantize_mxfp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         blocks = values[part].float().view(*block_scale.shape, MXFP8_BLOCK) * power[..., None]
         out[part] = blocks.view(out[part].shape).to(dtype)
     return out
+
+
+def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(n, rows, cols) weights as NVFP4 parts, each value rounded to its nearest code under its block's scale: what
+    random checkpoints in a quantised layout store (bench/, tests/fixtures/). Keys are the suffixes after `K`."""
+    n = w.shape[0]
+    w = w.float()
+    amax = w.abs().flatten(1).amax(1).clamp(min=1e-12)
+    denominator = torch.full((n,), 6.0 * 448.0)  # so that the largest block scale is float8's largest, 448
+    factor = amax / denominator
+    blocks = w.view(*w.shape[:-1], -1, NVFP4_BLOCK)
+    scale = (blocks.abs().amax(-1) / 6 / factor[:, None, None]).to(torch.float8_e4m3fn)
+    unit = blocks / (scale.float() * factor[:, None, None]).clamp(min=1e-30)[..., None]
+    codes = (unit[..., None] - torch.tensor(E2M1_VALUES)).abs().argmin(-1).view(*w.shape[:-1], -1, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    return {"": packed, "_scale": scale, "_amax": amax, "_outer_scale_denominator": denominator}
+
+
+def quantize_mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Weights as MXFP8 parts: per block of 32 the least power of two that brings its largest value within float8's
+    448, the values divided by it and rounded to float8."""
+    blocks = w.float().view(*w.shape[:-1], -1, MXFP8_BLOCK)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-30) / 448)).clamp(-127, 127) + 127
+    values = (blocks / torch.exp2(exponent - 127)[..., None]).to(torch.float8_e4m3fn).view(w.shape)
+    return {"": values, "_scale": exponent.to(torch.uint8)}
