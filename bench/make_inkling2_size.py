@@ -1,0 +1,165 @@
+"""Write a random checkpoint of Inkling 2 Mini's real widths, key names, formats and scales, with fewer layers and
+experts than the release (whose 52 GB in bf16 these machines cannot hold): what exitbench reads when a user points
+it at thinkingmachines/Inkling-2-Mini, minus the training and most of the depth and width of the MoE.
+
+    python bench/make_inkling2_size.py /tmp/inkling2 [--layers 18] [--experts 8]
+
+- config.json as the multimodal release packs it (shared/reference/inkling2.md): model_type inkling2_loop, the
+  text model's fields under text_config with their released values (hidden 2304; 24 query and 8 key/value heads of
+  128 in both layer kinds; window 1024; relative extent 1024 with d_rel 16; log scaling from 8192; blocks of 6;
+  experts of 1152, 8 chosen, route scale 8; softcaps 4, 25, 30; vocabulary 201,024 padded, 200,058 read; eos
+  200006) but `--layers` layers (18: prelude 6, core 6, coda 6, full attention where (i + 1) % 6 == 0) and
+  `--experts` experts (8), and the loop under loop_config (core 6-12, 3 passes, gate rank 64);
+- the release's keys (`model.llm.*`), written from that reference's list and not from exitbench's module tree, one
+  shard per block of layers with an index; the float32-pinned tensors stored F32, the rest BF16; the experts as
+  shipped: NVFP4 parts in every layer but the last four, MXFP8 in those (the release's 0-19 and 20-23);
+  one vision-tower tensor (`model.visual.*`), which a text loader leaves out;
+- a byte-level BPE tokenizer.json of 200,058 entries, `<|endoftext|>` at the eos id.
+
+Weights N(0, 0.02), norms and clip scales 1, depth queries N(0, 1). With the defaults 2,573,017,488 parameters
+(the experts 1.15B of them), 3.63 GB on disk and 5.15 GB in bf16 once dequantised; writing it peaks at 6.7 GB
+(the embedding and head shard in float32 before its conversion) and took 3 minutes on 2 busy cores. Why here and not in the
+package: no user needs a random Inkling. It is the fixture of the slow real-width test
+(tests/test_inkling2_full_size.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from make_huginn_size import byte_level_bpe  # noqa: E402
+
+from exitbench.models.quantized import quantize_mxfp8, quantize_nvfp4  # noqa: E402
+
+TEXT = dict(hidden_size=2304, vocab_size=201024, unpadded_vocab_size=200058, num_attention_heads=24,
+            num_key_value_heads=8, head_dim=128, swa_num_attention_heads=24, swa_num_key_value_heads=8,
+            swa_head_dim=128, sliding_window_size=1024, d_rel=16, rel_extent=1024, log_scaling_n_floor=8192,
+            log_scaling_alpha=0.1, max_position_embeddings=1048576, rms_norm_eps=1e-6, conv_kernel_size=4,
+            hidden_act="silu", moe_intermediate_size=1152, num_experts_per_tok=8, route_scale=8.0,
+            qk_l2_clip_threshold=22.627416997969522, rel_l2_clip_threshold=8.0, n_layers_per_attn_res_block=6,
+            mlp_gate_softcap=4.0, mlp_up_softcap=25.0, final_logit_softcapping=30.0, scoring_func="sigmoid",
+            eos_token_id=200006, model_type="inkling2_loop_text")
+LOOP = {"core_start": 6, "core_end": 12, "num_passes": 3, "gate_rank": 64}
+FLOAT32 = ("mlp.gate.weight", "mlp.gate.bias", "attn_sconv.weight", "mlp_sconv.weight", "attn.k_sconv.weight",
+           "attn.v_sconv.weight", "forget_weight", "gain_weight")
+
+
+def config_json(layers: int, experts: int) -> dict:
+    text = {**TEXT, "num_hidden_layers": layers, "n_routed_experts": experts, "loop_config": LOOP,
+            "layer_types": ["hybrid" if (i + 1) % 6 == 0 else "hybrid_sliding" for i in range(layers)]}
+    return {"model_type": "inkling2_loop", "architectures": ["Inkling2LoopForConditionalGeneration"],
+            "text_config": text, "torch_dtype": "bfloat16"}
+
+
+def layout(layers: int, experts: int) -> list[tuple[str, tuple[int, ...]]]:
+    c = TEXT
+    H, hd, heads, kv, K = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], 4
+    inner, rank, loop = c["moe_intermediate_size"], LOOP["gate_rank"], LOOP["core_end"] - LOOP["core_start"]
+    full = lambda i: (i + 1) % 6 == 0  # noqa: E731
+    keys = [("model.llm.embed.weight", (c["vocab_size"], H)), ("model.llm.embed_norm.weight", (H,))]
+    for i in range(layers):
+        p = f"model.llm.layers.{i}"
+        extent = c["rel_extent"] if full(i) else c["sliding_window_size"]
+        keys += [(f"{p}.attn.attn_sink_proj.weight", (heads, H)), (f"{p}.attn.gate_attn.weight", (heads * hd, H)),
+                 (f"{p}.attn.wq_du.weight", (heads * hd, H)), (f"{p}.attn.wk_dv.weight", (kv * hd, H)),
+                 (f"{p}.attn.wv_dv.weight", (kv * hd, H)), (f"{p}.attn.wo_ud.weight", (H, heads * hd)),
+                 (f"{p}.attn.wr_du.weight", (heads * c["d_rel"], H)), (f"{p}.attn.q_l2_clip.scale", (heads, hd)),
+                 (f"{p}.attn.rel_l2_clip.scale", (heads, c["d_rel"])),
+                 (f"{p}.attn.rel_logits_proj.proj", (c["d_rel"], extent))]
+        if full(i):
+            for n in ("k", "v"):
+                keys += [(f"{p}.attn.{n}_sconv.static_w", (K, kv * hd)), (f"{p}.attn.{n}_sconv.weight_proj", (kv * K, H))]
+            keys += [(f"{p}.{n}_input_norm.weight", (H,)) for n in ("q", "k", "v")]
+        else:
+            keys += [(f"{p}.attn.{n}_sconv.weight", (kv * hd, 1, K)) for n in ("k", "v")]
+            keys += [(f"{p}.attn_norm.weight", (H,))]
+        keys += [(f"{p}.attn_sconv.weight", (H, 1, K)), (f"{p}.mlp_sconv.weight", (H, 1, K)),
+                 (f"{p}.mlp_norm.weight", (H,)), (f"{p}.mlp.gate.weight", (experts, H)), (f"{p}.mlp.gate.bias", (experts,)),
+                 (f"{p}.mlp.experts.w13_weight", (experts, 2 * inner, H)),
+                 (f"{p}.mlp.experts.w2_weight", (experts, H, inner))]
+        if LOOP["core_start"] <= i < LOOP["core_end"]:
+            for n in ("attn", "k", "v", "mlp"):
+                keys += [(f"{p}.controllers.{n}.down_weight", (rank, 2 * H)),
+                         (f"{p}.controllers.{n}.forget_weight", (H, rank)),
+                         (f"{p}.controllers.{n}.gain_weight", (H, rank))]
+    keys += [(f"model.llm.attn_res.attn_queries.{i - 1}", (3, H) if full(i) else (H,)) for i in range(1, layers)]
+    keys += [(f"model.llm.attn_res.mlp_queries.{i}", (H,)) for i in range(layers)]
+    keys += [("model.llm.attn_res.output_query", (H,)), ("model.llm.middle_cycle_cross_pass_queries", (2 * loop, H)),
+             ("model.llm.middle_cycle_cross_pass_kv_queries", (2 * loop, H)), ("model.llm.norm.weight", (H,)),
+             ("model.llm.unembed.weight", (c["vocab_size"], H))]
+    return keys
+
+
+def make(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    t = torch.empty(shape)
+    if key.endswith(("norm.weight", ".scale")):
+        return t.fill_(1.0)
+    if "attn_res" in key or "middle_cycle" in key:
+        return t.normal_(0.0, 1.0, generator=g)
+    if key.endswith("gate.bias"):
+        return t.zero_()
+    return t.normal_(0.0, 0.02, generator=g)
+
+
+def write(out: Path, layers: int = 18, experts: int = 8, seed: int = 0, log=print) -> Path:
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    keys = layout(layers, experts)
+    shard_of = lambda key: (int(key.split(".")[3]) // 6 + 1) if ".layers." in key else 0  # noqa: E731
+    shards = sorted({shard_of(k) for k, _ in keys})
+    names = {s: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, s in enumerate(shards)}
+    weight_map, total = {}, 0
+    for s in shards:
+        tensors = {}
+        for key, shape in keys:
+            if shard_of(key) != s:
+                continue
+            t = make(key, shape, g)
+            if ".mlp.experts." in key:
+                parts = (quantize_mxfp8 if int(key.split(".")[3]) >= layers - 4 else quantize_nvfp4)(
+                    t.to(torch.bfloat16).float())
+                tensors.update({key + suffix: part.contiguous() for suffix, part in parts.items()})
+            else:
+                tensors[key] = t if key.endswith(FLOAT32) or "attn_res" in key or "middle_cycle" in key \
+                    else t.to(torch.bfloat16)
+        if s == 0:
+            tensors["model.visual.backbone.ln_pre.weight"] = torch.ones(1024, dtype=torch.bfloat16)
+        save_file(tensors, str(out / names[s]), metadata={"format": "pt"})
+        weight_map.update({k: names[s] for k in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        log(f"  {names[s]}: {len(tensors)} tensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1) + "\n")
+    tok = byte_level_bpe(TEXT["eos_token_id"])
+    specials = ["<|endoftext|>"] + [f"<|reserved_{i}|>" for i in range(TEXT["unpadded_vocab_size"] - TEXT["eos_token_id"] - 1)]
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    assert tok.get_vocab_size(with_added_tokens=True) == TEXT["unpadded_vocab_size"]
+    assert tok.token_to_id("<|endoftext|>") == TEXT["eos_token_id"]
+    tok.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(config_json(layers, experts), indent=2, sort_keys=True) + "\n")
+    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
+    parser.add_argument("--layers", type=int, default=18, help="layers (multiples of 6, at least 18)")
+    parser.add_argument("--experts", type=int, default=8, help="routed experts per layer (at least 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write(args.out, args.layers, args.experts, args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
