@@ -18,8 +18,8 @@ it at thinkingmachines/Inkling-2-Mini, minus the training and most of the depth 
 
 Weights N(0, 0.02), norms and clip scales 1, depth queries N(0, 1). With the defaults 2,573,017,488 parameters
 (the experts 1.15B of them), 3.63 GB on disk and 5.15 GB in bf16 once dequantised; writing it peaks at 6.7 GB
-(the embedding and head shard in float32 before its conversion) and took 3 minutes on 2 busy cores. Why here and not in the
-package: no user needs a random Inkling. It is the fixture of the slow real-width test
+(the embedding and head shard in float32 before its conversion) and took 3 minutes on 2 busy cores. Why here and
+not in the package: no user needs a random Inkling. It is the fixture of the slow real-width test
 (tests/test_inkling2_full_size.py).
 """
 from __future__ import annotations
@@ -76,13 +76,15 @@ def layout(layers: int, experts: int) -> list[tuple[str, tuple[int, ...]]]:
                  (f"{p}.attn.rel_logits_proj.proj", (c["d_rel"], extent))]
         if full(i):
             for n in ("k", "v"):
-                keys += [(f"{p}.attn.{n}_sconv.static_w", (K, kv * hd)), (f"{p}.attn.{n}_sconv.weight_proj", (kv * K, H))]
+                keys += [(f"{p}.attn.{n}_sconv.static_w", (K, kv * hd)),
+                         (f"{p}.attn.{n}_sconv.weight_proj", (kv * K, H))]
             keys += [(f"{p}.{n}_input_norm.weight", (H,)) for n in ("q", "k", "v")]
         else:
             keys += [(f"{p}.attn.{n}_sconv.weight", (kv * hd, 1, K)) for n in ("k", "v")]
             keys += [(f"{p}.attn_norm.weight", (H,))]
         keys += [(f"{p}.attn_sconv.weight", (H, 1, K)), (f"{p}.mlp_sconv.weight", (H, 1, K)),
-                 (f"{p}.mlp_norm.weight", (H,)), (f"{p}.mlp.gate.weight", (experts, H)), (f"{p}.mlp.gate.bias", (experts,)),
+                 (f"{p}.mlp_norm.weight", (H,)), (f"{p}.mlp.gate.weight", (experts, H)),
+                 (f"{p}.mlp.gate.bias", (experts,)),
                  (f"{p}.mlp.experts.w13_weight", (experts, 2 * inner, H)),
                  (f"{p}.mlp.experts.w2_weight", (experts, H, inner))]
         if LOOP["core_start"] <= i < LOOP["core_end"]:
@@ -141,7 +143,8 @@ def write(out: Path, layers: int = 18, experts: int = 8, seed: int = 0, log=prin
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1) + "\n")
     tok = byte_level_bpe(TEXT["eos_token_id"])
-    specials = ["<|endoftext|>"] + [f"<|reserved_{i}|>" for i in range(TEXT["unpadded_vocab_size"] - TEXT["eos_token_id"] - 1)]
+    reserved = TEXT["unpadded_vocab_size"] - TEXT["eos_token_id"] - 1
+    specials = ["<|endoftext|>"] + [f"<|reserved_{i}|>" for i in range(reserved)]
     tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
     assert tok.get_vocab_size(with_added_tokens=True) == TEXT["unpadded_vocab_size"]
     assert tok.token_to_id("<|endoftext|>") == TEXT["eos_token_id"]

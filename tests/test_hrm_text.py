@@ -170,8 +170,10 @@ def test_what_the_engine_cannot_do_here_is_refused_in_one_line(ck, knobs, named)
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("fields,named", [({"attention_bias": True}, "attention_bias"), ({"mlp_bias": True}, "mlp_bias"),
-                                          ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_parameters"),
+@pytest.mark.parametrize("fields,named", [({"attention_bias": True}, "attention_bias"),
+                                          ({"mlp_bias": True}, "mlp_bias"),
+                                          ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+                                           "rope_parameters"),
                                           ({"num_attention_heads": 3, "head_dim": 16}, "hidden_size")])
 def test_what_it_does_not_implement_is_refused_in_one_line(tmp_path, fields, named):
     with pytest.raises(CheckpointError) as err:

@@ -8,8 +8,8 @@ Slow (about 5 minutes on 2 cores, most of it writing): bench/make_inkling2_size.
 temporary directory, deleted afterwards. The fast tests of the same code on the tiny layout: tests/test_inkling2.py.
 
 Bounds: `info` peaks under 1 GB. The load and the passes peak under the dequantised weights' bytes plus 1 GB:
-measured 0.41 GB above them here (25 s for 24 tokens); the experts are dequantised from their parts eight at a time, so the parts and
-the bf16 copy are never whole together.
+measured 0.41 GB above them here (25 s for 24 tokens); the experts are dequantised from their parts eight at a
+time, so the parts and the bf16 copy are never whole together.
 """
 from __future__ import annotations
 

@@ -369,7 +369,8 @@ class MoE(nn.Module):
 
 
 class MessageGate(nn.Module):
-    """The release's "controller": (1 − tanh(F z)) · h + tanh(G z) · m, z = down([rms h; rms m]); it halts nothing."""
+    """The release's "controller": (1 − tanh(F z)) · h + tanh(G z) · m with z = down([rms h; rms m]). It halts
+    nothing: it mixes the previous pass's message m into the layer's input h."""
 
     def __init__(self, c: Inkling2Config):
         super().__init__()
