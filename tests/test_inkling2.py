@@ -25,7 +25,7 @@ from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.models.checkpoint import inspect_checkpoint, load_checkpoint
 from exitbench.models.inkling2 import Inkling2
-from exitbench.models.quantized import QuantizedEntry
+from exitbench.models.shards import QuantizedEntry
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 1.2e-5 from its float64 ones after 3 passes (magnitudes up to 2.5): that

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from exitbench.errors import CheckpointError
 from exitbench.models.checkpoint import load_checkpoint
-from exitbench.models.quantized import QuantizedEntry, group_quantized, quantize_mxfp8, quantize_nvfp4
-from exitbench.models.shards import read_header, read_tensors
+from exitbench.models.quantized import quantize_mxfp8, quantize_nvfp4
+from exitbench.models.shards import QuantizedEntry, group_quantized, read_header, read_tensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FILE = "quantized-experts.safetensors"

@@ -26,8 +26,7 @@ from ..runtime.validation import parse
 from .looped import LoopedLM
 from .raven.config import stale_token_ids
 from .registry import architecture_of
-from .quantized import group_quantized
-from .shards import DTYPE_NAMES, TensorEntry, read_tensors, scan
+from .shards import DTYPE_NAMES, TensorEntry, group_quantized, read_tensors, scan
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"

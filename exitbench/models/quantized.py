@@ -9,113 +9,24 @@ library, no quantised compute. Two block formats (Inkling 2 Mini's routed expert
 
 Both are dequantised in float32 and cast once to the run's dtype, in the order transformers' loader computes them
 (shared/reference/inkling2.md), so a dequantised weight equals the reference's bit for bit.
-A checkpoint's parts are grouped under the logical key (`group_quantized`) into one `QuantizedEntry`, which
-`shards.read_tensors` reads part by part and dequantises, and which `info` counts from the headers alone.
+A checkpoint's parts are grouped under the logical key into one entry (`shards.group_quantized`), which
+`shards.read_tensors` reads part by part and dequantises here, and which `info` counts from the headers alone.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
-
-from ..errors import CheckpointError
-
-if TYPE_CHECKING:
-    from .shards import TensorEntry
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 NVFP4_BLOCK, MXFP8_BLOCK = 16, 32
 # Slices of the leading (expert) axis dequantised at a time: the float32 intermediates of a few experts, not of all.
 CHUNK = 8
-SUFFIXES = ("_scale", "_amax", "_outer_scale_denominator")
-
-
-@dataclass(frozen=True)
-class QuantizedEntry:
-    """A tensor stored as quantised parts: its logical (dequantised) shape, and where its parts lie."""
-
-    format: str  # "nvfp4" or "mxfp8"
-    shape: tuple[int, ...]
-    parts: dict[str, TensorEntry]  # "weight", "scale", and for NVFP4 "amax", "denominator"
-
-    dtype = torch.float32  # what it holds once read: floating, converted to the run's dtype like any weight
-
-    @property
-    def shard(self) -> str:
-        return self.parts["weight"].shard
-
-    @property
-    def start(self) -> int:
-        return self.parts["weight"].start
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on disk, every part included."""
-        return sum(p.nbytes for p in self.parts.values())
-
-
-def group_quantized(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry | QuantizedEntry]:
-    """`entries` with every quantised tensor's parts (`K`, `K_scale`, and for NVFP4 `K_amax`,
-    `K_outer_scale_denominator`) replaced by one QuantizedEntry under `K`; every other entry as it is."""
-    out: dict[str, TensorEntry | QuantizedEntry] = {}
-    taken = set()
-    for key, entry in entries.items():
-        scale = entries.get(key + "_scale")
-        if scale is None or key.endswith(SUFFIXES):
-            continue
-        amax, denominator = entries.get(key + "_amax"), entries.get(key + "_outer_scale_denominator")
-        out[key] = quantized_entry(key, entry, scale, amax, denominator)
-        taken |= {key, key + "_scale", key + "_amax", key + "_outer_scale_denominator"}
-    out.update({k: v for k, v in entries.items() if k not in taken})
-    return out
-
-
-def quantized_entry(key: str, weight: TensorEntry, scale: TensorEntry, amax: TensorEntry | None,
-                    denominator: TensorEntry | None) -> QuantizedEntry:
-    """The logical entry of one quantised tensor, its parts' dtypes and shapes checked against each other."""
-    if (amax is None) != (denominator is None):
-        has, lacks = ("_amax", "_outer_scale_denominator") if amax else ("_outer_scale_denominator", "_amax")
-        raise CheckpointError(f"{weight.shard}: {key}{has} is there but {key}{lacks} is not; NVFP4 needs both "
-                              "(MXFP8 neither)")
-    lead, last = weight.shape[:-1], weight.shape[-1] if weight.shape else 0
-    if amax is not None:
-        fmt, shape, block = "nvfp4", (*lead, 2 * last), NVFP4_BLOCK
-        if len(shape) != 3:
-            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 of shape {shape}; exitbench reads NVFP4 as a stack "
-                                  "of expert matrices (3 axes, one amax per expert), as Inkling 2 Mini ships it")
-        if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 (it has an _amax) but is stored as {weight.dtype} "
-                                  f"with {scale.dtype} scales; NVFP4 stores U8 codes and F8_E4M3 scales")
-        experts = weight.shape[0] if weight.shape else 0
-        for name, part in (("_amax", amax), ("_outer_scale_denominator", denominator)):
-            if part.numel != experts:
-                raise CheckpointError(f"{weight.shard}: {key}{name} holds {part.numel} values; NVFP4 needs one per "
-                                      f"slice of the leading axis ({experts})")
-    else:
-        fmt, shape, block = "mxfp8", tuple(weight.shape), MXFP8_BLOCK
-        if weight.dtype != torch.float8_e4m3fn or scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-            raise CheckpointError(f"{weight.shard}: {key} has a _scale and no _amax, so MXFP8, but is stored as "
-                                  f"{weight.dtype} with {scale.dtype} scales; MXFP8 stores F8_E4M3 values and U8 or "
-                                  "F8_E8M0 scales")
-    if not shape or shape[-1] % block or tuple(scale.shape) != (*shape[:-1], shape[-1] // block):
-        raise CheckpointError(f"{weight.shard}: {key}_scale has shape {tuple(scale.shape)}; {fmt} values of shape "
-                              f"{shape} need one scale per {block}: {(*shape[:-1], shape[-1] // block)}")
-    parts = {"weight": weight, "scale": scale}
-    if amax is not None:
-        parts.update(amax=amax, denominator=denominator)
-    return QuantizedEntry(fmt, shape, parts)
 
 
 @torch.no_grad()
-def dequantize(entry: QuantizedEntry, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The logical tensor of `entry` at `dtype`, from its parts as stored."""
-    if entry.format == "nvfp4":
+def dequantize(fmt: str, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The logical tensor of format `fmt` at `dtype`, from its parts as stored ("weight", "scale", and for NVFP4
+    "amax", "denominator")."""
+    if fmt == "nvfp4":
         return dequantize_nvfp4(parts["weight"], parts["scale"], parts["amax"], parts["denominator"], dtype)
     return dequantize_mxfp8(parts["weight"], parts["scale"], dtype)
 

@@ -12,6 +12,9 @@ Since nothing else parses the header, it is checked here as strictly as the `saf
 integer offsets in bounds, byte lengths equal to shape × dtype size, and tensors that tile the data section
 with no byte shared or unclaimed. All of it is arithmetic on the header and the file's length; a header that
 lies would otherwise load one tensor's bytes as another's, and the model would run, wrongly.
+
+A tensor stored block-quantised (NVFP4, MXFP8: models/quantized.py) is several tensors in the file; its parts are
+grouped into one logical entry (`group_quantized`), read as stored and dequantised to the run's dtype.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .quantized import QuantizedEntry, dequantize
+from .quantized import MXFP8_BLOCK, NVFP4_BLOCK, dequantize
 
 # safetensors' dtype codes (https://github.com/huggingface/safetensors, format.md) that torch can hold.
 DTYPE_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,6 +59,90 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True)
+class QuantizedEntry:
+    """A tensor stored as block-quantised parts (models/quantized.py): its logical (dequantised) shape, and where
+    its parts lie."""
+
+    format: str  # "nvfp4" or "mxfp8"
+    shape: tuple[int, ...]
+    parts: dict[str, TensorEntry]  # "weight", "scale", and for NVFP4 "amax", "denominator"
+
+    dtype = torch.float32  # what it holds once read: floating, converted to the run's dtype like any weight
+
+    @property
+    def shard(self) -> str:
+        return self.parts["weight"].shard
+
+    @property
+    def start(self) -> int:
+        return self.parts["weight"].start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk, every part included."""
+        return sum(p.nbytes for p in self.parts.values())
+
+
+QUANTIZED_SUFFIXES = ("_scale", "_amax", "_outer_scale_denominator")
+
+
+def group_quantized(entries: dict[str, TensorEntry]) -> dict[str, TensorEntry | QuantizedEntry]:
+    """`entries` with every quantised tensor's parts (`K`, `K_scale`, and for NVFP4 `K_amax`,
+    `K_outer_scale_denominator`) replaced by one QuantizedEntry under `K`; every other entry as it is."""
+    out: dict[str, TensorEntry | QuantizedEntry] = {}
+    taken = set()
+    for key, entry in entries.items():
+        scale = entries.get(key + "_scale")
+        if scale is None or key.endswith(QUANTIZED_SUFFIXES):
+            continue
+        amax, denominator = entries.get(key + "_amax"), entries.get(key + "_outer_scale_denominator")
+        out[key] = quantized_entry(key, entry, scale, amax, denominator)
+        taken |= {key, key + "_scale", key + "_amax", key + "_outer_scale_denominator"}
+    out.update({k: v for k, v in entries.items() if k not in taken})
+    return out
+
+
+def quantized_entry(key: str, weight: TensorEntry, scale: TensorEntry, amax: TensorEntry | None,
+                    denominator: TensorEntry | None) -> QuantizedEntry:
+    """The logical entry of one quantised tensor, its parts' dtypes and shapes checked against each other."""
+    if (amax is None) != (denominator is None):
+        has, lacks = ("_amax", "_outer_scale_denominator") if amax else ("_outer_scale_denominator", "_amax")
+        raise CheckpointError(f"{weight.shard}: {key}{has} is there but {key}{lacks} is not; NVFP4 needs both "
+                              "(MXFP8 neither)")
+    lead, last = weight.shape[:-1], weight.shape[-1] if weight.shape else 0
+    if amax is not None:
+        fmt, shape, block = "nvfp4", (*lead, 2 * last), NVFP4_BLOCK
+        if len(shape) != 3:
+            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 of shape {shape}; exitbench reads NVFP4 as a stack "
+                                  "of expert matrices (3 axes, one amax per expert), as Inkling 2 Mini ships it")
+        if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{weight.shard}: {key} is NVFP4 (it has an _amax) but is stored as {weight.dtype} "
+                                  f"with {scale.dtype} scales; NVFP4 stores U8 codes and F8_E4M3 scales")
+        experts = weight.shape[0] if weight.shape else 0
+        for name, part in (("_amax", amax), ("_outer_scale_denominator", denominator)):
+            if part.numel != experts:
+                raise CheckpointError(f"{weight.shard}: {key}{name} holds {part.numel} values; NVFP4 needs one per "
+                                      f"slice of the leading axis ({experts})")
+    else:
+        fmt, shape, block = "mxfp8", tuple(weight.shape), MXFP8_BLOCK
+        if weight.dtype != torch.float8_e4m3fn or scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+            raise CheckpointError(f"{weight.shard}: {key} has a _scale and no _amax, so MXFP8, but is stored as "
+                                  f"{weight.dtype} with {scale.dtype} scales; MXFP8 stores F8_E4M3 values and U8 or "
+                                  "F8_E8M0 scales")
+    if not shape or shape[-1] % block or tuple(scale.shape) != (*shape[:-1], shape[-1] // block):
+        raise CheckpointError(f"{weight.shard}: {key}_scale has shape {tuple(scale.shape)}; {fmt} values of shape "
+                              f"{shape} need one scale per {block}: {(*shape[:-1], shape[-1] // block)}")
+    parts = {"weight": weight, "scale": scale}
+    if amax is not None:
+        parts.update(amax=amax, denominator=denominator)
+    return QuantizedEntry(fmt, shape, parts)
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
@@ -177,7 +264,7 @@ def read_tensors(path: Path, wanted: dict[str, TensorEntry | QuantizedEntry], dt
     out: dict[str, torch.Tensor] = {}
     for key, entry in quantized.items():
         parts = {name: _read_one_file(path, f"{key}:{name}", part) for name, part in entry.parts.items()}
-        out[key] = dequantize(entry, parts, dtype)
+        out[key] = dequantize(entry.format, parts, dtype)
     by_shard: dict[str, list[tuple[str, TensorEntry]]] = {}
     for key, entry in wanted.items():
         if key not in quantized:
