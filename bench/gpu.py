@@ -11,6 +11,12 @@ the engine call over the scored tokens, CUDA synchronised before the clock stops
 variants take turns within each repeat, so a drift in the machine's speed hits them alike. Figures go to
 --json in the form bench/engine.py writes (name → figures; a run updates its own names, keeps the others').
 
+Inkling 2 Mini, the real release (thinkingmachines/Inkling-2-Mini downloaded beforehand: 19 GB as shipped, 52 GB
+once its experts are dequantised to bf16, so a GPU of 80 GB or more), its three passes and exits after pass 1 or 2:
+
+    python bench/gpu.py --checkpoint /path/to/Inkling-2-Mini --dtype bfloat16 --max-steps 3 \
+        --json bench/gpu-results.json
+
 Without --checkpoint: Huginn-0125's published shape (shared/reference/huginn-0125.md §1.1) with random
 weights at its init scales, built on the device in bf16 (7.1 GB; no files are written). Without a CUDA device
 `--device cuda` (the default) ends with one line, as every exitbench command does.

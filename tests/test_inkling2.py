@@ -8,12 +8,14 @@ parameters drawn random: tests/fixtures/make_inkling2_tiny.py made it with exitb
 tests/fixtures/inkling2-tiny-reference.safetensors holds what transformers 5.24.0's `inkling2_loop` computed on it
 after dequantising the experts itself (tests/fixtures/make_inkling2_reference.py, in a scratch environment).
 
-What is here is the model: its uncached forward at every pass count. The exit engine does not hold its caches yet
-(keys and values per layer visit and pass, and four convolution states per visit), and refuses it in one line.
+The engine holds its caches: keys and values per layer visit and pass, and beside them each visit's four
+convolution inputs (`state_layers`), so exits after pass 1 or 2 run physically (later tokens read an exited token's
+exit pass) or by `select`. Scoring runs token-major (waves do not gather the convolution states).
 """
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exitbench.engine import ExitConfig, ExitEngine
-from exitbench.errors import CheckpointError, ExitbenchError
+from exitbench.errors import CheckpointError
 from exitbench.models.checkpoint import inspect_checkpoint, load_checkpoint
 from exitbench.models.inkling2 import Inkling2
 from exitbench.models.shards import QuantizedEntry
@@ -130,10 +132,85 @@ def test_what_it_does_not_implement_is_refused_in_one_line(tmp_path, fields, nam
     assert "\n" not in str(err.value)
 
 
-def test_the_engine_refuses_it_in_one_line_until_it_holds_its_caches(ck):
-    with pytest.raises(ExitbenchError, match="inkling2_loop_text: the exit engine does not hold") as err:
-        ExitEngine(ck.model, ExitConfig("fixed"))
-    assert "\n" not in str(err.value)
+def logprobs_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.double(), -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("passes", [pytest.param(p, marks=pytest.mark.slow) for p in (1, 2)] + [3])
+def test_the_engine_scores_through_its_caches_as_the_reference_at_every_pass_count(ck, ref, passes):
+    """Keys and values per layer visit and pass, and the four convolution inputs beside them (their `state_layers`),
+    one slot per pass: cached equals the reference's uncached logits; one and two passes are the exits after pass 1
+    and 2 of every token."""
+    ids = ref["input_ids"]
+    engine = ExitEngine(ck.model, ExitConfig("fixed", threshold=passes, max_steps=3))
+    for b, res in enumerate(engine.score([(row.tolist(), 1) for row in ids], batch_size=2)):
+        torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64),
+                                   logprobs_of(ref[f"logits_{passes}"][b], ids[b]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("passes", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_select_equals_the_reference_at_every_pass_count(ck, ref, passes):
+    """Exit mode select: every token runs all three passes and the rule only picks which pass's readout is its
+    output; picking pass p for every token is the reference run at p passes."""
+    ids = ref["input_ids"]
+    engine = ExitEngine(ck.model, ExitConfig("fixed", threshold=passes, max_steps=3, exit_mode="select"))
+    for b, res in enumerate(engine.score([(row.tolist(), 1) for row in ids], batch_size=3)):
+        torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64),
+                                   logprobs_of(ref[f"logits_{passes}"][b], ids[b]), atol=ATOL, rtol=0)
+
+
+def test_greedy_generation_through_the_engine_matches_the_reference(ck, ref):
+    prompts = [row[:n].tolist() for row, n in zip(ref["input_ids"], ref["greedy_prompt_lengths"].tolist())]
+    engine = ExitEngine(ck.model, ExitConfig("fixed"))
+    for batch_size in (1, 3):
+        assert [r.tokens for r in engine.generate(prompts, 5, batch_size=batch_size)] == ref["greedy_tokens"].tolist()
+
+
+# (3-5 s each on two cores: one fast, the rest slow)
+@pytest.mark.parametrize("policy,tau,mode", [("confidence", 0.017, None)] + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in (("confidence", 0.017, "select"), ("margin", 0.1, None), ("kl", 0.1, None), ("oracle", None, None))])
+def test_exits_after_pass_one_or_two_batched_equal_batch_size_one(ck, ref, policy, tau, mode):
+    """Physical exits (an exited token leaves no later-pass entries: later tokens read its exit pass's keys and
+    convolution inputs, Huginn's `latest`) and select (all passes run). Confidence and margin read one readout, so
+    they may stop a token after pass 1; kl compares two, so it decides from pass 2 (τ sits in a gap of the fixture's
+    signals: confidence 0.012-0.027, kl 0.07-0.25, margin 0.02-0.95)."""
+    requests = [(row[:n].tolist(), c) for row, n, c in zip(ref["input_ids"], (20, 13, 17), (2, 3, 1))]
+    engine = ExitEngine(ck.model, ExitConfig(policy, threshold=tau, exit_mode=mode))
+    assert engine.scoring_schedule == "token_major" and "convolutions" in engine.schedule_note
+    solo = [engine.score([r], batch_size=1)[0] for r in requests]
+    together = engine.score(requests, batch_size=3)
+    for a, b in zip(solo, together):
+        assert [r.exit_steps for r in a.records] == [r.exit_steps for r in b.records]
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    exits = {r.exit_steps[0] for res in together for r in res.records}
+    assert exits <= {1, 2, 3} and (policy == "kl" or 1 in exits) and (policy != "kl" or 1 not in exits)
+
+
+@pytest.mark.slow  # 3 s
+def test_physical_and_select_differ_where_a_token_stopped_early(ck, ref):
+    """The two semantics agree on tokens that ran all passes before any earlier token stopped, and part where a
+    later token read an exited token's exit-pass entries (physical) instead of its own later passes' (select)."""
+    requests = [(row.tolist(), 1) for row in ref["input_ids"]]
+    physical, select = (ExitEngine(ck.model, ExitConfig("confidence", threshold=0.017, exit_mode=mode))
+                        .score(requests, batch_size=3) for mode in (None, "select"))
+    differ = [abs(x - y) > 1e-5 for p, s in zip(physical, select) for x, y in zip(p.logprobs, s.logprobs)]
+    assert any(differ) and not all(differ)
+
+
+@pytest.mark.slow  # 60 s: the commands as a user types them; the engine's parts are checked fast above
+def test_every_command_runs_on_an_inkling2_checkpoint(tmp_path):
+    """run with every policy exactly and by replay, calibrate, fit-exit and the learned rule, trace, geometry,
+    report and info --plan (its KV cache counting the convolution states)."""
+    from helpers.commands import run_every_command
+
+    out = run_every_command(str(FIXTURES / "inkling2-tiny"), tmp_path, calibrate="0.015,0.02", steps=3,
+                            sentence="Natalia sold clips to her friends and then she sold half as many")
+    cells = out["cells"]
+    assert {"fixed", "kl", "second_order", "oracle", "learned", "confidence"} <= {c["policy"]["policy"] for c in cells}
+    assert all(c["model"]["architecture"] == "inkling2_loop_text" and c["iterations"]["max"] <= 3 for c in cells)
+    layout = out["info"]["plan"]["kv_layout"]
+    assert out["replayed"] > 10 and layout["slots_per_loop_layer"] == [3] and layout["state_layers"] == 4 * 8
 
 
 def test_what_the_reference_pins_stays_float32_in_a_bfloat16_run():
@@ -148,3 +225,7 @@ def test_what_the_reference_pins_stays_float32_in_a_bfloat16_run():
             "model.llm.attn_res.output_query", "model.llm.layers.2.controllers.mlp.gain_weight"} <= pinned
     assert state["model.llm.layers.1.attn.k_sconv.static_w"].dtype == torch.bfloat16  # (the dynamic taps are not)
     assert state["model.llm.layers.3.mlp.experts.w13_weight"].dtype == torch.bfloat16
+    # the run's dtype is the embedding's, and the engine's caches hold it
+    assert model.dtype == torch.bfloat16
+    (res,) = ExitEngine(model, ExitConfig("confidence", threshold=0.017)).score([(list(range(3, 23)), 2)])
+    assert len(res.logprobs) == 18 and all(math.isfinite(x) for x in res.logprobs)

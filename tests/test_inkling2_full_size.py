@@ -1,15 +1,15 @@
 """Inkling 2 Mini at its real widths (hidden 2304, 24 and 8 heads of 128, experts of 1152, a 201,024-row padded
 head, the release's key names and formats: NVFP4 and MXFP8 experts, float32-pinned tensors) with 18 of its layers'
 structure (prelude, core and coda of 6) and 8 experts per layer instead of 128: `info` from the headers alone, and
-the model loaded in bf16 running its three passes (`geometry`), each within its memory bound. The exit engine does
-not run this model yet (docs/models.md), so `run` and `trace` are not here.
+the model loaded in bf16 running its three passes (`geometry`) and decoding with an exit rule through the engine's
+caches (`trace`), each within its memory bound.
 
-Slow (about 5 minutes on 2 cores, most of it writing): bench/make_inkling2_size.py writes 3.6 GB under the
+Slow (about 4 minutes on 2 cores, most of it writing): bench/make_inkling2_size.py writes 3.6 GB under the
 temporary directory, deleted afterwards. The fast tests of the same code on the tiny layout: tests/test_inkling2.py.
 
 Bounds: `info` peaks under 1 GB. The load and the passes peak under the dequantised weights' bytes plus 1 GB:
-measured 0.41 GB above them here (25 s for 24 tokens); the experts are dequantised from their parts eight at a
-time, so the parts and the bf16 copy are never whole together.
+measured 0.55 GB (geometry, 27 s for 24 tokens) and 0.53 GB (trace, 28 s) above them here; the experts are
+dequantised from their parts eight at a time, so the parts and the bf16 copy are never whole together.
 """
 from __future__ import annotations
 
@@ -64,3 +64,13 @@ def test_the_three_passes_run_in_bfloat16(inkling_dir, env, tmp_path):
     (core,) = measured["groups"]
     assert [row["k"] for row in core["per_k"]] == [1, 2, 3] and core["per_k"][2]["step"]["mean"] > 0
     assert peak <= LOAD_BOUND, f"geometry peaked at {peak / 1e9:.2f} GB over {WEIGHT_BYTES / 1e9:.2f} GB of weights"
+
+
+def test_trace_with_an_exit_after_pass_one(inkling_dir, env, tmp_path):
+    """The engine at real widths: keys, values and convolution inputs cached per layer visit and pass."""
+    out = tmp_path / "trace.json"
+    proc, peak = exitbench(["trace", "Natalia sold clips", "-c", str(inkling_dir), "--policy", "confidence",
+                            "--threshold", "0.001", "--generate", "2", "--json", str(out)], env, tmp_path)
+    (trace,) = json.loads(out.read_text())["traces"]
+    assert len(trace["generated_ids"]) == 2 and all(1 <= t["exit_steps"][0] <= 3 for t in trace["tokens"])
+    assert peak <= LOAD_BOUND, f"trace peaked at {peak / 1e9:.2f} GB over {WEIGHT_BYTES / 1e9:.2f} GB of weights"

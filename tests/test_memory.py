@@ -33,7 +33,7 @@ def test_huginn_plan_counts_one_slot_per_iteration_per_core_layer():
     assert p["max_steps"] == [32]
     assert p["weights"] == 2 * HUGINN_PARAMETERS
     assert p["kv_cache"] == 2 * (4 * 32 + 4) * 16 * 1000 * 55 * 96 * 2 == 44_605_440_000
-    assert p["kv_layout"] == {"loop_layers": 4, "slots_per_loop_layer": [32], "plain_layers": 4,
+    assert p["kv_layout"] == {"loop_layers": 4, "slots_per_loop_layer": [32], "plain_layers": 4, "state_layers": 0,
                               "bytes_per_slot": 2 * 16 * 1000 * 5280 * 2}
     assert p["total"] == p["weights"] + p["kv_cache"] + p["activations"]
     # The cache scales with iterations: 8 iterations need a quarter of the loop layers' slots.

@@ -251,8 +251,8 @@ class Run:
         self.clock = PhaseClock(self.model.device)
         window = engine.config.kv_window
         self.cache = self.model.new_cache(rows, capacity, [p.max_steps for p in engine.policies], window)
-        self.inputs = torch.zeros(rows, capacity, engine.noise.dim, dtype=self.model.dtype,
-                                  device=self.model.device) if teacher_forced else None
+        # (allocated at the first prefill, as wide as the stages before the first loop group leave a position)
+        self.inputs: torch.Tensor | None = None
         self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
             if engine.config.warm_start else None
         # Per token's record: under exit modes select and weighted every token ran all K iterations, so its
@@ -379,6 +379,8 @@ class Run:
             L = max(r.end + 1 for _, r in pairs)
             ids = self._padded([r.tokens for _, r in pairs], L)
             x = self.model.walk(self.model.embed(ids, 0), ctx, stop=engine.bounds[0])
+            if self.inputs is None:
+                self.inputs = x.new_zeros(self.B, self.cache.capacity, x.shape[-1])
             self.inputs[rows, :L] = x
         L = max(max(r.first, r.block) for _, r in pairs)
         if L == 0:
@@ -515,7 +517,9 @@ class Run:
         if chunk is None:
             return self.model.walk(x, self._context(tokens), start=start, stop=stop)
         ctx, n_rows = chunk
-        return self.model.walk(x.view(n_rows, -1, x.shape[-1]), ctx, start=start, stop=stop).reshape(-1, 1, x.shape[-1])
+        # (a stage may leave a position wider or narrower than it came: Inkling 2's coda reads packed blocks)
+        out = self.model.walk(x.view(n_rows, -1, x.shape[-1]), ctx, start=start, stop=stop)
+        return out.reshape(-1, 1, out.shape[-1])
 
     def _context(self, tokens: list[Token]) -> AttnContext:
         rows = [t.row for t in tokens]

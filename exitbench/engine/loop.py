@@ -235,8 +235,9 @@ class TokenLoop:
         early = [(t, k) for t, k in zip(tokens, steps) if k < self.K]
         # later tokens read an early exit's deepest entry (`latest`); under `select` and `freeze` every entry
         # was written
-        if early and self.group.attn_layers and not self.hold:
-            cache.carry_forward(self.group.attn_layers, [t.row for t, _ in early], [t.position for t, _ in early],
+        kept = [*self.group.attn_layers, *self.group.state_layers]  # keys and what else a position leaves
+        if early and kept and not self.hold:
+            cache.carry_forward(kept, [t.row for t, _ in early], [t.position for t, _ in early],
                                 [k - 1 for _, k in early])
         self._where = None
         return Leaving(tokens, states, exit_logits)

@@ -47,7 +47,8 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
     weights = sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in unique)
     slots = model.cache_slots(steps, kv_window)
     n_heads, head_dim = model.cache_geometry()
-    kv = KVCache.bytes_for(batch, context, n_heads, head_dim, slots, dtype)
+    states = model.state_geometry()  # (per-position states kept beside the keys: their own widths)
+    kv = KVCache.bytes_for(batch, context, n_heads, head_dim, slots, dtype, states)
     acts = activations(model, dtype, batch, context)
     transient = acts["inputs"] + max(acts["prefill_or_head"], acts["wave_gather"])
     looped = {layer for g in groups for layer in g.attn_layers}
@@ -58,7 +59,8 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
         "kv_cache": kv,
         "kv_layout": {"loop_layers": len(looped),
                       "slots_per_loop_layer": [min(r, kv_window) if kv_window else r for r in steps],
-                      "plain_layers": len(slots) - len(looped),
+                      "plain_layers": len(slots) - len(looped) - len(states),
+                      "state_layers": len(states),
                       "bytes_per_slot": KVCache.bytes_for(batch, context, n_heads, head_dim, {0: 1}, dtype)},
         "activations": transient,
         "activation_terms": acts,

@@ -42,6 +42,8 @@ def depth_major_blocker(engine: Any) -> str | None:
     """Why a teacher-forced run of this ExitEngine cannot run depth-major exactly (None: it can). (Typed Any:
     the engine imports this module, not the other way round.)"""
     config = engine.config
+    if any(stage.state_layers for stage in engine.model.stages()):
+        return "the model keeps per-position states beside its keys (short convolutions), which waves do not gather"
     if config.warm_start:
         return "warm_start: each token starts from the previous token's final state"
     for group, policy in zip(engine.groups, engine.policies):

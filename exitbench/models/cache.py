@@ -27,6 +27,7 @@ always name loop iterations (0-based); the cache maps them to slots.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,13 @@ class TokenIndex:
 class KVCache:
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: dict[int, int],
                  capacity: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 window: int | None = None):
+                 window: int | None = None, geometry: dict[int, tuple[int, int]] | None = None):
         """`slots`: slots per layer; `window`: the loop layers' slots are a rolling buffer of this many
-        iterations (their `slots` must then be at most `window`), None: one slot per iteration."""
+        iterations (their `slots` must then be at most `window`), None: one slot per iteration; `geometry`: the
+        (heads, head_dim) of layers whose entries are not (n_heads, head_dim), e.g. a model's per-position states
+        kept beside its keys (Inkling 2's convolution inputs, one "head" as wide as the input)."""
         self.batch, self.n_heads, self.head_dim = batch, n_heads, head_dim
+        self.geometry = dict(geometry or {})
         self.slots = dict(slots)
         self.window = window
         self.dtype, self.device = dtype, torch.device(device)
@@ -82,7 +86,7 @@ class KVCache:
             return
         new_cap = max(length, 2 * self.capacity)
         for layer, n_slots in self.slots.items():
-            shape = (n_slots, self.batch, new_cap, self.n_heads, self.head_dim)
+            shape = (n_slots, self.batch, new_cap, *self.shape_of(layer))
             for store in (self.k, self.v):
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if layer in store:
@@ -90,6 +94,10 @@ class KVCache:
                 store[layer] = grown
         self.capacity = new_cap
         self._flats.clear()
+
+    def shape_of(self, layer: int) -> tuple[int, int]:
+        """(heads, head_dim) of a layer's entries."""
+        return self.geometry.get(layer, (self.n_heads, self.head_dim))
 
     def slot(self, iteration: int | torch.Tensor) -> int | torch.Tensor:
         """The slot loop iteration `iteration` (0-based; an int, or a tensor of one per token) writes and reads.
@@ -120,7 +128,7 @@ class KVCache:
         """A layer's keys or values as (slots·batch·capacity, heads, head_dim) rows, the view made once."""
         key = (id(store), layer)
         if key not in self._flats:
-            self._flats[key] = store[layer].view(-1, self.n_heads, self.head_dim)
+            self._flats[key] = store[layer].view(-1, *self.shape_of(layer))
         return self._flats[key]
 
     def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool,
@@ -260,9 +268,12 @@ class KVCache:
 
     @staticmethod
     def bytes_for(batch: int, capacity: int, n_heads: int, head_dim: int, slots: dict[int, int],
-                  dtype: torch.dtype) -> int:
-        """What a cache of this shape holds (keys and values), without allocating it: the memory plan's KV."""
-        return 2 * sum(slots.values()) * batch * capacity * n_heads * head_dim * dtype.itemsize
+                  dtype: torch.dtype, geometry: dict[int, tuple[int, int]] | None = None) -> int:
+        """What a cache of this shape holds (keys and values; a `geometry` layer its own width), without
+        allocating it: the memory plan's KV."""
+        geometry = geometry or {}
+        width = lambda layer: math.prod(geometry.get(layer, (n_heads, head_dim)))  # noqa: E731
+        return 2 * sum(n * width(layer) for layer, n in slots.items()) * batch * capacity * dtype.itemsize
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self.k, self.v) for t in store.values())

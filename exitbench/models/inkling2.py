@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, ExitbenchError
+from ..errors import CheckpointError
 from . import limits
 from .attention import AttnContext
 from .hf_config import HFNames
@@ -183,6 +183,49 @@ def depth_attention(queries: torch.Tensor, blocks: torch.Tensor, partial: torch.
     return weights @ stacked
 
 
+def state_layer(c: Inkling2Config, layer: int, which: int) -> int:
+    """The cache layer of layer `layer`'s convolution inputs `which` (0 keys, 1 values, 2 after attention, 3 after
+    the MLP): after the attention layers' ids, four per layer."""
+    return c.num_hidden_layers + 4 * layer + which
+
+
+def tokens_entries(ctx: AttnContext, layer: int, k: torch.Tensor, v: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token mode: write each token's k, v (n, H, 1, D) at its place, and return its row's entries of positions
+    0 … length − 1 at its slot, (n, H, length, D); what lies past a token's position is for its caller to mask.
+    Tokens of one row together (`by_row`) read their row's slice, as KVCache.attend_by_row does."""
+    cache, index = ctx.cache, ctx.index
+    if index.by_row is None:
+        return cache.update_tokens(layer, index, k, v)
+    out = []
+    for store, new in ((cache.k, k), (cache.v, v)):
+        cache.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        rows = new.new_zeros(new.shape[0], index.length, *new.shape[1:2], new.shape[-1])
+        for (idx, row, n_keys, _, _), slot in zip(index.by_row, index.row_slots):
+            rows[idx, :n_keys] = store[layer][slot, row, :n_keys]
+        out.append(rows.transpose(1, 2))
+    return out[0], out[1]
+
+
+def conv_context(x: torch.Tensor, ctx: AttnContext, state_id: int, kernel: int) -> torch.Tensor:
+    """A short convolution's window: (B, K − 1 + T, C) float32 of the K − 1 inputs before each row's chunk at the
+    same layer visit (zeros before the sequence) and the chunk's own x (B, T, C). With a cache, x is kept in cache
+    layer `state_id` at the visit's slot, where later tokens read it, as they read keys; one token per row in token
+    mode (T = 1), each at its own position."""
+    B, T, C = x.shape
+    if ctx.cache is None:
+        return F.pad(x.float(), (0, 0, kernel - 1, 0))
+    entry = x.unsqueeze(1)  # one "head" as wide as the input
+    if ctx.index is None:
+        kept, _ = ctx.cache.update(state_id, ctx.iteration, ctx.rows, ctx.start, entry, entry)
+        kept = kept[:, 0, max(0, ctx.start - kernel + 1):].float()
+        return F.pad(kept, (0, 0, kernel - 1 + T - kept.shape[1], 0))
+    kept, _ = tokens_entries(ctx, state_id, entry, entry)  # (n, 1, length, C)
+    back = ctx.positions.unsqueeze(1) - torch.arange(kernel - 1, -1, -1, device=x.device)  # oldest … own
+    window = kept[:, 0].gather(1, back.clamp(min=0).unsqueeze(-1).expand(-1, -1, C)).float()
+    return window.masked_fill((back < 0).unsqueeze(-1), 0.0)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -217,11 +260,11 @@ class StaticConv(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttnContext, state_id: int) -> torch.Tensor:
         h = x.float()
-        T, K = h.shape[1], self.weight.shape[-1]
-        out = F.conv1d(h.transpose(1, 2).to(self.weight.dtype), self.weight, padding=K - 1,
-                       groups=h.shape[-1])[:, :, :T].to(h.dtype).transpose(1, 2)
+        K = self.weight.shape[-1]
+        window = conv_context(x, ctx, state_id, K).transpose(1, 2)
+        out = F.conv1d(window.to(self.weight.dtype), self.weight, groups=h.shape[-1]).to(h.dtype).transpose(1, 2)
         return ((out + h) / math.sqrt(K + 1)).to(x.dtype)
 
 
@@ -235,13 +278,13 @@ class DynamicConv(nn.Module):
         self.static_w = nn.Parameter(torch.zeros(kernel, channels))
         self.weight_proj = nn.Parameter(torch.empty(heads * kernel, input_size))
 
-    def forward(self, x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, source: torch.Tensor, ctx: AttnContext, state_id: int) -> torch.Tensor:
         B, T, C = x.shape
         K = self.kernel
         taps = F.linear(source, self.weight_proj).float().view(B, T, self.heads, 1, K)
         taps = self.static_w.float().T.view(self.heads, -1, K) + taps
         h = x.float()
-        context = F.pad(h.transpose(1, 2), (K - 1, 0))
+        context = conv_context(x, ctx, state_id, K).transpose(1, 2)
         windows = context.unfold(-1, K, 1).flip(-1).transpose(1, 2).reshape(B, T, self.heads, -1, K)
         out = (windows * taps).sum(-1).reshape(B, T, C)
         return ((out + h) / math.sqrt(2 * K + 1)).to(x.dtype)
@@ -281,26 +324,35 @@ class Attention(nn.Module):
         out = l2_clip(x.float() * scale.float(), threshold).to(x.dtype)
         return out if self.sliding else log_scale(out, positions, self.c)
 
-    def _conv(self, conv: nn.Module, x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        return conv(x) if self.sliding else conv(x, source)
+    def _conv(self, conv: nn.Module, x: torch.Tensor, source: torch.Tensor, ctx: AttnContext, which: int
+              ) -> torch.Tensor:
+        state = state_layer(self.c, self.layer_id, which)
+        return conv(x, ctx, state) if self.sliding else conv(x, source, ctx, state)
 
     def forward(self, hq: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         c = self.c
         B, T, _ = hq.shape
-        positions = torch.arange(ctx.start, ctx.start + T, device=hq.device)[None]
+        token_mode = ctx.index is not None
+        # (B, T) positions of the queries: a chunk's from its start, or one per row in token mode
+        positions = ctx.positions.view(B, 1) if token_mode else \
+            torch.arange(ctx.start, ctx.start + T, device=hq.device)[None]
         q = self._clipped(self.wq_du(hq).view(B, T, self.n_heads, -1), self.q_l2_clip.scale, c.qk_l2_clip_threshold,
                           positions).transpose(1, 2)
-        k = self._conv(self.k_sconv, self.wk_dv(hk), hk).view(B, T, self.n_kv, -1)
+        k = self._conv(self.k_sconv, self.wk_dv(hk), hk, ctx, 0).view(B, T, self.n_kv, -1)
         k = l2_clip(k, c.qk_l2_clip_threshold).transpose(1, 2)
-        v = unweighted_rms(self._conv(self.v_sconv, self.wv_dv(hv), hv).view(B, T, self.n_kv, -1),
+        v = unweighted_rms(self._conv(self.v_sconv, self.wv_dv(hv), hv, ctx, 1).view(B, T, self.n_kv, -1),
                            c.rms_norm_eps).transpose(1, 2)
-        if ctx.cache is not None:  # (the engine refuses this model first: Inkling2.engine_blocker)
-            raise ExitbenchError(f"inkling2_loop_text: {Inkling2.engine_blocker}")
+        if token_mode:
+            k, v = tokens_entries(ctx, self.layer_id, k, v)
+        elif ctx.cache is not None:
+            k, v = ctx.cache.update(self.layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
         group = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = q @ k.transpose(2, 3) * self.head_dim ** -0.5
-        distance = positions[0, :, None] - torch.arange(k.shape[2], device=hq.device)[None]
-        scores = scores + self._position_bias(hq, distance, positions)
+        # (B or 1, T, keys): how far back each key lies from each query (keys are positions 0 … in both modes)
+        distance = positions[:, :, None] - torch.arange(k.shape[2], device=hq.device)
+        scores = scores + self._position_bias(hq, distance.unsqueeze(1), positions)
+        distance = distance.unsqueeze(1)
         allowed = distance >= 0
         if self.sliding:
             allowed &= distance < c.sliding_window_size
@@ -319,7 +371,7 @@ class Attention(nn.Module):
         rel = self._clipped(self.wr_du(h).view(B, T, self.n_heads, -1), self.rel_l2_clip.scale,
                             self.c.rel_l2_clip_threshold, positions)
         logits = (rel @ self.rel_logits_proj.proj).transpose(1, 2)
-        index = distance.clamp(0, self.extent - 1).expand(*logits.shape[:2], -1, -1)
+        index = distance.clamp(0, self.extent - 1).expand(logits.shape[0], logits.shape[1], -1, -1)
         bias = logits.gather(-1, index)
         return bias.masked_fill((distance < 0) | (distance >= self.extent), 0.0)
 
@@ -391,7 +443,7 @@ class MessageGate(nn.Module):
 class Layer(nn.Module):
     def __init__(self, c: Inkling2Config, i: int):
         super().__init__()
-        self.index, self.boundary = i, i % c.n_layers_per_attn_res_block == 0
+        self.c, self.index, self.boundary = c, i, i % c.n_layers_per_attn_res_block == 0
         self.sliding = c.layer_types[i] == SLIDING
         self.attn = Attention(c, i)
         if self.sliding:
@@ -408,33 +460,35 @@ class Layer(nn.Module):
             self.controllers = nn.ModuleDict({name: MessageGate(c) for name in ("attn", "k", "v", "mlp")})
 
     def forward(self, h: torch.Tensor, blocks: torch.Tensor, attn_query: torch.Tensor | None,
-                mlp_query: torch.Tensor, ctx: AttnContext, messages: torch.Tensor | None = None) -> torch.Tensor:
+                mlp_query: torch.Tensor, ctx: AttnContext, messages: torch.Tensor | None = None,
+                unmessaged: torch.Tensor | None = None) -> torch.Tensor:
+        """`messages` (…, 4, H): the previous pass's, for a pass after the first; `unmessaged` (rows,): rows that
+        are on their first pass all the same (tokens at different passes in one step)."""
         dtype = h.dtype
         partial = h
         # layer 0 reads the embedding itself; every other layer its input from depth
         hq, hk, hv = (h, h, h) if attn_query is None else self._inputs(attn_query, blocks, h)
-        gates = self.controllers if messages is not None else None
+
+        def gate(name: str, x: torch.Tensor, which: int) -> torch.Tensor:
+            if messages is None:
+                return x
+            mixed = self.controllers[name](x, messages[..., which, :])
+            return mixed if unmessaged is None else torch.where(unmessaged.view(-1, 1, 1), x.float(), mixed)
+
         if self.sliding:
-            if gates is not None:
-                q_m, k_m, v_m, _ = messages.unbind(-2)
-                hq, hk, hv = (self.attn_norm(gates[n](hq, m)) for n, m in (("attn", q_m), ("k", k_m), ("v", v_m)))
-            else:
-                hq = hk = hv = self.attn_norm(hq)
+            hq, hk, hv = (self.attn_norm(gate(n, hq, w)) for w, n in enumerate(("attn", "k", "v")))
         else:
-            if gates is not None:
-                q_m, k_m, v_m, _ = messages.unbind(-2)
-                hq, hk, hv = gates["attn"](hq, q_m), gates["k"](hk, k_m), gates["v"](hv, v_m)
+            hq, hk, hv = gate("attn", hq, 0), gate("k", hk, 1), gate("v", hv, 2)
             hq, hk, hv = self.q_input_norm(hq), self.k_input_norm(hk), self.v_input_norm(hv)
-        out = self.attn_sconv(self.attn(hq.to(dtype), hk.to(dtype), hv.to(dtype), ctx)).float()
+        out = self.attn_sconv(self.attn(hq.to(dtype), hk.to(dtype), hv.to(dtype), ctx), ctx,
+                              state_layer(self.c, self.index, 2)).float()
         if self.boundary:
             blocks = torch.cat([blocks, partial.unsqueeze(-2)], dim=-2)
             residual = out
         else:
             residual = out = partial.float() + out
-        x = depth_attention(mlp_query.view(1, -1), blocks, out)[..., 0, :]
-        if gates is not None:
-            x = gates["mlp"](x, messages[..., 3, :])
-        y = self.mlp_sconv(self.mlp(self.mlp_norm(x).to(dtype)))
+        x = gate("mlp", depth_attention(mlp_query.view(1, -1), blocks, out)[..., 0, :], 3)
+        y = self.mlp_sconv(self.mlp(self.mlp_norm(x).to(dtype)), ctx, state_layer(self.c, self.index, 3))
         return (residual + y).to(dtype)
 
     def _inputs(self, query: torch.Tensor, blocks: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -475,8 +529,6 @@ class Inkling2Text(nn.Module):
 class Inkling2(LoopedLM):
     architecture = Inkling2Config.model_type
     config_class = Inkling2Config
-    engine_blocker = ("the exit engine does not hold this model's caches yet (keys, values and four convolution "
-                      "states per layer visit and pass); its uncached forward, info and geometry run")
 
     def __init__(self, config: Inkling2Config):
         super().__init__()
@@ -493,6 +545,11 @@ class Inkling2(LoopedLM):
     # convolutions, every depth query (block residuals and messages) and the message gates' output projections.
     FLOAT32 = ("mlp.gate.weight", "mlp.gate.bias", "attn_sconv.weight", "mlp_sconv.weight", "attn.k_sconv.weight",
                "attn.v_sconv.weight", "forget_weight", "gain_weight")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The run's dtype: the embedding's (its first parameters are depth queries, float32 under any dtype)."""
+        return self.llm.embed.weight.dtype
 
     def float32_keys(self) -> set[str]:
         return {k for k in self.state_dict() if k.endswith(self.FLOAT32) or ".attn_res." in k
@@ -513,7 +570,7 @@ class Inkling2(LoopedLM):
         return torch.cat([blocks, partial.unsqueeze(-2)], dim=-2).flatten(-2)
 
     def _layers(self, lo: int, hi: int, x: torch.Tensor, ctx: AttnContext,
-                messages: list[torch.Tensor] | None = None) -> torch.Tensor:
+                messages: list[torch.Tensor] | None = None, unmessaged: torch.Tensor | None = None) -> torch.Tensor:
         """Layers [lo, hi) on packed (blocks, partial); returns the same packing one layer group on."""
         llm = self.llm
         blocks, h = self._unpack(x)
@@ -521,7 +578,7 @@ class Inkling2(LoopedLM):
             query = llm.attn_res.attn_queries[i - 1] if i else None
             layer = llm.layers[i]
             out = layer(h, blocks, query, llm.attn_res.mlp_queries[i], ctx,
-                        None if messages is None else messages[n])
+                        None if messages is None else messages[n], unmessaged)
             if layer.boundary:
                 blocks = torch.cat([blocks, h.unsqueeze(-2)], dim=-2)
             h = out
@@ -539,7 +596,7 @@ class Inkling2(LoopedLM):
 
     def _prelude(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         no_blocks = x.new_zeros(*x.shape[:-1], 0, x.shape[-1])
-        return self._layers(0, self.config.loop_layer_index_start, self._pack(no_blocks, x), ctx)
+        return self._layers(0, self.config.loop_layer_index_start, self._pack(no_blocks, x), ctx.at_iteration(0))
 
     def _init(self, x: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """Before the first pass: the prelude's blocks and output, zeros where the pass's blocks will be."""
@@ -550,13 +607,17 @@ class Inkling2(LoopedLM):
     def _pass(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """One pass of the core from the prelude's output x; from the second on, with messages from s."""
         c = self.config
-        first = isinstance(ctx.iteration, int) and ctx.iteration == 0
-        messages = None if first else self._messages(s)
-        return self._layers(c.loop_layer_index_start, c.loop_layer_index_end, x, ctx, messages)
+        if isinstance(ctx.iteration, int):
+            messages, unmessaged = (None if ctx.iteration == 0 else self._messages(s)), None
+        else:  # one iteration per token (the engine's rows advance on their own): first passes take none
+            unmessaged = ctx.iteration == 0
+            messages = self._messages(s)
+        return self._layers(c.loop_layer_index_start, c.loop_layer_index_end, x, ctx, messages, unmessaged)
 
     def _coda(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         c, llm = self.config, self.llm
-        blocks, h = self._unpack(self._layers(c.loop_layer_index_end, c.num_hidden_layers, x, ctx))
+        # (a plain stage: its one slot, whichever iteration a probe reads it after)
+        blocks, h = self._unpack(self._layers(c.loop_layer_index_end, c.num_hidden_layers, x, ctx.at_iteration(0)))
         # (float32, as the final norm reads it: the head casts after the norm)
         return depth_attention(llm.attn_res.output_query.view(1, -1), blocks, h)[..., 0, :]
 
@@ -564,11 +625,22 @@ class Inkling2(LoopedLM):
         c, llm = self.config, self.llm
         s, e = c.loop_layer_index_start, c.loop_layer_index_end
         ids = lambda lo, hi: list(range(lo, hi))  # noqa: E731
-        return [Stage("prelude", self._prelude, ids(0, s), modules=list(llm.layers[:s])),
+        states = lambda lo, hi: [state_layer(c, i, w) for i in range(lo, hi) for w in range(4)]  # noqa: E731
+        return [Stage("prelude", self._prelude, ids(0, s), modules=list(llm.layers[:s]), state_layers=states(0, s)),
                 LoopGroup("core", init=self._init, step=self._pass, finish=lambda state: state, attn_layers=ids(s, e),
                           n_layers=e - s, default_steps=c.loop_num_passes, max_steps=c.max_passes,
-                          modules=list(llm.layers[s:e])),
-                Stage("coda", self._coda, ids(e, c.num_hidden_layers), modules=list(llm.layers[e:]))]
+                          modules=list(llm.layers[s:e]), state_layers=states(s, e)),
+                Stage("coda", self._coda, ids(e, c.num_hidden_layers), modules=list(llm.layers[e:]),
+                      state_layers=states(e, c.num_hidden_layers))]
+
+    def state_geometry(self) -> dict[int, tuple[int, int]]:
+        """Each layer's four convolution inputs, one "head" each: keys' and values' (key/value width), after
+        attention and after the MLP (hidden width)."""
+        c, out = self.config, {}
+        for i, layer in enumerate(self.llm.layers):
+            width = layer.attn.n_kv * layer.attn.head_dim
+            out.update({state_layer(c, i, w): (1, width if w < 2 else c.hidden_size) for w in range(4)})
+        return out
 
     def stages(self) -> list:
         return self._stages

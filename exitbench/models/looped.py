@@ -32,6 +32,9 @@ class Stage:
     run: Callable[[torch.Tensor, AttnContext], torch.Tensor]
     attn_layers: list[int]
     modules: list[nn.Module] = field(default_factory=list)  # what one pass computes, for FLOP counts
+    # Cache layers of per-position states its layers keep beside their keys (a short convolution's inputs), with
+    # one slot each as its attention layers; not attention, so no FLOPs of their own.
+    state_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class LoopGroup:
     # every other row is pinned at its state in s (`frozen_layers`). With every row in `keep` it computes what
     # `step` does, bit for bit. None: the family has no such step, and freeze is refused.
     frozen_step: Callable[[torch.Tensor, torch.Tensor, AttnContext, torch.Tensor], torch.Tensor] | None = None
+    # Cache layers of per-position states kept beside the keys, with a slot per iteration as `attn_layers`.
+    state_layers: list[int] = field(default_factory=list)
     # Whether `step` reads the group's input x at every iteration (Raven's adapter injects it). Only then can a
     # token start from another token's state (warm_start) and still see its own input; a group that starts from
     # its input and never reads it again would lose the token.
@@ -275,7 +280,7 @@ class LoopedLM(nn.Module):
         slots: dict[int, int] = {}
         for stage in self.stages():
             n = depth.get(id(stage), 1)
-            slots.update({layer: max(n, 1) for layer in stage.attn_layers})
+            slots.update({layer: max(n, 1) for layer in [*stage.attn_layers, *stage.state_layers]})
         return slots
 
     def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None,
@@ -283,7 +288,12 @@ class LoopedLM(nn.Module):
         """A cache with cache_slots(max_steps, window) slots per layer, for `batch` rows of `capacity` positions."""
         n_heads, head_dim = self.cache_geometry()
         return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps, window), capacity, self.dtype,
-                       self.device, window)
+                       self.device, window, self.state_geometry())
+
+    def state_geometry(self) -> dict[int, tuple[int, int]]:
+        """Cache layers that hold per-position states rather than attention keys (a stage's `state_layers`), by
+        id, with their (heads, width); none for most families."""
+        return {}
 
     def resolve_steps(self, num_steps: int | Sequence[int] | None) -> list[int]:
         groups = self.loop_groups()
@@ -379,7 +389,8 @@ class LoopedLM(nn.Module):
     def readout_attention(self, group_index: int) -> list[int]:
         """The attention layers `readout(group_index, …)` runs: every stage's after that loop group (a coda, later
         loop groups); empty where the readout reads no other token."""
-        return [layer for stage in self.stages()[self._after(group_index):] for layer in stage.attn_layers]
+        return [layer for stage in self.stages()[self._after(group_index):]
+                for layer in [*stage.attn_layers, *stage.state_layers]]
 
     def readout(self, group_index: int, state: torch.Tensor, ctx: AttnContext,
                 steps: Sequence[int] | None = None) -> torch.Tensor:

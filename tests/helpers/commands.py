@@ -9,9 +9,10 @@ from helpers.cli import explain, runner
 from exitbench.cli import app
 
 
-def run_every_command(ck: str, tmp_path: Path, *, sentence: str, calibrate: str) -> dict:
+def run_every_command(ck: str, tmp_path: Path, *, sentence: str, calibrate: str, steps: int = 6) -> dict:
     """run with every policy exactly and by replay, calibrate (confidence at the thresholds `calibrate`), fit-exit
-    and the learned rule, geometry, trace, report and info --plan on `ck`, over documents made of `sentence`.
+    and the learned rule, geometry (to `steps` iterations), trace, report and info --plan on `ck`, over documents made
+    of `sentence`.
     Each must exit 0; returns the run's cells, the replay's cell count and info's report."""
     docs = tmp_path / "docs.txt"
     docs.write_text("\n\n".join(f"{sentence} {i}" for i in range(24)))
@@ -26,7 +27,7 @@ def run_every_command(ck: str, tmp_path: Path, *, sentence: str, calibrate: str)
                      "-o", str(exit_model)],
         "learned": ["run", *common, "-p", "learned", "--exit-model", str(exit_model), "--thresholds", "0.5",
                     "--out", str(tmp_path / "r")],
-        "geometry": ["geometry", "-c", ck, "--text", str(docs), "-n", "6", "--tokens", "300", "-o",
+        "geometry": ["geometry", "-c", ck, "--text", str(docs), "-n", str(steps), "--tokens", "300", "-o",
                      str(tmp_path / "geo")],
         "trace": ["trace", sentence, "-c", ck, "-p", "second_order", "--generate", "2",
                   "--json", str(tmp_path / "trace.json")],
