@@ -70,8 +70,6 @@ class ExitEngine:
         """`schedule`: how teacher-forced requests run, "depth_major" (a sequence's positions together, one wave
         per iteration: exitbench.engine.waves), "token_major" (one position in flight per row), or "auto":
         depth-major wherever it is exact. Generation is always token by token."""
-        if model.engine_blocker is not None:
-            raise ExitbenchError(f"{model.architecture}: {model.engine_blocker}")
         self.model = model.eval()
         self.config = config or ExitConfig()
         if schedule not in SCHEDULES:

@@ -192,10 +192,6 @@ class LoopedLM(nn.Module):
         convolutions, depth queries); empty for most families."""
         return set()
 
-    # Why the exit engine cannot run this architecture yet (one line), or None: it can. Its plain forward, `info`
-    # and the depth geometry run either way.
-    engine_blocker: str | None = None
-
     @property
     def prefix_lm(self) -> bool:
         """Whether the model was trained as a prefix-LM: a prompt is one bidirectional block, so the engine prefills
