@@ -229,3 +229,25 @@ def test_what_the_reference_pins_stays_float32_in_a_bfloat16_run():
     assert model.dtype == torch.bfloat16
     (res,) = ExitEngine(model, ExitConfig("confidence", threshold=0.017)).score([(list(range(3, 23)), 2)])
     assert len(res.logprobs) == 18 and all(math.isfinite(x) for x in res.logprobs)
+
+
+def test_info_says_what_a_device_of_a_given_size_holds():
+    """`info --plan --memory-gb N`: the plan against a device this machine does not have, from the headers, and the
+    most rows that fit in it at the context and depth asked; the next row would not."""
+    from exitbench.cli import app
+    from exitbench.engine.memory import plan
+
+    from helpers.cli import explain, runner
+
+    ck = FIXTURES / "inkling2-tiny"
+    res = runner.invoke(app, ["info", "-c", str(ck), "--plan", "--memory-gb", "0.5", "--context", "256", "--json"])
+    assert res.exit_code == 0, explain(res)
+    report = json.loads(res.stdout)["plan"]
+    rows = report["largest_batch"]
+    assert report["device"] == "0.5 GB (--memory-gb)" and report["available"] == 500_000_000 and rows > 1
+    assert report["kv_layout"]["state_layers"] == 32  # (the convolution inputs count)
+    model = inspect_checkpoint(ck).model
+    total = lambda b: plan(model, torch.float32, b, 256)["total"]  # noqa: E731
+    assert total(rows) <= 500_000_000 < total(rows + 1)
+    bad = runner.invoke(app, ["info", "-c", str(ck), "--plan", "--memory-gb", "0"])
+    assert bad.exit_code == 2 and "--memory-gb" in bad.stderr and "\n" not in bad.stderr.strip()

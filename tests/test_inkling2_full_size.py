@@ -42,7 +42,7 @@ def env(tmp_path_factory):
 
 def test_info_and_plan_read_the_headers_only(inkling_dir, env, tmp_path):
     proc, peak = exitbench(["info", "-c", str(inkling_dir), "--json", "--plan", "--batch-size", "1", "--context",
-                            "1000"], env, tmp_path)
+                            "1000", "--memory-gb", "80"], env, tmp_path)
     report = json.loads(proc.stdout)
     assert report["architecture"] == "inkling2_loop_text" and report["parameters"] == PARAMETERS
     assert report["parameter_breakdown"]["experts"] == EXPERT_PARAMETERS
@@ -50,6 +50,10 @@ def test_info_and_plan_read_the_headers_only(inkling_dir, env, tmp_path):
     assert report["loop_groups"] == [{"name": "core", "layers": 6, "default_steps": 3, "max_steps": 3,
                                       "random_init": False}]
     assert report["tokenizer"]["vocab_size"] == 200058
+    # what an 80 GB GPU holds at 1,000 positions: the weights and this many rows of keys, values and conv inputs
+    plan = report["plan"]
+    assert plan["device"] == "80 GB (--memory-gb)" and plan["kv_layout"]["state_layers"] == 4 * 18
+    assert plan["largest_batch"] >= 1 and plan["weights"] + plan["kv_cache"] <= 80e9
     assert peak < INFO_BOUND, f"info peaked at {peak / 1e9:.2f} GB"
 
 

@@ -321,9 +321,10 @@ def plan_table(plan: dict[str, Any]) -> Table:
     for col in ("part", "bytes", "what"):
         table.add_column(col)
     table.add_row("weights", gb(plan["weights"]), "every parameter once (a tied head counted once)")
+    states = f", and {kv['state_layers']} layers of per-position states beside them" if kv.get("state_layers") else ""
     table.add_row("KV cache", gb(plan["kv_cache"]),
                   f"{kv['loop_layers']} loop layers × {slots} slots + {kv['plain_layers']} plain layers × 1 slot, "
-                  f"{gb(kv['bytes_per_slot'])} a slot")
+                  f"{gb(kv['bytes_per_slot'])} a slot{states}")
     terms = ", ".join(f"{k} {gb(v)}" for k, v in plan["activation_terms"].items())
     table.add_row("activations", gb(plan["activations"]), f"estimate of the largest transient: {terms}")
     if "wave" in plan:
@@ -335,6 +336,9 @@ def plan_table(plan: dict[str, Any]) -> Table:
         fits = "fits" if plan["total"] <= plan["available"] else "does NOT fit"
         table.add_row(f"free on {plan['device']}", gb(plan["available"]),
                       f"{fits} ({plan['total'] / plan['available']:.1%} of it)")
+    if plan.get("largest_batch") is not None:
+        table.add_row("largest batch", f"{plan['largest_batch']:,} rows",
+                      f"that fit in {plan['device']} at this context and depth")
     return table
 
 

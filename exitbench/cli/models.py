@@ -20,6 +20,9 @@ PlanOpt = typer.Option(False, "--plan", help="Also print the memory a run needs:
 PlanBatchOpt = typer.Option(16, "--batch-size", help="--plan: rows run together (run's default).")
 PlanDeviceOpt = typer.Option(None, help="--plan: the device whose free memory the total is compared with (auto, "
                              "cpu, cuda, cuda:N, mps; default as run's).")
+PlanMemoryOpt = typer.Option(None, "--memory-gb", help="--plan: compare with a device of this many GB instead of "
+                             "measuring --device's free memory (a GPU this machine does not have), and say how many "
+                             "rows fit in it.")
 PlanContextOpt = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and generated tokens "
                               "[the model's context].")
 PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per loop group [each group's default "
@@ -32,7 +35,8 @@ PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per lo
 def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
          as_json: bool = JsonOpt, depth: bool = DepthOpt, programs: int = DepthProgramsOpt, seed: int = DepthSeedOpt,
          memory_plan: bool = PlanOpt, batch_size: int = PlanBatchOpt, device: Optional[str] = PlanDeviceOpt,
-         context: Optional[int] = PlanContextOpt, max_steps: Optional[int] = PlanStepsOpt, knobs: dict = None):
+         context: Optional[int] = PlanContextOpt, max_steps: Optional[int] = PlanStepsOpt,
+         memory_gb: Optional[float] = PlanMemoryOpt, knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
     from ..models.checkpoint import check_dtype_name, inspect_checkpoint, open_checkpoint, parse_dtype
@@ -45,13 +49,22 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     layout = inspect_checkpoint(resolve(checkpoint))  # headers only
     report = describe(layout, check_dtype_name(dtype))
     if memory_plan:
-        from ..engine.memory import plan
+        from ..engine.memory import largest_batch, plan
+        from ..errors import ExitbenchError
         from ..runtime.devices import available_memory, resolve_device
 
-        report["plan"] = plan(layout.model, parse_dtype(report["dtype"]), batch_size,
-                              layout.model.config.block_size if context is None else context, max_steps, kv_window)
-        where = resolve_device(device)
-        report["plan"].update(device=where, available=available_memory(where))
+        run_dtype, length = parse_dtype(report["dtype"]), layout.model.config.block_size if context is None else context
+        report["plan"] = plan(layout.model, run_dtype, batch_size, length, max_steps, kv_window)
+        if memory_gb is not None:
+            if not memory_gb > 0:
+                raise ExitbenchError(f"--memory-gb must be a number of GB > 0, got {memory_gb}")
+            available = int(memory_gb * 1e9)
+            report["plan"].update(device=f"{memory_gb:g} GB (--memory-gb)", available=available,
+                                  largest_batch=largest_batch(layout.model, run_dtype, length, max_steps, kv_window,
+                                                              available))
+        else:
+            where = resolve_device(device)
+            report["plan"].update(device=where, available=available_memory(where))
     if depth:
         from ..studies.depth import depth_report
 

@@ -69,6 +69,20 @@ def plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
     }
 
 
+def largest_batch(model: LoopedLM, dtype: torch.dtype, context: int, max_steps: int | Sequence[int] | None,
+                  kv_window: int | None, available: int, limit: int = 1 << 16) -> int:
+    """The most rows whose plan fits in `available` bytes (0: not even one), found by halving: a plan grows with
+    the batch, so what fits is a prefix of 1 … limit."""
+    fits = lambda b: plan(model, dtype, b, context, max_steps, kv_window)["total"] <= available  # noqa: E731
+    if not fits(1):
+        return 0
+    low, high = 1, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 def check_sweep_fits(model: LoopedLM, configs: Sequence[Any], batch: int, device: str) -> dict[str, Any] | None:
     """Refuse, before its first cell, a sweep that cannot fit whatever its documents: its plan at the shortest
     sequence any request has (one position per row) and its deepest exit config, against the memory the device
