@@ -251,3 +251,18 @@ def test_info_says_what_a_device_of_a_given_size_holds():
     assert total(rows) <= 500_000_000 < total(rows + 1)
     bad = runner.invoke(app, ["info", "-c", str(ck), "--plan", "--memory-gb", "0"])
     assert bad.exit_code == 2 and "--memory-gb" in bad.stderr and "\n" not in bad.stderr.strip()
+
+
+def test_a_tokens_flops_count_its_chosen_experts_and_the_coda_probe(ck):
+    """The experts are bare parameters, not linear layers: a token pays the router and its k chosen experts, and
+    the message gates and dynamic taps that multiply by parameters too; a readout after pass p runs the coda."""
+    from exitbench.engine.flops import FlopModel
+
+    c = ck.model.config
+    fm = FlopModel(ck.model)
+    one, three = fm.token(10, [1], [0]), fm.token(10, [3], [0])
+    experts = 2 * c.num_experts_per_tok * 3 * c.moe_intermediate_size * c.hidden_size
+    per_pass = three["core"] - one["core"]
+    assert per_pass / 2 > (c.loop_layer_index_end - c.loop_layer_index_start) * experts  # the experts are in
+    assert fm.token(10, [3], [2])["probe"] == 2 * (fm.token(10, [3], [1])["probe"]) > 0
+    assert fm.token(10, [3], [1])["probe"] >= (c.num_hidden_layers - c.loop_layer_index_end) * experts

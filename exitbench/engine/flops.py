@@ -14,8 +14,11 @@ from ..models.gpt2 import Conv1D
 
 
 def _linear_flops(modules: list[nn.Module]) -> float:
-    return float(sum(2 * m.weight.numel() for root in modules for m in root.modules()
-                     if isinstance(m, (nn.Linear, Conv1D))))
+    """2 · weights of every linear layer among `modules`, plus what a module that multiplies by bare parameters
+    says one token costs it (`token_flops`: routed experts, whose token uses only its chosen few)."""
+    return float(sum(2 * m.weight.numel() if isinstance(m, (nn.Linear, Conv1D)) else m.token_flops
+                     for root in modules for m in root.modules()
+                     if isinstance(m, (nn.Linear, Conv1D)) or hasattr(m, "token_flops")))
 
 
 def _attention_flops(modules: list[nn.Module]) -> float:

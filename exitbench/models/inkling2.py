@@ -272,6 +272,10 @@ class DynamicConv(nn.Module):
     """Full layers' key / value convolution: static taps (K, C) plus per-token, per-head taps projected from the
     projection's input, then the input added, / √(2K + 1), in float32."""
 
+    @property
+    def token_flops(self) -> int:
+        return 2 * self.weight_proj.numel()  # the per-token taps (the convolution itself is O(width))
+
     def __init__(self, channels: int, heads: int, input_size: int, kernel: int):
         super().__init__()
         self.heads, self.kernel = heads, kernel
@@ -400,6 +404,13 @@ class MoE(nn.Module):
         self.gate = Router(c)
         self.experts = Experts(c)
 
+    @property
+    def token_flops(self) -> int:
+        """A token's matmuls here: the router over every expert, then its chosen experts' w13 and w2."""
+        c = self.c
+        return 2 * (c.n_routed_experts * c.hidden_size + c.num_experts_per_tok * 3 * c.moe_intermediate_size
+                    * c.hidden_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, shape = self.c, x.shape
         flat = x.reshape(-1, shape[-1])
@@ -423,6 +434,10 @@ class MoE(nn.Module):
 class MessageGate(nn.Module):
     """The release's "controller": (1 − tanh(F z)) · h + tanh(G z) · m with z = down([rms h; rms m]). It halts
     nothing: it mixes the previous pass's message m into the layer's input h."""
+
+    @property
+    def token_flops(self) -> int:
+        return 2 * (self.down_weight.numel() + self.forget_weight.numel() + self.gain_weight.numel())
 
     def __init__(self, c: Inkling2Config):
         super().__init__()
