@@ -422,9 +422,9 @@ class MoE(nn.Module):
         # Experts in ascending order, each adding its tokens' outputs: the reference's summation order.
         for e in torch.unique(chosen).tolist():
             slot, token = torch.where(chosen.T == e)
-            w13 = self.experts.w13_weight[e]
-            gate_up = F.linear(flat[token], torch.cat([w13[0::2], w13[1::2]]))
-            g, u = gate_up.float().chunk(2, dim=-1)
+            # w13's rows interleave gate and up: the product's even and odd columns, no copy of the weights
+            gate_up = F.linear(flat[token], self.experts.w13_weight[e]).float()
+            g, u = gate_up[:, 0::2], gate_up[:, 1::2]
             act = (softcap(g, c.mlp_gate_softcap) * torch.sigmoid(g) * softcap(u, c.mlp_up_softcap)).to(x.dtype)
             y = F.linear(act, self.experts.w2_weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
