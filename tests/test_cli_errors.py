@@ -181,6 +181,27 @@ def test_verify_cells_of_the_sweep_are_accepted():
         check_named(parse_named("argmax_stability:4"), configs)
 
 
+
+# Typed text a console could misread: rich markup, emoji codes, a backslash before a bracket.
+MISREADABLE = {
+    "quantiles:abc": lambda t: (["run", "--thresholds", "quantiles:abc"], "--thresholds quantiles:abc: give"),
+    "an emoji code in a file name": lambda t: (["run", "--exit-config", str(t / ":fire:.yaml")],
+                                               f"{t / ':fire:.yaml'}: No such file"),
+    "markup in a path": lambda t: (["trace", "a=1 b=a", "--exit-config", str(t / "[bold]x[/bold]" / ":+1:.yaml")],
+                                   f"{t / '[bold]x[/bold]' / ':+1:.yaml'}: No such file"),
+    "a backslash before a bracket": lambda t: (["pareto", str(t / "a\\[red]b")], str(t / "a\\[red]b") + " is not"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISREADABLE))
+def test_an_error_quotes_what_was_typed_exactly(case, tmp_path, capfd):
+    """The error line goes through no markup or emoji codes: it says what the user typed, character for character."""
+    args, quoted = MISREADABLE[case](tmp_path)
+    capfd.readouterr()
+    res = runner.invoke(app, args)
+    assert_one_line_error(res, [quoted], fd=capfd.readouterr())
+
+
 # ---- bad `run` options on top of a base sweep ----------------------------------------------------------------------
 
 BAD_INPUT = {

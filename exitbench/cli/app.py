@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
@@ -19,10 +19,12 @@ from ..sweep.config import RunOptions
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Benchmark per-token exit policies of recurrent-depth transformers.")
-console = Console()
+# No emoji codes: a path or value such as `:fire:` is printed as typed, never as a picture.
+console = Console(emoji=False)
 if not console.is_terminal:
-    console = Console(width=140)  # logs and pipes: keep tables whole instead of folding them to 80 columns
-err_console = Console(stderr=True, soft_wrap=True)  # one message, one line, whatever the width
+    # logs and pipes: keep tables whole instead of folding them to 80 columns
+    console = Console(width=140, emoji=False)
+err_console = Console(stderr=True, soft_wrap=True, emoji=False)  # one message, one line, whatever the width
 
 
 def run_option(name: str):
@@ -48,8 +50,14 @@ def _root() -> None:
 
 
 def say(text: str) -> None:
-    """A line for the user beside the results (stderr, so stdout stays the results alone)."""
-    err_console.print(text, highlight=False, soft_wrap=True)
+    """A line for the user beside the results (stderr, so stdout stays the results alone), as written: no markup,
+    so a quoted path or value such as `[bold]` is not read as a style."""
+    err_console.print(text, markup=False, emoji=False, highlight=False, soft_wrap=True)
+
+
+def error_line(message: str) -> Text:
+    """`error: MESSAGE`, the message exactly as given (a Text is never read as markup or emoji codes)."""
+    return Text.assemble(("error:", "red"), " ", message)
 
 
 def one_line_errors(fn):
@@ -59,8 +67,7 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ExitbenchError as exc:
-            # escaped: a message quoting a value such as [1, 2] must not be read as rich markup and lose it
-            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            err_console.print(error_line(str(exc)), highlight=False, soft_wrap=True)
             raise typer.Exit(2)
     return wrapper
 
