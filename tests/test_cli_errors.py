@@ -113,6 +113,9 @@ BAD_COMMANDS = {
     "run --threads 99999999999": (run_with("--threads", "99999999999"), ["--threads", "at most"]),
     "trace --threads 99999999999": (lambda t: ["trace", "a=1 b=a", "--threads", "99999999999"], ["--threads"]),
     "run --verify-cells ''": (run_with("--replay", "--verify-cells", ""), ["--verify-cells", "empty"]),
+    "info --plan --memory-gb inf": (lambda t: ["info", "--plan", "--memory-gb", "inf"], ["--memory-gb", "at most"]),
+    "info --plan --memory-gb 1e400": (lambda t: ["info", "--plan", "--memory-gb", "1e400"], ["--memory-gb", "inf"]),
+    "info --plan --memory-gb 1e300": (lambda t: ["info", "--plan", "--memory-gb", "1e300"], ["--memory-gb", "1e+300"]),
     "fit-exit --tokens 0": (lambda t: ["fit-exit", "--tokens", "0", "--limit", "4", "--out", str(t / "o" / "m.json")],
                             ["--tokens must be ≥ 2", "got 0"]),
     # chat templates that cannot be rendered: named before any compute
@@ -179,7 +182,6 @@ def test_verify_cells_of_the_sweep_are_accepted():
     check_named(parse_named("second_order:1e-1,fixed:16,argmax_stability:3.0"), configs)
     with pytest.raises(ExitbenchError, match="argmax_stability has no threshold 4"):
         check_named(parse_named("argmax_stability:4"), configs)
-
 
 
 # Typed text a console could misread: rich markup, emoji codes, a backslash before a bracket.

@@ -176,6 +176,49 @@ def test_a_reusing_run_names_a_broken_cell(tmp_path, capfd):
               "--out", str(d)], capfd, ["broken cell", "policy.policy"])
 
 
+
+def _rules(value):
+    def change(cell):
+        cell["policy"]["rules"] = value
+    return change
+
+
+def _exit_mode(cell):
+    cell["policy"]["exit_mode"] = "frozen"
+
+
+# A conjunction's rules are read by every label (its series name): a malformed list is refused with the rest of the
+# schema, at the door, by every reader alike.
+MALFORMED_POLICY = {
+    "rules a string": (_rules("margin"), "policy.rules"),
+    "a rule without policy": (_rules([{"threshold": 0.125}, {"policy": "argmax_stability"}]), "policy.rules.0.policy"),
+    "a rule's threshold a string": (_rules([{"policy": "margin", "threshold": "0.125"}, {"policy": "kl"}]),
+                                    "policy.rules.0.threshold"),
+    "one rule": (_rules([{"policy": "margin"}]), "policy.rules"),
+    "an unknown exit mode": (_exit_mode, "policy.exit_mode"),
+}
+WHOLE_READERS = {**READERS, "export": lambda d, t: ["export", str(d)],
+                 "check as the baseline": lambda d, t: ["check", str(BASELINE), "--baseline", str(d), "--present-only"]}
+
+
+@pytest.mark.parametrize("reader", sorted(WHOLE_READERS))
+@pytest.mark.parametrize("case", list(MALFORMED_POLICY))
+def test_a_malformed_policy_section_is_one_line_in_every_reader(tmp_path, capfd, case, reader):
+    change, named = MALFORMED_POLICY[case]
+    d = copy_cells(tmp_path / "c", baseline_cells("chains_mc", ("fixed", "kl")))
+    copy_cells(d, baseline_cells("chains_mc", ("margin_0.125_argmax_stability",))[:1], change)
+    one_line(WHOLE_READERS[reader](d, tmp_path), capfd, ["broken cell", named])
+
+
+def test_the_schema_knows_the_engines_exit_modes():
+    from typing import get_args
+
+    from exitbench.engine.config import EXIT_MODES
+    from exitbench.store.schema import ExitMode
+
+    assert set(get_args(ExitMode)) == set(EXIT_MODES)
+
+
 def sampled_sweep(tmp: Path) -> Path:
     """A small sweep with samples files: two policies on one task."""
     out = tmp / "sampled"

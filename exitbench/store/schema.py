@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 Number = Union[int, float]  # strict float already accepts an int; named for what readers mean by it
 
@@ -46,6 +46,20 @@ class QualityPart(_Part):
     stderr: Union[float, str, None] = None
 
 
+# The exit modes a cell may name (engine.config.EXIT_MODES; `physical` is written as no mode at all). Spelled
+# out here because the store sits below the engine; tests/test_readers.py holds the two lists equal.
+ExitMode = Literal["physical", "select", "weighted", "freeze"]
+
+
+class RulePart(_Part):
+    """One member rule of an all_of conjunction, as its labels read it."""
+    policy: str
+    threshold: Optional[Number] = None
+    patience: Optional[int] = None
+    min_steps: Optional[int] = None
+    relative: Optional[bool] = None
+
+
 class PolicyPart(_Part):
     policy: str
     threshold: float  # the resolved one: every rule has a number here (fixed depth: the depth)
@@ -54,10 +68,12 @@ class PolicyPart(_Part):
     min_steps: int = 1
     patience: Optional[int] = None
     kv_window: Optional[int] = None
-    exit_mode: Optional[str] = None
+    exit_mode: Optional[ExitMode] = None
     exit_model: Optional[str] = None
     exit_model_sha256: Optional[str] = None
     baseline: bool = False
+    rules: Optional[list[RulePart]] = Field(default=None, min_length=2)  # all_of: at least two members
+    vary: Optional[str] = None
 
 
 class IterationsPart(_Part):
