@@ -24,8 +24,10 @@ from exitbench.store import cells
 from exitbench.sweep.config import RunOptions, SweepConfig, grid
 
 from helpers.engine import direct_signals, direct_trajectory, tiny
+from helpers.paths import REPO
 
 K = 12
+EXIT_MODEL = REPO / "results" / "exit-models" / "tiny-raven.json"  # the committed model fitted on tiny-raven
 T0 = [3, 5, 8, 2, 9]
 T1 = [7, 11, 13, 17, 19]
 
@@ -201,6 +203,26 @@ def test_lm_eval_model_args_take_an_exit_config_file(tmp_path):
     assert lm.engine.policies[0].members[1].threshold == 2
     with pytest.raises(ExitbenchError, match="threshold is set both in exit config"):
         check_model_args({"exit_config": str(path), "threshold": 3})
+
+
+def test_a_learned_member_brings_its_exit_model_to_the_conjunction():
+    """What keys a learned rule's cells, names its model in the cell and refuses it on another checkpoint is the
+    conjunction's too (a run crashed after its baselines, and trace ran tiny-raven's model on the looped GPT-2)."""
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.policies.learned import check_fitted_for
+
+    config = ExitConfig("all_of", rules=[{"policy": "learned"}, {"policy": "margin", "threshold": 0.1}],
+                        exit_model=str(EXIT_MODEL))
+    fitted = config.fitted_exit_model
+    assert fitted is not None and config.key_dict()["exit_model"] == "sha256:" + fitted.digest
+    policy = config.build_policy().bind(16)
+    assert policy.model is fitted and policy.members[0].model is fitted  # the file read once
+    # a policy's knobs make a config again (replay's cost model does): the file by its path
+    assert policy.exit_model == str(EXIT_MODEL)
+    assert ExitConfig("all_of", exit_model=policy.exit_model, rules=policy.rules).key_dict() == config.key_dict()
+    check_fitted_for(open_checkpoint("tiny-raven"), fitted)
+    with pytest.raises(ExitbenchError, match="was fitted on checkpoint"):
+        check_fitted_for(open_checkpoint("tiny-looped-gpt2"), fitted)
 
 
 def test_a_conjunction_reads_as_its_rules():

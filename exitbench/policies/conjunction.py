@@ -75,6 +75,8 @@ class AllOf(ExitPolicy):
         self.defined_from = max(m.defined_from for m in self.members)
         super().__init__(**{**knobs, "threshold": varied.threshold, "vary": vary})
         self.threshold_given = threshold is not None
+        if self.model is not None:  # as the learned rule keeps it: the file's path, its model read once (`model`)
+            self.exit_model = self.model.path
 
     def _check_member(self, i: int, rule: dict) -> str:
         name = rule.get("policy")
@@ -126,6 +128,12 @@ class AllOf(ExitPolicy):
     @property
     def variant(self) -> str:
         return f"{self.name}[{','.join(m.variant for m in self.members)}]"
+
+    @property
+    def model(self) -> Any:
+        """The exit model its learned member reads (None without one): what keys its cells and is checked against
+        the checkpoint, as for the learned rule alone."""
+        return next((m.model for m in self.members if m.needs_exit_model), None)
 
     @property
     def counts_stalls(self) -> bool:
