@@ -189,7 +189,9 @@ def test_a_sweep_spawns_no_program_per_cell(tmp_path):
 def test_a_quiet_run_prints_the_table_and_nothing_else(tmp_path, capfd):
     code, lines, out = invoke(["run", *SMALL, "--out", str(tmp_path / "o")], capfd)
     assert code == 0
-    assert lines == [], lines  # no lm-eval warnings, bootstrap lines, request bars or git noise
+    # no lm-eval warnings, bootstrap lines, request bars or git noise; only why its four documents carry no
+    # speed-up (test_retime: a task too small to retime says so)
+    assert [line for line in lines if "too few to retime" not in line] == [], lines
     assert "bootstrapping" not in out and "%|" not in out and "cells in" in out
 
 

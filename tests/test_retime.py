@@ -56,18 +56,92 @@ def test_nothing_to_time_is_no_timing():
     assert log == []
 
 
-def test_each_task_times_its_own_first_requests_of_each_kind():
-    received = {"loglikelihood": requests("a", 5) + requests("b", 5), "generate_until": requests("b", 30)}
-    received["generate_until"] += requests("b", 170)
-    work = dict(retime.task_work(received, "b", 16))
-    # One batch of 16 of 200 generations, but no more than an eighth of a task's requests: none of its 5
-    # scorings (retiming them would cost more than scoring them did).
-    assert "loglikelihood" not in work and len(work["generate_until"]) == 16
-    assert all(r.task_name == "b" for reqs in work.values() for r in reqs)
-    assert [r.idx for r in work["generate_until"]] == list(range(16))  # lm-eval's order, from the start
-    assert retime.task_work(received, "c", 16) == []
+def docs(task: str, n: int, per_doc: int = 1, kind_of=None) -> list:
+    """lm-eval's requests for `n` documents of `task`, `per_doc` each (a multiple-choice document has several)."""
+    return [SimpleNamespace(task_name=task, doc_id=d, idx=i) for d in range(n) for i in range(per_doc)]
+
+
+def evaluated(task: str, costs: list[float], tokens: int = 4) -> list[dict]:
+    """The evaluation's per-request stats of a task whose document d ran at `costs[d]` of full depth's FLOPs
+    (each request `tokens` tokens, each at context 10)."""
+    return [{"task_name": task, "doc_id": d, "idx": 0, "iterations": [1] * tokens, "context_sum": 10 * tokens,
+             "flops": c * FULL(tokens, 10 * tokens)} for d, c in enumerate(costs)]
+
+
+def FULL(tokens: int, context_sum: int) -> float:  # a token at full depth: 1000 FLOPs and 10 per context position
+    return 1000.0 * tokens + 10.0 * context_sum
+
+
+def whole_ratio(costs: list[float]) -> float:
+    return sum(costs) / len(costs)  # every document has the same tokens and contexts
+
+
+ORDERINGS = {
+    # the issue's reproduction: 6 easy documents first, 42 hard ones after them
+    "easy first": [0.28] * 6 + [0.85] * 42,
+    "hard first": [0.85] * 42 + [0.28] * 6,
+    "ascending": [0.1 + 0.9 * i / 47 for i in range(48)],
+    "descending": [1.0 - 0.9 * i / 47 for i in range(48)],
+    # every eighth document cheap: a draw of every eighth by position would take only these, or none
+    "periodic": [0.2 if i % 8 == 4 else 0.9 for i in range(48)],
+    "shuffled": [0.1 + 0.9 * ((i * 29) % 48) / 47 for i in range(48)],
+}
+
+
+@pytest.mark.parametrize("order", sorted(ORDERINGS))
+def test_the_timed_documents_cost_what_the_whole_task_does_in_any_order(order):
+    """Documents drawn one per stratum of the cost ranking: their FLOP ratio to full depth stays within
+    MAX_SAMPLE_OFF of the whole task's however the task orders them, and they are never the task's first."""
+    costs = ORDERINGS[order]
+    sample = retime.draw({"generate_until": docs("t", 48)}, evaluated("t", costs), "t", 16, FULL)
+    assert len(sample.documents) == 6 and sample.of == 48  # an eighth of 48
+    assert sample.whole_flops_ratio == pytest.approx(whole_ratio(costs))
+    drawn = sum(costs[d] for d in sample.documents) / len(sample.documents)
+    assert sample.expected_flops_ratio == pytest.approx(drawn)
+    assert abs(drawn / whole_ratio(costs) - 1) <= retime.MAX_SAMPLE_OFF, (order, sample.documents)
+    assert sample.documents != list(range(6))
+    assert [r.doc_id for _, reqs in sample.work for r in reqs] == sample.documents
+
+
+def test_a_prefix_would_have_missed_the_task():
+    """What the draw replaces: the first eighth of the reordered task costs a third of the whole's FLOP ratio."""
+    costs = ORDERINGS["easy first"]
+    assert abs(sum(costs[:6]) / 6 / whole_ratio(costs) - 1) > 0.6
+
+
+def test_each_task_times_whole_documents_of_its_own():
+    """A document's every request is timed together (a multiple-choice question's options share one pass), only
+    the task's own, and each kind of request the task made."""
+    received = {"loglikelihood": docs("a", 5) + docs("b", 40, per_doc=10), "generate_until": docs("c", 200)}
+    stats = evaluated("b", [0.5] * 40)
+    sample = retime.draw(received, stats, "b", 16, FULL)
+    ((kind, reqs),) = sample.work
+    assert kind == "loglikelihood" and len(sample.documents) == 5 and len(reqs) == 50  # an eighth of 40, whole
+    assert all(r.task_name == "b" for r in reqs) and {r.doc_id for r in reqs} == set(sample.documents)
+    # One batch of 16 of 200 generations, where no FLOPs were counted: drawn evenly by position instead.
+    plain = retime.draw(received, [], "c", 16)
+    assert plain.drawn == "stratified by position" and plain.whole_flops_ratio is None
+    # the middle of each of 16 strata of 12.5 documents: across the task, not its first sixteen
+    assert plain.documents == [int((i + 0.5) * 12.5) for i in range(16)]
+    assert retime.task_work(received, "absent", 16) == []
     assert retime.sample_size(1, 600) == retime.sample_size(16, 600) == 16 and retime.sample_size(64, 600) == 64
     assert retime.sample_size(16, 24) == 3 and retime.sample_size(16, 8) == 1 and retime.sample_size(16, 7) == 0
+
+
+def test_a_task_too_small_to_retime_says_so():
+    sample = retime.draw({"generate_until": docs("t", 7)}, evaluated("t", [0.5] * 7), "t", 16, FULL)
+    assert sample.work == [] and sample.of == 7
+    assert retime.too_small("t", 7) == ("t: 7 documents are too few to retime (at least 8: the repeats time an "
+                                        "eighth of a task); its cells have no speed-up")
+
+
+def test_timed_documents_off_the_task_correct_the_ratio_by_flops():
+    """Where the timed documents' FLOP ratio strays more than a tenth from the task's, the time ratio is
+    carried to the task at the same overhead; within it, the measured ratio stands."""
+    assert retime.representative(0.5, 0.52, 0.4) == {"representative": True, "corrected_ratio": None}
+    off = retime.representative(0.3, 0.6, 0.4)
+    assert off["representative"] is False and off["corrected_ratio"] == pytest.approx(0.8)
+    assert retime.representative(None, 0.6, 0.4) == {"representative": None, "corrected_ratio": None}
 
 
 def test_a_cell_says_why_its_timing_is_unreliable():
@@ -83,11 +157,74 @@ def test_a_cell_says_why_its_timing_is_unreliable():
     assert retime.warnings({"run": {}, "wall_clock": {}}) == []  # a cell timed once, before repeats existed
 
 
-def test_the_run_table_shows_the_paired_ratio_and_marks_an_unreliable_one():
-    """As a speed-up (full depth's time ÷ the cell's: a ratio of 0.4 is 2.50×), the convention of every table."""
-    from exitbench.analysis.tables import _paired_speedup
+def test_the_run_table_shows_the_paired_speedup_and_marks_an_unreliable_one():
+    """As a speed-up (full depth's time ÷ the cell's: a ratio of 0.4 is 2.50×) with its repeats' range, the
+    convention of every table; red and marked where a warning says not to trust it."""
+    from exitbench.analysis.speedup import NONE, SpeedUp
+    from exitbench.analysis.tables import _speedup_cell
 
-    assert _paired_speedup({"time_ratio": None}) == "-"  # timed once
-    assert _paired_speedup({"time_ratio": 0.4, "time_spread": 0.1, "warnings": []}) == "2.50× ±5%"
-    marked = _paired_speedup({"time_ratio": 0.4, "time_spread": 0.8, "warnings": ["spread"]})
-    assert marked == "[red]2.50× ±40% ![/red]"
+    assert _speedup_cell({"speedup": NONE}) == "-"  # timed once, no full depth to divide by
+    assert _speedup_cell({"speedup": SpeedUp(2.5, "paired", 2.4, 2.6, 8.0), "warnings": []}) == "2.50× (2.40–2.60)"
+    marked = _speedup_cell({"speedup": SpeedUp(2.5, "paired", 1.5, 4.0, 8.0), "warnings": ["spread"]})
+    assert marked == "[red]2.50× (1.50–4.00) ![/red]"
+
+
+def reordered_chains(root):
+    """tasks/chains under another name, 6 one-hop programs first and 42 twelve-hop ones after them: the easy
+    end of a task first, as a task ordered by difficulty has it (built here, never shipped)."""
+    import json
+    import shutil
+
+    from helpers.paths import TASKS_DIR
+
+    rows = [json.loads(line) for line in (TASKS_DIR / "chains" / "test.jsonl").read_text().splitlines()]
+    easy, hard = [r for r in rows if r["hop"] == 1][:6], [r for r in rows if r["hop"] == 12][:42]
+    task = root / "chains_reordered"
+    task.mkdir(parents=True)
+    (task / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in easy + hard))
+    shutil.copy(TASKS_DIR / "chains" / "utils.py", task)
+    spec = (TASKS_DIR / "chains" / "chains.yaml").read_text()
+    (task / "chains_reordered.yaml").write_text(spec.replace("task: chains\n", "task: chains_reordered\n")
+                                                .replace("exitbench_chains", "exitbench_chains_reordered"))
+    return task
+
+
+def test_on_a_task_ordered_easy_first_the_timed_flops_are_the_cells(tmp_path):
+    """The issue's reproduction, run: tiny-raven on the reordered task, confidence and kl at τ 0.5 and 0.01 and
+    the oracle beside full depth. Every exit cell's timed documents have the FLOP ratio to full depth of the
+    whole cell (`flops.per_token` over full depth's) within 10% (timing the first eighth, it was 10-67% off),
+    and the cell records which documents were timed."""
+    from exitbench.sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig(tasks=["chains_reordered"], policies=["confidence", "kl", "oracle"], thresholds=[0.5, 0.01],
+                      baselines=[16], limit=48, timing_repeats=1, quiet=True, out=tmp_path / "out",
+                      include_path=[reordered_chains(tmp_path / "tasks")])
+    made = run_sweep(cfg).cells
+    full = next(c for c in made if c["policy"]["policy"] == "fixed")
+    exits = [c for c in made if c["policy"]["policy"] != "fixed"]
+    assert len(exits) >= 3
+    for cell in exits:
+        rep = cell["wall_clock"]["repeats"]
+        whole = cell["flops"]["per_token"] / full["flops"]["per_token"]
+        assert abs(rep["flops_ratio"] / whole - 1) <= 0.10, (cell["policy"]["policy"], rep["flops_ratio"], whole)
+        assert rep["whole_flops_ratio"] == pytest.approx(whole, rel=1e-6)  # generation stops at the same tokens
+        assert len(rep["documents"]) == 6 and rep["of_documents"] == 48 and rep["documents"] != list(range(6))
+        assert rep["representative"] is True and rep["corrected_ratio"] is None
+
+
+def test_a_sweep_of_a_task_too_small_to_retime_says_so_once_and_keeps_its_cells(tmp_path):
+    """Four documents: nothing to draw an eighth from. The run says so in one line, and the cells are written,
+    without a speed-up, saying why."""
+    from helpers.cells import load_cells
+    from helpers.cli import explain, run_cli
+    from helpers.sweeps import SMALL
+
+    res, _ = run_cli(*SMALL, "--out", str(tmp_path / "out"))
+    assert res.exit_code == 0, explain(res)
+    said = [line for line in res.output.splitlines() if "too few to retime" in line]
+    assert said == ["note: chains_lambada: 4 documents are too few to retime (at least 8: the repeats time an eighth "
+                    "of a task); its cells have no speed-up"]
+    made = load_cells(tmp_path / "out")
+    assert len(made) == 2
+    for cell in made.values():
+        assert "repeats" not in cell["wall_clock"] and "too few to retime" in cell["wall_clock"]["untimed"]

@@ -2,23 +2,35 @@
 
 A cell's ms/token is one pass over its documents, and the full-depth cell it is divided by ran minutes before
 or after it: whatever else the machine did in between lands in the ratio unseen. So after a cell's evaluation
-the first requests of each of its tasks run again `repeats` times, under the cell's exit config and under full
-depth alternately (the cell first on even repeats, full depth first on odd ones, so a machine slowing down
-or speeding up over the repeats weighs on both sides alike). Each repeat gives one paired ratio of per-token
-times; their median is the cell's time ratio to full depth, and their range says how far to trust it.
+some of each task's documents run again `repeats` times, under the cell's exit config and under full depth
+alternately (the cell first on even repeats, full depth first on odd ones, so a machine slowing down or speeding
+up over the repeats weighs on both sides alike). Each repeat gives one paired ratio of per-token times; their
+median is the cell's time ratio to full depth, and their range says how far to trust it.
+
+Which documents: a stratified draw over the whole task, never its first ones. Tasks are often ordered (the
+shipped chains tasks by the hops an answer needs, easiest first), so the first eighth of a task is where a rule
+exits earliest, and a speed-up timed there is the easy end's. The evaluation has just counted every document's
+FLOPs under the cell's rule, so the documents are ranked by that cost (per token, relative to full depth's) and
+one is drawn from each of `sample_size` equal strata of the ranking: a draw whose cost spans the task's whatever
+the order of its documents. Of the few ways to take one per stratum, the one whose FLOP ratio to full depth is
+nearest the whole task's is taken. The cell records which documents were timed.
 
 The per-token time is the one a cell reports (the scored tokens' own loops, `cells.request_stats`), and the
 requests are lm-eval's own, as the evaluation received them, so a repeat runs exactly what was scored.
 
 The same passes count their FLOPs (the engine's cost model), so the repeats also give the cell's FLOP ratio to
-full depth on the very requests timed, and with it the cell's overhead: time ratio ÷ FLOP ratio, how much more
-the cell's time costs than its arithmetic says (1 when a rule runs as fast as its FLOPs allow).
+full depth on the very requests timed (`flops_ratio`), and with it the cell's overhead: time ratio ÷ FLOP ratio,
+how much more the cell's time costs than its arithmetic says (1 when a rule runs as fast as its FLOPs allow).
+Where the timed documents' FLOP ratio still strays more than MAX_SAMPLE_OFF from the whole task's (a task of a
+few dozen documents has strata too coarse to match it), the time ratio is carried over to the whole task at the
+same overhead (`corrected_ratio`), and the tables say so.
 """
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 DEFAULT_REPEATS = 3
 # The most --timing-repeats a sweep takes: the noise floor does not narrow with more (bench/timing_noise.py), and
@@ -29,29 +41,110 @@ MAX_REPEATS = 20
 # config paired with itself spans 0.2 to 0.7 of its median (bench/timing_noise.py, bench/RESULTS.md), so some
 # cells are flagged even there; a machine another job competes with spans far more.
 UNRELIABLE_SPREAD = 0.5
-MIN_REQUESTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
-# At most this share of a task's requests is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
-# own evaluation where a task has few requests (a perplexity task's request is a whole document); a task of
-# fewer than 1 / MAX_SHARE requests is not retimed at all.
+MIN_DOCUMENTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
+# At most this share of a task's documents is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
+# own evaluation where a task has few documents (a perplexity task's document is a whole text); a task of fewer
+# than 1 / MAX_SHARE documents is not retimed at all.
 MAX_SHARE = 1 / 8
+# How far the timed documents' FLOP ratio to full depth may stray from the whole task's before their time ratio
+# no longer stands for the task's: beyond it the ratio is corrected by the FLOP ratios (`corrected_ratio`). A
+# tenth: a rule's time follows its FLOPs at most one to one, so the speed-up is then off by at most a tenth too.
+MAX_SAMPLE_OFF = 0.10
 
 
 def sample_size(batch_size: int, available: int) -> int:
-    """Requests per task retimed out of `available`: one full batch and at least MIN_REQUESTS, but no more
+    """Documents per task retimed out of `available`: one full batch and at least MIN_DOCUMENTS, but no more
     than MAX_SHARE of them (none, for a task that small)."""
-    return min(max(batch_size, MIN_REQUESTS), math.floor(MAX_SHARE * available))
+    return min(max(batch_size, MIN_DOCUMENTS), math.floor(MAX_SHARE * available))
+
+
+def too_small(task: str, documents: int) -> str:
+    """Why a task's cells carry no speed-up: too few documents to time an eighth of them."""
+    return (f"{task}: {documents} documents are too few to retime (at least {math.ceil(1 / MAX_SHARE)}: the "
+            f"repeats time an eighth of a task); its cells have no speed-up")
+
+
+# FLOPs of `tokens` tokens whose contexts sum to `context_sum`, at full depth (`full_depth_flops`).
+FullFlops = Callable[[int, int], float]
+
+
+def full_depth_flops(lm: Any) -> FullFlops:
+    """What tokens cost at `lm`'s own depth with no probe (lm: a full-depth ExitbenchLM): the engine's cost
+    model is a + b · context per token, so the tokens of a request need only their count and context sum."""
+    flops = lm.engine.flops
+    steps = [p.max_steps for p in lm.engine.policies]
+    a = flops.token(0, steps, [0] * len(steps))["total"]
+    b = flops.token(1, steps, [0] * len(steps))["total"] - a
+    return lambda tokens, context_sum: tokens * a + b * context_sum
+
+
+@dataclass
+class Sample:
+    """The documents of one task drawn for retiming, and what the evaluation says about them."""
+    work: list[tuple[str, list]]       # (request method, requests) of the drawn documents, in lm-eval's order
+    documents: list[Any]               # their doc ids, in the task's order
+    of: int                            # the task's documents
+    whole_flops_ratio: float | None    # every document's FLOPs over full depth's, from the evaluation's counts
+    expected_flops_ratio: float | None  # the same over the drawn documents
+    drawn: str = "stratified by cost"  # how: by each document's FLOP ratio, or by position where none is known
+
+    def record(self) -> dict[str, Any]:
+        return {"documents": self.documents, "of_documents": self.of, "drawn": self.drawn,
+                "whole_flops_ratio": self.whole_flops_ratio, "expected_flops_ratio": self.expected_flops_ratio}
+
+
+def draw(received: dict[str, list], stats: list[dict[str, Any]], task: str, batch_size: int,
+         full_flops: FullFlops | None = None) -> Sample:
+    """The documents of `task` to retime (`sample_size` of them, one per stratum of the cost ranking; none for
+    a task too small), from the requests the model received and the evaluation's per-request `stats`.
+    `full_flops` prices a document at full depth; without it (or without FLOP counts) the strata are positions."""
+    order: dict[Any, int] = {}
+    for requests in received.values():
+        for r in requests:
+            if r.task_name == task:
+                order.setdefault(r.doc_id, len(order))
+    cost: dict[Any, list[float]] = {doc: [0.0, 0.0] for doc in order}
+    priced = full_flops is not None
+    for s in stats:
+        if s["task_name"] != task or s["doc_id"] not in cost:
+            continue
+        if s.get("flops") is None or "context_sum" not in s:
+            priced = False
+            continue
+        cost[s["doc_id"]][0] += s["flops"]
+        cost[s["doc_id"]][1] += full_flops(len(s["iterations"]), s["context_sum"]) if full_flops else 0.0
+    docs = list(order)
+    m = sample_size(batch_size, len(docs))
+    if m < 1:
+        return Sample([], [], len(docs), None, None)
+
+    def ratio(chosen) -> float | None:
+        cell, full = sum(cost[d][0] for d in chosen), sum(cost[d][1] for d in chosen)
+        return cell / full if priced and full > 0 else None
+
+    whole = ratio(docs)
+    ranked = sorted(docs, key=lambda d: (cost[d][0] / cost[d][1] if cost[d][1] else 0.0, order[d]))         if whole is not None else docs
+    stride = len(docs) / m
+    ways = max(1, math.ceil(stride))  # offsets within a stratum; the middle one first, so ties keep the middle
+    offsets = sorted(range(ways), key=lambda j: abs(j - (ways - 1) / 2))
+    candidates = [[ranked[min(len(ranked) - 1, math.floor((i + (j + 0.5) / ways) * stride))] for i in range(m)]
+                  for j in offsets]
+    if whole is not None:
+        candidates.sort(key=lambda c: abs(ratio(c) / whole - 1))  # stable: the middle offset wins ties
+    chosen = set(candidates[0])
+    work = []
+    for kind, requests in received.items():
+        mine = [r for r in requests if r.task_name == task and r.doc_id in chosen]
+        if mine:
+            work.append((kind, mine))
+    return Sample(work, sorted(chosen, key=order.get), len(docs), whole, ratio(candidates[0]),
+                  "stratified by cost" if whole is not None else "stratified by position")
 
 
 def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tuple[str, list]]:
-    """The first requests of `task` of each request type the model received (`sample_size` of them), as
-    (method, requests)."""
-    work = []
-    for kind, requests in received.items():
-        mine = [r for r in requests if r.task_name == task]
-        n = sample_size(batch_size, len(mine))
-        if n:
-            work.append((kind, mine[:n]))
-    return work
+    """The requests of `task` to retime where no FLOP count is at hand: documents drawn evenly across the task
+    by position (`draw` without costs)."""
+    return draw(received, [], task, batch_size).work
 
 
 def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
@@ -78,10 +171,11 @@ def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, flo
     return sum(s["token_seconds"] for s in stats) / tokens, flops
 
 
-def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int
-           ) -> dict[str, Any] | None:
+def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int,
+           sample: Sample | None = None) -> dict[str, Any] | None:
     """`repeats` paired timings of `work` under `lm` and `full_lm` (full depth, `full_depth` steps), in
-    alternating order. None when there is nothing to time (no request, or none scored a token)."""
+    alternating order; with the `sample` the work was drawn as, which documents they were and whether their FLOP
+    ratio stands for the task's. None when there is nothing to time (no request, or none scored a token)."""
     if repeats < 1 or not work:
         return None
     cell_s: list[float | None] = []
@@ -99,10 +193,23 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
     # FLOPs do not vary between repeats: the last pass's count is every pass's.
     cell_f, full_f = flops[id(cell_s)], flops[id(full_s)]
     flops_ratio = cell_f / full_f if cell_f and full_f else None
-    return {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
-            "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
-            "spread": (max(ratios) - min(ratios)) / median, "flops_ratio": flops_ratio,
-            "overhead": median / flops_ratio if flops_ratio else None}
+    out = {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
+           "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
+           "spread": (max(ratios) - min(ratios)) / median, "flops_ratio": flops_ratio,
+           "overhead": median / flops_ratio if flops_ratio else None}
+    if sample is not None:
+        out.update(sample.record())
+        out.update(representative(flops_ratio, sample.whole_flops_ratio, median))
+    return out
+
+
+def representative(timed: float | None, whole: float | None, ratio: float) -> dict[str, Any]:
+    """Whether the timed documents' FLOP ratio `timed` stands for the whole task's (`whole`), within
+    MAX_SAMPLE_OFF; where it does not, the time ratio carried to the whole task at the same overhead."""
+    if not (timed and whole):
+        return {"representative": None, "corrected_ratio": None}
+    fits = abs(timed / whole - 1) <= MAX_SAMPLE_OFF
+    return {"representative": fits, "corrected_ratio": None if fits else ratio * whole / timed}
 
 
 def wide_spread(cell: dict[str, Any]) -> bool:

@@ -17,9 +17,12 @@ Schema `exitbench.cell` version 2 (documented in the README):
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
                {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread,
-               flops_ratio, overhead}: the cell's first requests timed again beside full depth
-               (harness/retime.py; absent when not); overhead: the repeats' time ratio ÷ their FLOP ratio
-               (absent when not retimed, and in cells written before it);
+               flops_ratio, overhead, documents, of_documents, drawn, whole_flops_ratio,
+               expected_flops_ratio, representative, corrected_ratio}: documents drawn across the task timed
+               again beside full depth (harness/retime.py; absent when not; cells written before the draw have
+               no `documents` and timed the task's first requests); untimed: why a task was not retimed (too
+               few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent when not retimed,
+               and in cells written before it);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;
@@ -161,6 +164,8 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
     core_probe = phase["core"] + phase["probe"]
     return {
         "tokens": len(records),
+        # each token's context length summed: what its cost at any other depth follows (FlopModel's a + b · context)
+        "context_sum": sum(r.position + 1 for r in records),
         "exit_steps": [r.exit_steps for r in records],
         "iterations": iterations,
         "mean_iterations": sum(iterations) / len(iterations) if iterations else 0.0,

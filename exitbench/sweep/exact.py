@@ -29,8 +29,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                model: dict, keys: list[dict], run_id: str, on_requests: Callable[[int, int], None] | None = None,
                stats_out: list[dict] | None = None, full: ExitConfig | None = None) -> list[tuple[dict, list | None]]:
     """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0
-    (and, into `stats_out`, each request's exits and costs). With `full`, the sweep's full-depth config, each
-    task's first requests are then timed again `cfg.timing_repeats` times beside it (harness/retime.py)."""
+    (and, into `stats_out`, each request's exits and costs). With `full`, the sweep's full-depth config, some
+    of each task's documents are then timed again `cfg.timing_repeats` times beside it (harness/retime.py)."""
     import lm_eval
 
     from ..harness.model import ExitbenchLM
@@ -76,7 +76,9 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                       list(unique.values()), started, cfg.log_samples, elapsed)
     for cell, _ in made:
         rep = timings.get(cell["task"]["name"])
-        if rep:
+        if isinstance(rep, str):  # why the task was not retimed
+            cell["wall_clock"]["untimed"] = rep
+        elif rep:
             cell["wall_clock"]["repeats"] = rep
             # Known now only from the repeats; a cell timed once gets its overhead at read time, against its
             # sweep's full-depth cell (analysis/frontier.py `overhead`).
@@ -94,16 +96,22 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
 
 
 def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: SweepConfig
-            ) -> dict[str, dict[str, Any] | None]:
-    """Per task, the paired repeated timings of the cell's model `lm` against full depth (None for a task
-    with nothing to time). Under torchrun they are skipped: each rank holds only its share of the requests."""
+            ) -> dict[str, dict[str, Any] | str | None]:
+    """Per task, the paired repeated timings of the cell's model `lm` against full depth on documents drawn
+    across the task (harness/retime.py): None for a task with nothing to time, and a line saying why for a task
+    too small to retime. Under torchrun they are skipped: each rank holds only its share of the requests."""
     from ..harness.model import ExitbenchLM
 
     if cfg.timing_repeats < 1:
         return {}
     full_lm = ExitbenchLM(ck, exit_config=full, batch_size=cfg.batch_size, add_bos_token=cfg.add_bos_token)
-    return {name: retime.retime(lm, full_lm, retime.task_work(lm.received, name, cfg.batch_size),
-                                cfg.timing_repeats, int(full.threshold)) for name in names}
+    priced = retime.full_depth_flops(full_lm)
+    out: dict[str, dict[str, Any] | str | None] = {}
+    for name in names:
+        sample = retime.draw(lm.received, lm.request_stats, name, cfg.batch_size, priced)
+        out[name] = (retime.retime(lm, full_lm, sample.work, cfg.timing_repeats, int(full.threshold), sample)
+                     if sample.work else retime.too_small(name, sample.of))
+    return out
 
 
 def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
