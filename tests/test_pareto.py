@@ -81,10 +81,11 @@ def test_cli_formats_and_plot(tmp_path):
     assert "## Matched quality" in res.stdout and "| group" in res.stdout
     res = CliRunner().invoke(app, ["pareto", str(d), "--format", "csv"])
     header, *rows = res.stdout.split("\n\n")[0].splitlines()
-    assert header == "group,axis,policy,threshold,quality,cost,mode"
+    # (wall-clock rows add their speed-up's fields after these: blank on the other axes)
+    assert header.startswith("group,axis,policy,threshold,quality,cost,mode,speedup,")
     # Every cost axis is named in its rows (not overwritten by the cost value), and costs are numbers.
     assert {r.split(",")[1] for r in rows} == {"iterations", "wall_clock", "flops"}
-    assert all(float(r.split(",")[-2]) > 0 and r.endswith(",exact") for r in rows)
+    assert all(float(r.split(",")[5]) > 0 and r.split(",")[6] == "exact" for r in rows)
     fig = plot.plot(ACC + PPL, tmp_path / "p.png")
     axes = fig.axes
     assert len(axes) == 2 and (tmp_path / "p.png").stat().st_size > 0
@@ -203,12 +204,41 @@ def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(
     # The two evaluations divided say 1.25×, the repeats beside full depth 0.4×: the machine changed speed
     # between the cells.
     paired(kl, [2.4, 2.5, 2.6])
-    drift = notes.drift_note(frontier.report(cell_list))
+    drift = notes.drift_note(frontier.report(cell_list), cell_list)
     assert drift.startswith("1 speed-ups disagree") and "1.25× from the evaluations, 0.40× repeated" in drift
+    assert "the machine's speed changed between the two evaluations" in drift
     write_cells(tmp_path / "c", cell_list)
     res = CliRunner().invoke(app, ["pareto", str(tmp_path / "c")])
-    # The table shows the paired speed-up with its own spread (as run does), the warning both numbers.
-    assert res.exit_code == 0 and "0.40× ±4%" in res.output and "speed-ups disagree" in res.output
+    # The table shows the paired speed-up with its repeats' range (as run does), the warning both numbers.
+    assert res.exit_code == 0 and "0.40× (0.38–0.42)" in res.output and "speed-ups disagree" in res.output
+
+
+def test_a_disagreement_names_its_cause():
+    """The warning blames what the cell's record shows first: repeats on the task's first requests only (an
+    unrepresentative sample), a busy machine, repeats spread wide; only then the machine's speed between the
+    evaluations."""
+    import copy
+
+    cell_list = copy.deepcopy(ACC)
+    kl = cell_list[2]
+
+    def cause():
+        return notes.drift_note(frontier.report(cell_list), cell_list).split("): ", 1)[1]
+
+    paired(kl, [2.4, 2.5, 2.6], drawn=False)
+    assert cause().startswith("the repeats timed the task's first requests only") and "unrepresentative" in cause()
+    assert notes.sample_note(cell_list).startswith("1 of 7 cells were retimed on their task's first requests")
+    paired(kl, [2.4, 2.5, 2.6], corrected=2.0)
+    assert cause().startswith("the timed documents' FLOP ratio strays from the task's")
+    assert "carried to the whole task at the same overhead (marked ᶜ)" in notes.corrected_note(cell_list)
+    paired(kl, [2.4, 2.5, 2.6])
+    kl["run"]["load"] = {"start": 9.0, "end": 9.0, "cpus": 2}
+    assert cause().startswith("the cell was timed on a busy machine")
+    kl["run"]["load"] = {"start": 0.1, "end": 0.1, "cpus": 2}
+    paired(kl, [1.0, 2.5, 2.6])
+    assert cause().startswith("the repeats spread widely")
+    paired(kl, [2.4, 2.5, 2.6])
+    assert cause().startswith("the machine's speed changed")
 
 
 def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep):

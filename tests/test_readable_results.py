@@ -47,17 +47,17 @@ def test_run_table_names_metrics_and_depths_and_keeps_policy_names_whole():
 
 
 def test_one_speed_up_convention_in_run_and_pareto():
-    """The same retimed cell reads the same speed-up (full depth's time ÷ the cell's, ×, ± half its repeats'
-    range) in `run`'s table, `pareto`'s matched-quality table and the report; its evaluations' own ratio stays
-    in the JSON beside it."""
+    """The same retimed cell reads the same speed-up (full depth's time ÷ the cell's, ×, with its repeats' range
+    as speed-ups) in `run`'s table, `pareto`'s matched-quality table and the report; its evaluations' own ratio
+    stays in the JSON beside it."""
     cell_list = copy.deepcopy(ACC)
     kl = next(c for c in cell_list if c["policy"]["policy"] == "kl" and c["policy"]["threshold"] == 1e-3)
-    paired(kl, [0.45, 0.5, 0.55])  # 2.00× with a spread of 0.2 → ±10%
+    paired(kl, [0.45, 0.5, 0.55])  # 2.00×, its repeats 1.82× to 2.22×
     run_text = rendered([tables.summary_table(summary_rows(cell_list), "cells")])
     rep = frontier.report(cell_list)
     pareto_text = rendered(tables.pareto_tables(rep, "matched"))
-    assert re.search(r"│ kl +│ +0\.001 │.*2\.00× ±10%", run_text), run_text
-    assert re.search(r"│ kl +│ +0\.001 │.*2\.00× ±10%", pareto_text)
+    assert re.search(r"│ kl +│ +0\.001 │.*2\.00× \(1\.82–2\.22\)", run_text), run_text
+    assert re.search(r"│ kl +│ +0\.001 │.*2\.00× \(1\.82–2\.22\)", pareto_text)
     row = next(r for r in rep["t · acc"]["matched_quality"] if r["policy"] == "kl")
     assert row["speedup"] == 2.0 and row["evaluation_speedup"] == 1.0 / 0.8
     assert "time / full" not in run_text
@@ -72,7 +72,7 @@ def test_report_states_direction_and_spread_in_words(tmp_path):
     matched = page[page.index('id="matched"'):page.index('id="histograms"')]
     assert "(higher is better)" in matched and "higher is better: True" not in page
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
-    assert "±10%" in re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)
+    assert "1.82–2.22×" in re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)
     assert '<td class="num">r = 16</td>' in matched
 
 

@@ -42,22 +42,24 @@ def test_matched_table_is_sorted_by_iterations(tmp_path):
     assert policies == ["oracle", "kl", "second_order", "fixed"]
 
 
-def test_spread_column_only_when_some_cell_was_retimed(tmp_path):
+def test_range_column_only_when_some_cell_was_retimed(tmp_path):
     import copy
 
     cells = copy.deepcopy(ACC)
     write_cells(tmp_path / "plain", cells)
-    assert "spread of repeats</th>" not in report.build(tmp_path / "plain")
+    assert "range of repeats</th>" not in report.build(tmp_path / "plain")
     kl = next(c for c in cells if c["policy"]["policy"] == "kl" and c["policy"]["threshold"] == 1e-3)
-    paired(kl, [0.76, 0.8, 0.84])  # a spread of 0.1
+    paired(kl, [0.76, 0.8, 0.84])
     write_cells(tmp_path / "retimed", cells)
     page = report.build(tmp_path / "retimed")
     matched = page[page.index('id="matched"'):page.index('id="histograms"')]
-    assert "spread of repeats</th>" in matched
-    # The spread lands in its own column of kl's row (0.1, as ± half of it, as `pareto` says it), the other rows
-    # leave it blank.
+    assert "range of repeats</th>" in matched
+    # The range lands in its own column of kl's row (as speed-ups, as `pareto` says it) beside what it was timed
+    # by; the other rows leave it blank and say theirs (the cells' own evaluations).
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
-    assert re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)[4] == "±5%"
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)[3:6] == ["1.25×", "1.19–1.32×", "paired"]
+    oracle_row = re.search(r"<tr><td>oracle</td>(.*?)</tr>", matched).group(1)
+    assert re.findall(r"<td[^>]*>([^<]*)</td>", oracle_row)[4:6] == ["", "evaluations"]
 
 
 def test_exit_maps_put_disagreement_first(tmp_path):

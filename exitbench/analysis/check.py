@@ -86,7 +86,7 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
 def _paired_ratio(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
     """The cell's time ratio from its repeats paired with `full`'s depth (harness/retime.py), if it has them."""
     rep = paired_timing(cell, full["policy"]["threshold"])
-    return rep["ratio"] if rep else None
+    return (rep.get("corrected_ratio") or rep["ratio"]) if rep else None
 
 
 def relative_times(base: dict[str, Any], base_full: dict[str, Any], cell: dict[str, Any], run_full: dict[str, Any]

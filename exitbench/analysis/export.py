@@ -12,8 +12,10 @@ from ..store import cells
 COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
            "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
            "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
-           "ms_per_token", "time_ratio", "time_spread", "timing_repeats", "overhead", "overhead_timing",
-           "timing_warnings", "probe_share",
+           "ms_per_token", "wall_clock_estimated", "wall_clock_basis", "time_ratio", "time_spread", "timing_repeats",
+           "speedup", "speedup_low", "speedup_high", "speedup_basis", "iteration_bound", "speedup_flag",
+           "timed_documents", "of_documents", "sample_flops_ratio", "whole_flops_ratio", "overhead",
+           "overhead_timing", "timing_warnings", "probe_share",
            "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
            "git_revision",
            "started", "preset", "file"]
@@ -22,10 +24,13 @@ COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "
 def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) -> dict[str, Any]:
     """The cell's columns; `full`, its full-depth cell (`frontier.references`), gives its overhead."""
     from .frontier import overhead_fields
+    from .speedup import clock_basis, estimate
 
     policy, wall = cell["policy"], cell.get("wall_clock", {})
     per_token = wall.get("per_token_s")
     repeats = wall.get("repeats") or {}
+    # (after the speed-up's own fields: `timing_repeats` is the repeats', present whatever the basis)
+    speed = {k: v for k, v in estimate(cell, full).to_dict().items() if k != "timing_repeats"}
     return {
         "cell_id": cell["cell_id"], "mode": cell.get("mode", "exact"),
         "model": cell["model"].get("source") or cell["model"].get("path"), "fingerprint": cell["model"]["fingerprint"],
@@ -38,8 +43,12 @@ def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) ->
         "max_steps": policy.get("max_steps"), "patience": policy.get("patience"), "relative": policy.get("relative"),
         "kv_window": policy.get("kv_window"), "mean_iterations": cell["iterations"].get("mean"),
         "p90_iterations": cell["iterations"].get("p90"),
-        "ms_per_token": None if per_token is None else 1000 * per_token, "time_ratio": repeats.get("ratio"),
-        "time_spread": repeats.get("spread"), "timing_repeats": repeats.get("repeats"),
+        "ms_per_token": None if per_token is None else 1000 * per_token,
+        # a replay cell's time is priced by its cost model, not timed: said in every row that carries it
+        "wall_clock_estimated": bool(wall.get("estimated")), "wall_clock_basis": clock_basis(cell) or "timed",
+        "time_ratio": repeats.get("ratio"), "time_spread": repeats.get("spread"),
+        "timing_repeats": repeats.get("repeats"), **speed,
+        "sample_flops_ratio": repeats.get("flops_ratio"), "whole_flops_ratio": repeats.get("whole_flops_ratio"),
         **overhead_fields(cell, full),
         "timing_warnings": "; ".join(wall.get("warnings", [])) or None, "probe_share": wall.get("probe_share"),
         "flops_per_token": cell.get("flops", {}).get("per_token"),

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 from .labels import metric_name
+from .speedup import estimate
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
          "flops": ("flops", "per_token")}
@@ -28,6 +29,11 @@ TOLERANCES = (0.0, 0.005, 0.01, 0.02)
 @dataclass
 class Point:
     cell: dict[str, Any]
+    # Seconds per token on the wall-clock axis: full depth's, divided by the cell's speed-up where the cell was
+    # retimed beside it (one run, alternately: robust to the machine changing speed between cells), else its own
+    # evaluation's; None for a speed-up above its iteration bound, which is no result (`price_wall_clock`).
+    wall: float | None = None
+    speed: Any = None  # the cell's speed-up estimate (analysis/speedup.py), once its group's reference is known
 
     @property
     def policy(self) -> str:
@@ -50,6 +56,8 @@ class Point:
         return cells.mode(self.cell)
 
     def cost(self, axis: str) -> float | None:
+        if axis == "wall_clock" and self.speed is not None:
+            return self.wall
         section, key = COSTS[axis]
         return self.cell[section][key]
 
@@ -84,7 +92,28 @@ def groups(cell_list: list[dict[str, Any]], fields=SETUP) -> dict[Group, list[Po
         if c["quality"]["value"] is None:
             continue
         out.setdefault((c["task"]["name"], c["quality"]["metric"], setup(c, fields)), []).append(Point(c))
+    for points in out.values():
+        price_wall_clock(points)
     return out
+
+
+def price_wall_clock(points: list[Point]) -> None:
+    """Each point's speed-up over its group's full-depth cell and its place on the wall-clock axis (`Point.wall`);
+    nothing where the group has no full-depth cell."""
+    try:
+        ref = full_depth(points)
+    except ExitbenchError:
+        return
+    ref_time = ref.cell["wall_clock"].get("per_token_s")
+    for p in points:
+        p.speed = estimate(p.cell, ref.cell)
+        own = p.cell["wall_clock"].get("per_token_s")
+        if p.speed.flagged:
+            p.wall = None
+        elif p.speed.basis in ("paired", "corrected", "first requests", "reference") and ref_time:
+            p.wall = ref_time / p.speed.value
+        else:
+            p.wall = own
 
 
 def group_names(keys, said: bool = False) -> dict[Group, str]:
@@ -180,17 +209,18 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 by_policy.setdefault(p.policy, []).append(p)
         for name, candidates in sorted(by_policy.items()):
             best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
-            ref_time, time = ref.cost("wall_clock"), best.cost("wall_clock")
+            ref_time, time = ref.cell["wall_clock"]["per_token_s"], best.cell["wall_clock"]["per_token_s"]
             paired = paired_timing(best.cell, ref.threshold)
             evaluated = ref_time / time if ref_time and time else None
+            speed = estimate(best.cell, ref.cell)
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
-                "mode": best.mode,
+                "mode": best.mode, "cell_id": best.cell["cell_id"],
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
-                # The speed-up shown (full depth's time ÷ the cell's): where the cell was retimed beside this
-                # full depth (harness/retime.py), its paired repeats', the same number `run` shows, with their
-                # spread; else its evaluation's over full depth's.
-                "speedup": 1 / paired["ratio"] if paired else evaluated,
+                # The speed-up shown (full depth's time ÷ the cell's), as `run` shows it: its paired repeats'
+                # where the cell was retimed beside this full depth (harness/retime.py), with their range, its
+                # basis and its iteration bound (analysis/speedup.py); else its evaluation's over full depth's.
+                **speed.to_dict(),
                 "evaluation_speedup": evaluated,
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,
@@ -272,7 +302,9 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
         entry = {"title": titles[key], "higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
                  "matched_quality": matched_quality(points)}
         as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
-                                      "cost": p.cost(axis), "mode": p.mode} for p in pts]
+                                      "cost": p.cost(axis), "mode": p.mode,
+                                      **(p.speed.to_dict() if axis == "wall_clock" and p.speed else {})}
+                                     for p in pts]
         by_policy: dict[str, list[Point]] = {}
         for p in points:
             by_policy.setdefault(p.policy, []).append(p)

@@ -55,19 +55,6 @@ def point_label(policy: str, threshold: Any) -> str:
     return f"r = {threshold:g}" if policy.startswith("fixed") else config_label(policy, threshold)
 
 
-def speedup(speedup: float | None, spread: float | None = None) -> str:
-    """A speed-up over full depth (full depth's time ÷ the cell's), with ± half its paired repeats' range:
-    the one way every table states it."""
-    if speedup is None:
-        return "-"
-    return f"{speedup:.2f}×" + (f" {spread_percent(spread)}" if spread is not None else "")
-
-
-def spread_percent(spread: float) -> str:
-    """Repeats' spread (range over median) as ± half of it, in percent."""
-    return f"±{100 * spread / 2:.0f}%"
-
-
 def overhead(value: float | None, timing: str | None = None) -> str:
     """A cell's overhead (its time ratio to full depth ÷ its FLOP ratio) as `1.07×`, marked `1.07×*` where it
     comes from two cells' own timings (`plain`) rather than repeats paired in one run."""

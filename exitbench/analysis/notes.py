@@ -15,9 +15,10 @@ from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, report, split_setups
 from .labels import config_label
 
-# How far a speed-up from two evaluations may stray from its paired repeats' before it says more about the
-# machine than the exit: the repeats time a cell's first requests, whose exits differ from the whole set's,
-# and on an idle machine the two agree within DRIFT on every embedded model's cells (bench/RESULTS.md).
+# How far a speed-up from two evaluations may stray from its paired repeats' before the two say different things:
+# the repeats time both sides within seconds of each other on documents drawn across the task, the evaluations
+# minutes apart, and on an idle machine the two agree within DRIFT on every embedded model's cells
+# (bench/RESULTS.md).
 DRIFT = 2.0
 
 
@@ -47,9 +48,10 @@ def notes(cell_list: list[dict[str, Any]], rep: dict[str, Any] | None = None,
     return found
 
 
-def timing_notes(cell_list: list[dict[str, Any]]) -> list[str]:
-    """Every warning on how far the cells' wall-clock can be trusted (the machine's load, the repeats' spread)."""
-    return [note.text for note in notes(cell_list, topics=TIMING)]
+def timing_notes(cell_list: list[dict[str, Any]]) -> list[Note]:
+    """Every note and warning on how far the cells' wall-clock can be trusted (the machine's load, the repeats'
+    spread and sample, tasks too small to retime)."""
+    return notes(cell_list, topics=TIMING)
 
 
 # ---- one text per topic (None: nothing to say) ----------------------------------------------------------------
@@ -147,10 +149,10 @@ def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
             "rerun them on an idle machine, with --threads 1 or more --timing-repeats")
 
 
-def drift_note(rep: dict[str, Any]) -> str | None:
-    """A warning line where a matched-quality speed-up (the two cells' evaluations divided) and the same
-    cell's paired repeats disagree by more than DRIFT: the machine's speed changed between the evaluations
-    (the repeats time both sides within seconds of each other), so the speed-up measures the machine."""
+def drift_note(rep: dict[str, Any], cell_list: list[dict[str, Any]] | None = None) -> str | None:
+    """A warning line where a matched-quality speed-up's two timings, the cells' evaluations divided and the
+    cell's paired repeats, disagree by more than DRIFT, naming why (`timing_cause`, from the cells where given)."""
+    by_id = {c["cell_id"]: c for c in cell_list or []}
     off = [(entry.get("title", group), r) for group, entry in rep.items()
            for r in collapse_tolerances(entry["matched_quality"])
            if r["evaluation_speedup"] and r.get("paired_speedup")
@@ -158,10 +160,72 @@ def drift_note(rep: dict[str, Any]) -> str | None:
     if not off:
         return None
     group, r = off[0]
+    cause = timing_cause(by_id.get(r.get("cell_id")))
     return (f"{len(off)} speed-ups disagree with their cells' paired repeats by more than {DRIFT:g}× (e.g. "
             f"{group} {config_label(r['policy'], r['threshold'])}: {r['evaluation_speedup']:.2f}× from the evaluations, "
-            f"{r['paired_speedup']:.2f}× repeated beside full depth): the machine's speed changed between "
-            "the cells; rerun them on an idle machine")
+            f"{r['paired_speedup']:.2f}× repeated beside full depth): {cause}")
+
+
+def timing_cause(cell: dict[str, Any] | None) -> str:
+    """Why a cell's evaluation and its paired repeats may time it differently, the likeliest cause first: a
+    sample that stands for part of the task, a busy machine, repeats spread wide, else the machine's speed
+    between the two evaluations."""
+    from ..harness.retime import wide_spread
+    from ..runtime.provenance import busy
+
+    rep = ((cell or {}).get("wall_clock") or {}).get("repeats") or {}
+    if rep and "documents" not in rep:
+        return ("the repeats timed the task's first requests only (a cell written before exitbench drew them "
+                "across the task), an unrepresentative sample; rerun the cell into a fresh --out")
+    if rep.get("representative") is False:
+        return ("the timed documents' FLOP ratio strays from the task's (a small task); the speed-up shown is "
+                "carried to the whole task by the FLOP ratios")
+    if cell is not None and busy(cell.get("run", {}).get("load")):
+        return "the cell was timed on a busy machine; rerun it on an idle one"
+    if cell is not None and wide_spread(cell):
+        return "the repeats spread widely; rerun with --threads 1 or more --timing-repeats"
+    return ("the machine's speed changed between the two evaluations, minutes apart; the repeats, timed side by "
+            "side, are the number shown")
+
+
+def sample_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A warning line for cells retimed on their task's first requests (written before the draw across it)."""
+    old = [c for c in cell_list if (rep := c["wall_clock"].get("repeats")) and "documents" not in rep]
+    if not old:
+        return None
+    return (f"{len(old)} of {len(cell_list)} cells were retimed on their task's first requests only (written before "
+            "exitbench drew timed documents across the task): on a task ordered by difficulty that is its easy "
+            "end, so their speed-ups (marked ᶠ) may not stand for the task; rerun them into a fresh --out")
+
+
+def corrected_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A note for cells whose timed documents' FLOP ratio strayed from the task's, their speed-up corrected."""
+    off = [c for c in cell_list if ((c["wall_clock"].get("repeats") or {}).get("representative")) is False]
+    if not off:
+        return None
+    from ..harness.retime import MAX_SAMPLE_OFF
+
+    return (f"{len(off)} cells' timed documents have a FLOP ratio to full depth more than {100 * MAX_SAMPLE_OFF:g}% "
+            "from their whole task's (tasks of few documents, whose strata are coarse): their speed-ups are carried "
+            "to the whole task at the same overhead (marked ᶜ)")
+
+
+def untimed_note(cell_list: list[dict[str, Any]]) -> str | None:
+    """A line for tasks too small to retime: which, and that their cells carry no speed-up."""
+    said = sorted({c["wall_clock"]["untimed"] for c in cell_list if c["wall_clock"].get("untimed")})
+    return "; ".join(said) or None
+
+
+def bound_note(rep: dict[str, Any]) -> str | None:
+    """A warning line for speed-ups above their iteration bound on the frontiers and matched tables: no results."""
+    flagged = {(entry.get("title", group), r["policy"], r["threshold"]): r["speedup_flag"]
+               for group, entry in rep.items()
+               for r in [*entry["matched_quality"], *entry["frontiers"].get("wall_clock", [])] if r.get("speedup_flag")}
+    if not flagged:
+        return None
+    (group, policy, threshold), flag = next(iter(flagged.items()))
+    return (f"{len(flagged)} speed-ups are above their cells' iteration bounds and are no results (‼), e.g. {group} "
+            f"{config_label(policy, threshold)}: {flag}")
 
 
 def mixed_note(rep: dict[str, Any]) -> str | None:
@@ -204,14 +268,19 @@ TOPICS: dict[str, tuple[str, Writer]] = {
     "nonfinite": ("warning", lambda cell_list, rep: nonfinite_note(cell_list)),
     "busy": ("warning", lambda cell_list, rep: busy_note(cell_list)),
     "spread": ("warning", lambda cell_list, rep: spread_note(cell_list)),
-    "drift": ("warning", lambda cell_list, rep: drift_note(rep)),
+    "drift": ("warning", lambda cell_list, rep: drift_note(rep, cell_list)),
+    "sample": ("warning", lambda cell_list, rep: sample_note(cell_list)),
+    "corrected": ("note", lambda cell_list, rep: corrected_note(cell_list)),
+    "untimed": ("note", lambda cell_list, rep: untimed_note(cell_list)),
+    "bound": ("warning", lambda cell_list, rep: bound_note(rep)),
     "mixed": ("warning", lambda cell_list, rep: mixed_note(rep)),
     "published model": ("note", lambda cell_list, rep: published_model_note(cell_list)),
     "published limit": ("note", lambda cell_list, rep: published_limit_note(cell_list)),
 }
-ON_FRONTIERS = {"replay", "drift", "mixed"}  # the topics read from the frontiers
+ON_FRONTIERS = {"replay", "drift", "mixed", "bound"}  # the topics read from the frontiers
 # What each reader prints, in its order.
-PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "drift", "mixed")
+PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "sample", "corrected", "untimed", "bound", "drift",
+          "mixed")
 PUBLISHED = ("published model", "published limit")  # pareto, under the published numbers' table
-REPORT = ("mode", "setups", "busy", "spread", "drift")
-TIMING = ("busy", "spread")
+REPORT = ("mode", "setups", "busy", "spread", "sample", "corrected", "untimed", "bound", "drift")
+TIMING = ("busy", "spread", "sample", "corrected", "untimed")

@@ -35,7 +35,6 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     by_key = groups(cell_list)
     names, titles = group_names(by_key), group_names(by_key, said=True)
@@ -49,38 +48,74 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         for p in points:
             if p.cost(axis) is not None:
                 by_policy.setdefault(p.policy, []).append(p)
-        # tab20 when the default ten colours would repeat (a sweep of every policy has about fourteen).
-        palette = plt.get_cmap("tab20" if len(by_policy) > 10 else "tab10")
+        colours = palette(len(by_policy))
         for i, (name, pts) in enumerate(sorted(by_policy.items())):
             pts.sort(key=lambda p: p.cost(axis))
             style = (dict(color="black", linestyle="--", marker="s") if name.startswith("fixed")
-                     else dict(marker="o", color=palette(i % palette.N)))
+                     else dict(marker="o", color=colours[i % len(colours)]))
             label = "fixed depth" if name == "fixed" else name
-            ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, **style)
+            ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, zorder=2, **style)
+            estimated = [p for p in pts if p.mode == "replay"] if axis == "wall_clock" else []
+            if estimated:  # replay's times are its cost model's: drawn hollow, so none reads as a timing
+                ax.plot([p.cost(axis) for p in estimated], [p.quality for p in estimated], linestyle="none",
+                        marker=style["marker"], markerfacecolor="white", markeredgecolor=style["color"], zorder=3)
         front = frontier(points, axis, higher)
         # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality);
         # where a label goes is settled once the figure is laid out (place_labels).
         labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=6,
                                alpha=0.8, xytext=LABEL_OFFSETS[0][:2], textcoords="offset points") for p in front]
-        ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color="red", linewidth=3, alpha=0.35,
-                label="frontier")
+        # A wide grey band under the curves: no policy's colour (the palette has no grey), so it reads as its own.
+        ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color=FRONTIER_COLOUR, linewidth=7,
+                alpha=0.45, solid_capstyle="round", label="frontier", zorder=1)
         ax.set_title(titles[key].replace(f" · {metric_name(metric)}", ""))  # the y axis names the metric
-        ax.set_xlabel({"iterations": "mean iterations per token", "wall_clock": "seconds per token",
-                       "flops": "FLOPs per token"}[axis])
+        ax.set_xlabel(axis_label(axis, any(p.mode == "replay" for p in points)))
         ax.set_ylabel(metric_with_direction(metric, higher))
         # Seconds and FLOPs span orders of magnitude across policies (kl decodes at every step), and so does a
         # perplexity between depth 1 and full depth: on linear axes everything else sits in one corner.
         if axis != "iterations":
             ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overprint
+            readable_log_ticks(ax.xaxis)
             ax.set_xlabel(ax.get_xlabel() + " (log)")
         if not higher and all(p.quality > 0 for p in points):
             ax.set_yscale("log")
+            readable_log_ticks(ax.yaxis)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
     fig.tight_layout()
     place_labels(fig, labels)
     return fig
+
+
+FRONTIER_COLOUR = "#9a9a9a"
+
+
+def palette(n: int) -> list:
+    """Policy colours: tab10, or tab20 when ten would repeat (a sweep of every policy has about fourteen), without
+    their greys, which are the frontier's."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab20" if n > 8 else "tab10")
+    grey = {7} if cmap.N == 10 else {14, 15}
+    return [cmap(i) for i in range(cmap.N) if i not in grey]
+
+
+def axis_label(axis: str, estimated: bool) -> str:
+    """What the cost axis measures; on wall-clock, how a cell's time is had (and that hollow points are
+    replay's estimates)."""
+    if axis == "wall_clock":
+        text = "seconds per token (full depth's ÷ each cell's paired speed-up)"
+        return text + (", hollow: replay estimates" if estimated else "")
+    return {"iterations": "mean iterations per token", "flops": "FLOPs per token"}[axis]
+
+
+def readable_log_ticks(axis) -> None:
+    """Ticks at 1, 2 and 5 of each decade, written as plain numbers: an axis that spans less than a decade (a
+    perplexity from 1 to 9) otherwise shows one or two powers of ten and nothing between."""
+    import matplotlib.ticker as ticker
+
+    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())  # minor labels overprint
 
 
 # Where a point's label may go, in points from the point, tried in this order: below right, above right,

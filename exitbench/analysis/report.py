@@ -27,9 +27,13 @@ from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
-from .labels import direction, overhead, setting, spread_percent
+from .labels import direction, overhead, setting
+from .speedup import SpeedUp
+from .speedup import text as speedup_text
 from .plot import draw
 
+# Bases whose speed-up is no timing of this run's: shown as text (≈2.13×), never sorted among timed ones.
+UNTIMED = ("estimated",)
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
 COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token",
                "flops": "FLOPs per token"}
@@ -215,9 +219,11 @@ def matched_table(entry: dict[str, Any]) -> str:
     rows = []
     for policy, rs in at.items():
         main = rs.get(MATCHED_TOLERANCE, {})
-        spread = main.get("speedup_spread")
+        speed = SpeedUp.from_row(main)
         rows.append([policy, _setting(policy, main.get("threshold")), main.get("quality"), main.get("mean_iterations"),
-                     main.get("speedup"), None if spread is None else spread_percent(spread),
+                     # a flagged one as text, marked, so it never sorts or reads as a result
+                     speedup_text(speed, interval=False) if speed.flagged or speed.basis in UNTIMED else speed.value,
+                     None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×", speed.basis,
                      # a plain one as text, marked, so it never reads as the paired kind
                      main.get("overhead") if main.get("overhead_timing") != "plain"
                      else overhead(main["overhead"], "plain"),
@@ -225,14 +231,14 @@ def matched_table(entry: dict[str, Any]) -> str:
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
-    headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "spread of repeats",
-               "overhead", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
-    spread = headers.index("spread of repeats")
+    headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "range of repeats",
+               "timed by", "overhead", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
+    spread = headers.index("range of repeats")
     if all(r[spread] is None for r in rows):
         # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
         del headers[spread]
         rows = [r[:spread] + r[spread + 1:] for r in rows]
-    # a speed-up reads as 2.13×, a spread as ±5% and a fixed depth as r = 16, as in `pareto`
+    # a speed-up reads as 2.13×, a range as 1.98–2.27× and a fixed depth as r = 16, as in `pareto`
     return table(headers, rows, numeric=set(range(1, len(headers))),
                  shown={headers.index("speed-up"): lambda v: f"{v:.2f}×", headers.index("overhead"): overhead})
 
@@ -388,11 +394,15 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
     intro = (f"<p>Each policy's cheapest cell within ε of full-depth quality (relative): at ε = "
              f"{100 * MATCHED_TOLERANCE:g}% in full, and its mean iterations at the other ε. Sorted by iterations; "
              "click a column head to sort by it. The speed-up divides full depth's wall-clock per token by the "
-             "cell's; the spread of repeats is the range of the cell's paired timings beside full depth over their "
-             "median, for a cell that was retimed (exitbench run --timing-repeats; the column is left out where "
-             "none was). The overhead is the cell's time ratio to full depth divided by its FLOP ratio: its paired "
-             "repeats' where retimed, else (marked *) the two cells' own timings; far above 1, the time measures "
-             "our implementation of a rule, not the rule.</p>")
+             "cell's, and says what it was timed by: paired (the median of the cell's repeats, timed alternately "
+             "beside full depth on documents drawn across the task, their range beside it), corrected (the same, "
+             "carried to the whole task by the FLOP ratios where the timed documents' strayed over 10% from it), "
+             "evaluations (the two cells' own timings, minutes apart), estimated (replay's cost model: no loop ran) "
+             "or first requests (cells written before the draw across the task). A speed-up above the cell's "
+             "iteration bound (full depth's iterations over the cell's) is no result and shows as text with ‼. The "
+             "overhead is the cell's time ratio to full depth divided by its FLOP ratio: its paired repeats' where "
+             "retimed, else (marked *) the two cells' own timings; far above 1, the time measures our "
+             "implementation of a rule, not the rule.</p>")
     tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
               f"({direction(entry['higher_is_better'])})</small></h3>{matched_table(entry)}"
               for group, entry in rep.items()]

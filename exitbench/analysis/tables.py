@@ -6,12 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from ..errors import ExitbenchError
 from .frontier import collapse_tolerances, table_rows
-from .labels import PLAIN_OVERHEAD, direction, metric_with_direction, overhead, setting, speedup
+from .labels import PLAIN_OVERHEAD, config_label, direction, metric_with_direction, overhead, setting
+from .speedup import NONE as NO_SPEEDUP
+from .speedup import SpeedUp
+from .speedup import legend
+from .speedup import text as speedup_text
 
 TABLES = ("frontier", "matched")
 
@@ -35,11 +40,10 @@ def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
     if all(r[-1] == "measured" for r in shown):
         columns, shown = columns[:-1], [r[:-1] for r in shown]
     speed = [c for c, _ in columns].index("speed-up")
-    if all(r[speed] == "-" for r in shown):  # none retimed: an empty column would push the table past 100 columns
+    if all(r[speed] == "-" for r in shown):  # no speed-up at all: an empty column would push the table past 100
         columns, shown = columns[:speed] + columns[speed + 1:], [r[:speed] + r[speed + 1:] for r in shown]
-    table = Table(title=title)
-    if any(r.get("overhead_timing") == "plain" for r in rows):
-        table.caption = PLAIN_OVERHEAD
+    table = Table(title=title, caption_justify="left")
+    table.caption = timing_caption(rows)
     for i, (col, justify) in enumerate(columns):
         # A conjunction's name (`margin 0.125 ∧ argmax_stability`) may wrap at its spaces on a narrow terminal,
         # so it alone does not push the numbers off the edge; no value is cut.
@@ -50,24 +54,40 @@ def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def timing_caption(rows: list[dict[str, Any]]) -> str | None:
+    """What a table's timing columns rest on: the speed-ups' bases and flags, replay's estimated clock, and
+    overheads from the cells' own timings. None when there is nothing to say."""
+    lines = []
+    said = legend([(config_label(r["policy"], r["threshold"]), r["speedup"]) for r in rows if r.get("speedup")])
+    if said:
+        lines.append(said)
+    estimated = next((r["clock_basis"] for r in rows if r.get("clock_basis")), None)
+    if estimated:
+        lines.append(f"≈ ms/token {estimated}")
+    if any(r.get("overhead_timing") == "plain" for r in rows):
+        lines.append(PLAIN_OVERHEAD)
+    return "\n".join(lines) or None
+
+
 def _summary_row(r: dict[str, Any]) -> list[str]:
     iters = "-" if r["mean_iterations"] is None else f"{r['mean_iterations']:.2f}"
     if len(r.get("per_group", [])) > 1:  # several loop groups: their means beside the total
         iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
     quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
-    return [r["policy"], setting(r["policy"], r["threshold"]), quality, iters, f"{r['ms_per_token']:.3f}",
-            _paired_speedup(r), overhead(r.get("overhead"), r.get("overhead_timing")),
+    ms = ("≈" if r.get("clock_basis") else "") + f"{r['ms_per_token']:.3f}"
+    return [r["policy"], setting(r["policy"], r["threshold"]), quality, iters, ms,
+            _speedup_cell(r), overhead(r.get("overhead"), r.get("overhead_timing")),
             f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
 
 
-def _paired_speedup(row: dict[str, Any]) -> str:
-    """The speed-up over full depth its paired repeats measured (full depth's time ÷ the cell's), with their
-    spread, in red with a mark when a warning says it is unreliable (a busy machine, a wide spread); '-' for a
-    cell timed once."""
-    if row.get("time_ratio") is None:
-        return "-"
-    text = speedup(1 / row["time_ratio"], row["time_spread"])
-    return f"[red]{text} ![/red]" if row.get("warnings") else text
+def _speedup_cell(row: dict[str, Any]) -> str:
+    """The row's speed-up over full depth (`analysis.speedup.text`), in red with a mark when a warning says its
+    timing is unreliable (a busy machine, a wide spread) or it is above its iteration bound."""
+    est = row.get("speedup") or NO_SPEEDUP
+    shown = speedup_text(est)
+    if est.flagged:
+        return f"[red]{escape(shown)}[/red]"
+    return f"[red]{escape(shown)} ![/red]" if row.get("warnings") and est.value is not None else escape(shown)
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -104,30 +124,35 @@ def reuse_note(reused: list[dict[str, Any]], out) -> str | None:
 
 
 def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
-    """Per group: the matched-quality table, then the frontier over mean iterations (or only `table`)."""
+    """Per group: the matched-quality table, then the frontiers over mean iterations and, where the cells carry
+    timings, over wall-clock (or only `table`: matched, or frontier for both frontiers)."""
     out = []
     for group, entry in rep.items():
-        if table == "frontier":
+        if table in (None, "matched"):
+            out.append(_matched_table(group, entry))
+        if table in (None, "frontier"):
             out.append(_frontier_table(group, entry))
-            continue
-        t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth; "
-                        f"{direction(entry['higher_is_better'])})")
-        for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
-            t.add_column(col, justify="left" if col == "policy" else "right")
-        rows = collapse_tolerances(entry["matched_quality"])
-        for r in rows:
-            eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
-                                                 else "")
-            t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
-                      f"{r['mean_iterations']:.2f}", speedup(r["speedup"], r.get("speedup_spread")),
-                      overhead(r.get("overhead"), r.get("overhead_timing")),
-                      "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
-        if any(r.get("overhead_timing") == "plain" for r in rows):
-            t.caption = PLAIN_OVERHEAD
-        out.append(t)
-        if table is None:
-            out.append(_frontier_table(group, entry))
+            if entry["frontiers"].get("wall_clock"):
+                out.append(_wall_clock_table(group, entry))
     return out
+
+
+def _matched_table(group: str, entry: dict[str, Any]) -> Table:
+    t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth; "
+                    f"{direction(entry['higher_is_better'])})", caption_justify="left")
+    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
+        # a speed-up and its range stay on one line: a narrow terminal folds the headings instead
+        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
+    rows = collapse_tolerances(entry["matched_quality"])
+    for r in rows:
+        eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
+                                             else "")
+        t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
+                  f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": SpeedUp.from_row(r)}),
+                  overhead(r.get("overhead"), r.get("overhead_timing")),
+                  "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
+    t.caption = timing_caption([{**r, "speedup": SpeedUp.from_row(r)} for r in rows])
+    return t
 
 
 def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
@@ -136,6 +161,24 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
         f.add_column(col, justify="left" if col == "policy" else "right")
     for p in entry["frontiers"]["iterations"]:
         f.add_row(_marked(p), setting(p["policy"], p["threshold"]), f"{p['quality']:.4g}", f"{p['cost']:.2f}")
+    return f
+
+
+def _wall_clock_table(group: str, entry: dict[str, Any]) -> Table:
+    """The frontier over time per token: full depth's, divided by each cell's speed-up where the cell was retimed
+    beside it (`frontier.price_wall_clock`), so its order is the speed-ups' order."""
+    f = Table(title=f"{entry.get('title', group)}: frontier over wall-clock", caption_justify="left")
+    for col in ("policy", "τ", "quality", "ms/token", "speed-up"):
+        f.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
+    rows = entry["frontiers"]["wall_clock"]
+    for p in rows:
+        f.add_row(_marked(p), setting(p["policy"], p["threshold"]), f"{p['quality']:.4g}",
+                  ("≈" if p.get("mode") == "replay" else "") + f"{1e3 * p['cost']:.3f}",
+                  _speedup_cell({"speedup": SpeedUp.from_row(p)}))
+    caption = [timing_caption([{**p, "speedup": SpeedUp.from_row(p)} for p in rows])]
+    if any(p.get("mode") == "replay" for p in rows):
+        caption.append("≈ ms/token estimated by replay's cost model (ᴿ cells), not timed")
+    f.caption = "\n".join(c for c in caption if c) or None
     return f
 
 
@@ -172,7 +215,8 @@ def format_tables(rep: dict[str, Any], fmt: str, table: str | None = None) -> st
         rows = matched if table == "matched" else front
         buf = io.StringIO()
         if rows:
-            writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            # (wall-clock rows carry their speed-up's fields, the other axes' none: every row's fields, in order)
+            writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             writer.writeheader()
             writer.writerows(rows)
         return buf.getvalue()

@@ -132,7 +132,7 @@ def check(run_dir: Path = RunArg, baseline: Path = BaselineOpt, quality_tol: flo
     if wall_clock:  # a wall-clock verdict on cells timed beside other work says more about the machine
         for where, cell_list in ((run_dir, run_cells), (baseline, base_cells)):
             for note in timing_notes(cell_list):
-                say(f"warning: {where}: {note}")
+                say(f"{note.level}: {where}: {note.text}")
     if verdict.regressions:
         console.print(regression_table(verdict.regressions, title=f"{len(verdict.regressions)} regressions of "
                                                                   f"{run_dir} against {baseline}"))

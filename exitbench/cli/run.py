@@ -49,7 +49,7 @@ def show_outcome(sweep, outcome) -> None:
     reused = {c["cell_id"] for c in sweep.plan.reused()}
     console.print(summary_table(summary_rows(outcome.cells, reused), title=f"{len(outcome.cells)} cells in {sweep.out}"))
     for note in timing_notes(outcome.cells):
-        say(f"warning: {note}")
+        say(str(note))
     if outcome.verified is not None:
         console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({sweep.out / 'verify'})"))
 

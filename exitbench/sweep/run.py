@@ -132,6 +132,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     `origin` says which rows this run did not measure exactly: cells reused from an earlier run (their
     cell ids in `reused`) and cells computed by replay."""
     from ..analysis.frontier import overhead_fields, references
+    from ..analysis.speedup import clock_basis, estimate
 
     full = references(cell_list)
     rows = []
@@ -147,6 +148,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      "probe_share": c["wall_clock"]["probe_share"], "origin": ", ".join(origin) or "measured",
                      "time_ratio": (c["wall_clock"].get("repeats") or {}).get("ratio"),
                      "time_spread": (c["wall_clock"].get("repeats") or {}).get("spread"),
+                     "speedup": estimate(c, full.get(c["cell_id"])), "clock_basis": clock_basis(c),
                      **overhead_fields(c, full.get(c["cell_id"])),
                      "warnings": retime.warnings(c)})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))

@@ -31,7 +31,7 @@ from ...store import cells, disk
 from ..config import SweepConfig, check_replayable
 from ..exact import resolved_policy, task_cells
 from ..schedule import SweepPlan, claim_cells
-from .costs import measure
+from .costs import SCORED, TIMED_DEPTH, measure
 from .lm import RecordingLM, ReplayLM
 from ...analysis.labels import exit_config_label
 
@@ -171,6 +171,10 @@ class ReplaySweep:
             cell["replay"] = {
                 "recording_depth": self.depth, "record_s": self.record_s, "cost_model_s": self.costs_s,
                 "costs": self.costs.to_dict(), "generation": lm.generation.get(name),
+                # what the cost model's unit costs were timed on (sweep/replay/costs.py), for the label that
+                # says the cell's wall-clock is an estimate
+                "cost_sample": {"requests": len(self.recording.sample), "scored_tokens": SCORED,
+                                "depth": min(self.depth, TIMED_DEPTH)},
                 # Fixed depth on scored tasks: every position recomputed at r (one loop group) or in a pass of
                 # its own (several), so the same computation as the exact run's.
                 "exact_by_construction": config.policy == "fixed" and name not in lm.generation}

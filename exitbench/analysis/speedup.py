@@ -1,0 +1,177 @@
+"""A cell's speed-up over full depth as every reader states it: an estimate with its interval, its basis and the
+bound it cannot pass.
+
+Full depth's time per token ÷ the cell's, from the best timing the cell has:
+- `paired`: its repeats, timed alternately beside full depth on documents drawn across the task
+  (harness/retime.py): their median, and their range as the interval;
+- `corrected`: the same, where the timed documents' FLOP ratio strayed from the whole task's (a small task), carried
+  to the whole task at the same overhead;
+- `first requests`: repeats of a cell written before the draw, which timed the task's first requests only;
+- `evaluations`: no repeats, the two cells' own evaluations divided (minutes apart on the machine's clock);
+- `estimated`: a replay cell's, priced by the replay cost model (no loop ran);
+- `reference`: the full-depth cell itself.
+
+The bound is the iteration bound, full depth's mean iterations ÷ the cell's: every iteration a cell runs costs at
+least what one of full depth's does (the same core step, plus a probe for a decoding rule), and the prelude and
+coda cost both alike, so no cell runs faster than that. A speed-up above it is flagged with the likeliest reason
+and never stated as a result.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+BASES = ("paired", "corrected", "first requests", "evaluations", "estimated", "reference")
+
+
+@dataclass(frozen=True)
+class SpeedUp:
+    value: float | None                 # full depth's time per token ÷ the cell's
+    basis: str | None = None            # one of BASES
+    low: float | None = None            # the repeats' range, as speed-ups (paired bases only)
+    high: float | None = None
+    bound: float | None = None          # full depth's mean iterations ÷ the cell's
+    flag: str | None = None             # why `value` is no result (above the bound), else None
+    timed: dict[str, Any] | None = None  # documents timed, of how many, repeats (paired bases only)
+
+    @property
+    def flagged(self) -> bool:
+        return self.flag is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a table row's plain fields (JSON, CSV, the report)."""
+        return {"speedup": self.value, "speedup_low": self.low, "speedup_high": self.high,
+                "speedup_basis": self.basis, "iteration_bound": self.bound, "speedup_flag": self.flag,
+                "timed_documents": (self.timed or {}).get("documents"), "of_documents": (self.timed or {}).get("of"),
+                "timing_repeats": (self.timed or {}).get("repeats")}
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "SpeedUp":
+        """The estimate back from a row's fields (`to_dict`)."""
+        timed = {"documents": row.get("timed_documents"), "of": row.get("of_documents"),
+                 "repeats": row.get("timing_repeats")}
+        return cls(row.get("speedup"), row.get("speedup_basis"), row.get("speedup_low"), row.get("speedup_high"),
+                   row.get("iteration_bound"), row.get("speedup_flag"), timed if timed["documents"] else None)
+
+
+NONE = SpeedUp(None)
+
+
+def estimate(cell: dict[str, Any], full: dict[str, Any] | None) -> SpeedUp:
+    """The speed-up of `cell` over its full-depth cell `full` (None where its sweep has none: then only its
+    repeats can say)."""
+    if full is not None and full.get("cell_id") == cell.get("cell_id"):
+        return SpeedUp(1.0, "reference", bound=1.0)
+    bound = iteration_bound(cell, full)
+    wall = cell.get("wall_clock") or {}
+    rep = wall.get("repeats")
+    if rep and rep.get("ratio") and (full is None or rep.get("full_depth") == full["policy"]["threshold"]):
+        ratio = rep.get("corrected_ratio") or rep["ratio"]
+        scale = ratio / rep["ratio"]
+        basis = "corrected" if rep.get("corrected_ratio") else "paired" if "documents" in rep else "first requests"
+        ratios = rep.get("ratios") or [rep["ratio"]]
+        timed = {"documents": len(rep["documents"]) if "documents" in rep else None,
+                 "of": rep.get("of_documents"), "requests": rep.get("requests"), "repeats": rep.get("repeats")}
+        value = 1 / ratio
+        return SpeedUp(value, basis, 1 / (scale * max(ratios)), 1 / (scale * min(ratios)), bound,
+                       _flag(value, bound, basis, cell, 1 / (scale * max(ratios))), timed)
+    mine, theirs = wall.get("per_token_s"), ((full or {}).get("wall_clock") or {}).get("per_token_s")
+    if not (mine and theirs):
+        return SpeedUp(None, bound=bound)
+    value = theirs / mine
+    basis = "estimated" if wall.get("estimated") or (full or {}).get("wall_clock", {}).get("estimated") \
+        else "evaluations"
+    return SpeedUp(value, basis, bound=bound, flag=_flag(value, bound, basis, cell, None))
+
+
+def iteration_bound(cell: dict[str, Any], full: dict[str, Any] | None) -> float | None:
+    """Full depth's mean iterations ÷ the cell's: its full-depth cell's where known, else the depth its repeats
+    were paired with, once per loop group."""
+    mine = (cell.get("iterations") or {}).get("mean")
+    if not mine:
+        return None
+    if full is not None and (full.get("iterations") or {}).get("mean"):
+        return full["iterations"]["mean"] / mine
+    rep = (cell.get("wall_clock") or {}).get("repeats") or {}
+    if rep.get("full_depth"):
+        groups = len((cell.get("iterations") or {}).get("per_group_mean") or [0])
+        return rep["full_depth"] * groups / mine
+    return None
+
+
+def _flag(value: float, bound: float | None, basis: str, cell: dict[str, Any], low: float | None) -> str | None:
+    """Why a speed-up above its iteration bound is no result (None when it is within the bound)."""
+    if bound is None or value <= bound * (1 + 1e-9):
+        return None
+    from ..runtime.provenance import busy
+
+    above = f"{value:.2f}× is above the iteration bound {bound:.2f}×"
+    if basis == "first requests":
+        why = ("it was timed on the task's first requests only (a cell written before exitbench drew its timed "
+               "documents across the task): an unrepresentative sample; rerun the cell")
+    elif basis == "estimated":
+        why = "it is the replay cost model's estimate, not a timing; rerun the cell exactly"
+    elif busy((cell.get("run") or {}).get("load")):
+        why = "it was timed on a busy machine; rerun on an idle one"
+    elif basis == "evaluations":
+        why = ("it divides two evaluations timed minutes apart: the machine's speed changed between them; rerun "
+               "with --timing-repeats")
+    elif low is not None and low <= bound:
+        why = "its repeats reach below the bound: timing noise around a speed-up near the bound"
+    else:
+        why = "its repeats spread over noise alone; rerun it on an idle machine, with --threads 1"
+    return f"{above}: {why}"
+
+
+def text(s: SpeedUp, interval: bool = True) -> str:
+    """The one way every table writes a speed-up: `2.13× (1.98–2.27)` from paired repeats, `2.13×ᶜ` corrected
+    by the FLOP ratios, `2.13×*` from two evaluations, `≈2.13×` estimated by replay, `2.13×ᶠ` from a task's
+    first requests, `ref` for full depth itself, `‼` after one above its bound; '-' for none."""
+    if s.value is None:
+        return "-"
+    if s.basis == "reference":
+        return "ref"
+    mark = {"corrected": "ᶜ", "evaluations": "*", "first requests": "ᶠ"}.get(s.basis or "", "")
+    shown = ("≈" if s.basis == "estimated" else "") + f"{s.value:.2f}×{mark}"
+    if interval and s.low is not None and s.high is not None and s.basis != "reference":
+        shown += f" ({s.low:.2f}–{s.high:.2f})"
+    return shown + (" ‼" if s.flagged else "")
+
+
+LEGEND = {"paired": "the median of paired repeats beside full depth (their range in brackets)",
+          "corrected": "ᶜ paired repeats whose documents' FLOP ratio strayed over 10% from the task's, carried to "
+                       "the task at the same overhead",
+          "first requests": "ᶠ paired repeats on the task's first requests only (cells written before the draw "
+                            "across the task)",
+          "evaluations": "* the two cells' own evaluations divided (no repeats)",
+          "estimated": "≈ replay's estimate from its cost model, not a timing",
+          "reference": "ref: full depth itself"}
+
+
+def legend(estimates: list[tuple[str, SpeedUp]]) -> str | None:
+    """What the speed-ups shown rest on, one clause per basis present, and how many documents the repeats timed;
+    then each flagged one's reason, by its label. None when no speed-up is shown."""
+    shown = [(label, s) for label, s in estimates if s.value is not None]
+    if not shown:
+        return None
+    bases = [b for b in BASES if any(s.basis == b for _, s in shown)]
+    parts = [LEGEND[b] for b in bases]
+    timed = {(s.timed["documents"], s.timed["of"], s.timed["repeats"]) for _, s in shown
+             if s.timed and s.timed.get("documents")}
+    if len(timed) == 1:
+        docs, of, repeats = next(iter(timed))
+        parts.append(f"{repeats} repeats of {docs} of the {of} documents, drawn across the task")
+    lines = ["speed-up: full depth's time per token ÷ the cell's; " + "; ".join(parts)]
+    lines += [f"‼ {label}: not a result: {s.flag}" for label, s in shown if s.flagged]
+    return "\n".join(lines)
+
+
+def clock_basis(cell: dict[str, Any]) -> str | None:
+    """Where a replay cell's wall-clock comes from, in words (None for a timed cell): no loop ran, so its time is
+    the replay cost model's price of its exits."""
+    if not (cell.get("wall_clock") or {}).get("estimated"):
+        return None
+    sample = (cell.get("replay") or {}).get("cost_sample")
+    timed = (f" timed by the exact engine on {sample['requests']} requests at {sample['depth']} iterations"
+             if sample else "")
+    return f"estimated by replay: its exits priced by per-iteration unit costs{timed}, not a timing"
