@@ -228,3 +228,20 @@ def test_a_sweep_of_a_task_too_small_to_retime_says_so_once_and_keeps_its_cells(
     assert len(made) == 2
     for cell in made.values():
         assert "repeats" not in cell["wall_clock"] and "too few to retime" in cell["wall_clock"]["untimed"]
+
+
+def test_retiming_one_task_leaves_the_next_tasks_documents_to_draw():
+    """A model remembers the requests of its last call of each kind; a timed pass hands it one task's sample, so
+    without restoring them, the next task of the same kind (chains_mc after chains_lambada) found none to draw and
+    was never retimed."""
+    class Receiving(Timed):
+        def loglikelihood(self, requests):
+            self.received["loglikelihood"] = requests
+            return self.generate_until(requests)
+
+    both = docs("a", 16) + docs("b", 16)
+    lm = Receiving("cell", [1.0], [])
+    lm.received = {"loglikelihood": both}
+    retime.timed_pass(lm, [("loglikelihood", both[:2])])
+    assert lm.received == {"loglikelihood": both}
+    assert retime.draw(lm.received, [], "b", 16).work  # two documents of b's sixteen

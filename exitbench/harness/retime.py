@@ -154,9 +154,11 @@ def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
 
 def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, float | None]:
     """One pass of `work` through an ExitbenchLM: (seconds, FLOPs) per scored token; FLOPs None where a request's
-    stats carry none. The model's own request table and progress callback are left as they were, so a cell's
-    statistics hold its evaluation alone."""
+    stats carry none. The model's own request table, the requests it received and its progress callback are
+    left as they were, so a cell's statistics hold its evaluation alone and the next task's documents are still
+    there to draw (a pass hands the model only this task's)."""
     kept, lm.request_stats = lm.request_stats, []
+    received = dict(getattr(lm, "received", {}))
     progress, lm.on_progress = lm.on_progress, None
     try:
         for kind, requests in work:
@@ -164,6 +166,8 @@ def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, flo
         stats = lm.request_stats
     finally:
         lm.request_stats, lm.on_progress = kept, progress
+        if hasattr(lm, "received"):
+            lm.received = received
     tokens = sum(len(s["iterations"]) for s in stats)
     if not tokens:
         return None, None
