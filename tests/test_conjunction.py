@@ -186,7 +186,7 @@ def test_an_exit_config_file_sets_the_sweep_and_thresholds_vary_one_member(tmp_p
     cfg = SweepConfig.from_options(RunOptions(exit_config=path, thresholds="1,3"), dict(knobs),
                                    given={"exit_config", "thresholds"})
     assert [c.threshold for c in grid(cfg, K) if c.policy == "all_of"] == [1, 3]
-    with pytest.raises(ExitbenchError, match="--min-steps is given on the command line and in --exit-config"):
+    with pytest.raises(ExitbenchError, match="min_steps is set both in exit config .* and by --min-steps"):
         SweepConfig.from_options(RunOptions(exit_config=path), {**knobs, "min_steps": 3},
                                  given={"exit_config", "min_steps"})
 

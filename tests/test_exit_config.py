@@ -181,3 +181,78 @@ def test_any_exit_config_value_is_accepted_or_one_line(tmp_path_factory, knob, v
 
 KNOB_TYPES = {name: next(t for t in (bool, int, float, str) if t.__name__ in str(hint))
               for name, hint, *_ in ExitConfig.knobs()}
+
+
+# ---- one reader of --exit-config: every command, one rule -------------------------------------------------------
+
+def _file(tmp_path, **knobs):
+    path = tmp_path / "exit.yaml"
+    path.write_text(yaml.safe_dump(knobs))
+    return str(path)
+
+
+# Each command that takes exit knobs, with --exit-config FILE and the flags after it.
+EXIT_COMMANDS = {
+    "run": lambda f, t: ["run", "--tasks", "chains", "--limit", "2", "--out", str(t / "o"), "--exit-config", f],
+    "trace": lambda f, t: ["trace", "a=1 b=a", "--exit-config", f],
+    "calibrate": lambda f, t: ["calibrate", "--programs", "8", "--out", str(t / "c.json"), "--exit-config", f],
+    "fit-exit": lambda f, t: ["fit-exit", "--limit", "4", "--out", str(t / "m.json"), "--exit-config", f],
+}
+
+
+@pytest.mark.parametrize("command", list(EXIT_COMMANDS))
+def test_a_knob_in_the_file_and_on_the_command_line_is_refused_by_every_command(command, tmp_path, capfd):
+    path = _file(tmp_path, policy="kl", max_steps=4)
+    one_line([*EXIT_COMMANDS[command](path, tmp_path), "--max-steps", "2"], capfd,
+             ["max_steps is set both in exit config", "exit.yaml", "by --max-steps"])
+
+
+@pytest.mark.parametrize("flag,value,knob", [("--thresholds", "1e-3,1e-2", "threshold"), ("--seed", "3", "seed"),
+                                             ("--policy", "kl", "policy")])
+def test_run_spells_a_knob_by_its_own_option(tmp_path, capfd, flag, value, knob):
+    path = _file(tmp_path, policy="kl", threshold=1e-3, seed=1)
+    one_line([*EXIT_COMMANDS["run"](path, tmp_path), flag, value], capfd,
+             [f"{knob} is set both in exit config", f"by {flag}"])
+
+
+def test_an_empty_exit_config_is_refused(tmp_path, capfd):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    one_line(EXIT_COMMANDS["trace"](str(path), tmp_path), capfd, ["empty.yaml", "sets no knob"])
+
+
+def test_calibrate_refuses_a_threshold_it_would_choose(tmp_path, capfd):
+    one_line(EXIT_COMMANDS["calibrate"](_file(tmp_path, policy="kl", threshold=1e-3), tmp_path), capfd,
+             ["calibrate chooses the threshold", "threshold 0.001"])
+
+
+class _Reached(Exception):
+    """Raised where a command would start its work, carrying what it was handed."""
+
+
+@pytest.mark.parametrize("command,work", [("trace", "exitbench.studies.trace.trace_prompt"),
+                                          ("calibrate", "exitbench.studies.calibrate.calibrate"),
+                                          ("fit-exit", "exitbench.studies.fit_exit.fit_learned")])
+def test_flags_beside_an_exit_config_reach_the_work(command, work, tmp_path, monkeypatch):
+    """The flags typed beside a file are kept (trace and calibrate built their config from the file alone and
+    dropped `--max-steps 2 --exit-mode freeze`); the file's own knobs and the command's defaults fill the rest."""
+    from helpers.cli import runner
+
+    from exitbench.cli import app
+
+    def reached(*args, **kwargs):
+        raise _Reached(args, kwargs)
+
+    module, name = work.rsplit(".", 1)
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, reached)
+    flags = ["--max-steps", "2"] + ([] if command == "fit-exit" else ["--exit-mode", "freeze", "--patience", "1"])
+    res = runner.invoke(app, [*EXIT_COMMANDS[command](_file(tmp_path, policy="kl", min_steps=2, seed=5), tmp_path),
+                              *flags])
+    assert isinstance(res.exception, _Reached), res.stdout + res.stderr
+    args, kwargs = res.exception.args
+    if command == "fit-exit":
+        assert kwargs["steps"] == [2] and kwargs["seed"] == 5
+        return
+    config = next(a for a in args if isinstance(a, ExitConfig))
+    assert (config.policy, config.min_steps, config.seed) == ("kl", 2, 5)  # the file's
+    assert (config.max_steps, config.exit_mode, config.patience) == (2, "freeze", 1)  # the flags'

@@ -131,6 +131,18 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
             if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
 
 
+def exit_config_from(ctx: typer.Context, knobs: dict, exit_config: Path | None, **own) -> ExitConfig:
+    """A command's exit config from its knob flags and --exit-config, by the one rule every command follows
+    (`ExitConfig.with_file`): the knobs typed and the file's together, one set in both refused, the command's
+    defaults for the rest. `own`: the knobs the command takes under options of its own (--seed)."""
+    values = {**knobs, **own}
+    if exit_config is None:
+        return ExitConfig(**values)
+    typed = given_on_command_line(ctx)
+    return ExitConfig.with_file(exit_config, {k: v for k, v in values.items() if k in typed},
+                                defaults={k: v for k, v in values.items() if k not in typed})
+
+
 def skip_note(skipped: list[Path]) -> None:
     say(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})")
 

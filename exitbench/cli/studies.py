@@ -11,11 +11,12 @@ import typer
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from .app import (KNOBS_ON_COMMAND_LINE, CheckpointOpt, CompileOpt, DataDirOpt, DtypeOpt, NonfiniteOpt, ThreadsOpt,
-                  app, console, exit_knobs, one_line_errors, say, writable_targets)
+                  app, console, exit_config_from, exit_knobs, given_on_command_line, one_line_errors, say,
+                  writable_targets)
 
 PromptArg = typer.Argument(..., help="Text to run; with --generate, the prompt to continue.")
 GenerateOpt = typer.Option(0, help="Generate this many tokens instead of scoring the prompt.")
-ExitConfigOpt = typer.Option(None, help="YAML file of exit knobs (overrides the flags).")
+ExitConfigOpt = typer.Option(None, help="YAML file of exit knobs, beside the flags (a knob set in both is refused).")
 VsOpt = typer.Option([], "--vs", help="Also trace this policy (POLICY or POLICY:τ, repeatable), drawn beside the "
                      "first.")
 HtmlOpt = typer.Option(None, "--html", help="Also draw the exit map to this HTML file.")
@@ -34,7 +35,7 @@ def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dt
           seed: int = typer.Option(0, help="Seed of the initial-state noise."), compile_step: bool = CompileOpt,
           threads: Optional[int] = ThreadsOpt, vs: list[str] = VsOpt, html: Optional[Path] = HtmlOpt,
           png: Optional[Path] = PngOpt, json_out: Optional[Path] = TraceJsonOpt,
-          add_bos_token: Optional[bool] = TraceBosOpt, knobs: dict = None):
+          add_bos_token: Optional[bool] = TraceBosOpt, knobs: dict = None, ctx: typer.Context = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from ..models.checkpoint import open_checkpoint
     from ..policies.learned import check_fitted_for
@@ -42,7 +43,7 @@ def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dt
     from ..studies.trace import parse_vs
 
     use_threads(threads)
-    cfg = ExitConfig.from_yaml(exit_config) if exit_config is not None else ExitConfig(**knobs, seed=seed)
+    cfg = exit_config_from(ctx, knobs, exit_config, seed=seed)
     configs = [cfg, *parse_vs(vs, cfg)]
     writable_targets((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json"))
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
@@ -155,8 +156,7 @@ CalibrationOutOpt = typer.Option(None, "--out", "-o", help="JSON report [results
 
 @app.command()
 @one_line_errors
-@exit_knobs("policy", "min_steps", "max_steps", "patience", "relative", "exit_model", "kv_window",
-            policy="second_order")
+@exit_knobs(*(k for k in KNOBS_ON_COMMAND_LINE if k != "threshold"), policy="second_order")
 def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: Optional[str] = CalibrationGridOpt,
               checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
               task: Optional[str] = CalibrationTaskOpt, text: Optional[str] = CalibrationTextOpt,
@@ -164,7 +164,7 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
               programs: int = CalibrationProgramsOpt, test_fraction: float = TestFractionOpt,
               batch_size: int = CalibrationBatchOpt, seed: int = CalibrationSeedOpt, replay: bool = CalibrationReplayOpt,
               out: Optional[Path] = CalibrationOutOpt, threads: Optional[int] = ThreadsOpt,
-              exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None):
+              exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None, ctx: typer.Context = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from ..analysis.tables import calibration_table
     from ..harness.documents import token_lists
@@ -183,11 +183,9 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
                              "before the documents are read; take the values a run derived (`exitbench run "
                              "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     use_threads(threads)
-    # an unknown policy or bad knob fails before the checkpoint loads; a file (an all_of's rules) replaces the flags
-    config = ExitConfig.from_dict({"seed": seed, **ExitConfig.read_yaml(exit_config)},
-                                  what=f"knob in exit config {exit_config}") if exit_config is not None \
-        else ExitConfig(**knobs, seed=seed)
-    check_calibratable(config.policy)
+    # an unknown policy or bad knob fails before the checkpoint loads
+    config = exit_config_from(ctx, knobs, exit_config, seed=seed)
+    check_calibratable(config.policy, config.threshold)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
@@ -226,6 +224,7 @@ FitOutOpt = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exi
 
 @app.command("fit-exit")
 @one_line_errors
+@exit_knobs("max_steps")
 def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
              task: Optional[str] = typer.Option(None, "--task", "-t", help="Fit on this lm-eval task's training "
                                                 "(else validation) split, never the split it evaluates."),
@@ -235,22 +234,33 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
              disjoint_from: Optional[str] = DisjointOpt, kind: str = KindOpt,
              batch_size: int = typer.Option(16, help="Sequences recorded together."),
              seed: int = typer.Option(0, help="Seed of the programs, the validation split and the noise."),
-             out: Optional[Path] = FitOutOpt):
-    """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early."""
+             out: Optional[Path] = FitOutOpt, exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None,
+             ctx: typer.Context = None):
+    """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early.
+
+    Its labels are taken against full depth, each loop group's default or --max-steps (from --exit-config too)."""
     from ..analysis.tables import exit_model_tables
     from ..models.checkpoint import open_checkpoint
     from ..store.disk import writable_output
-    from ..studies.fit_exit import check_fit_options, fit_learned, fitting_documents, provenance, write_exit_model
+    from ..studies.fit_exit import (check_fit_options, fit_depths, fit_learned, fitting_documents, provenance,
+                                    write_exit_model)
 
+    # the learned rule's file is what this writes, so the knobs are read as a dict, not a config of that rule
+    knobs = {**knobs, "seed": seed}
+    if exit_config is not None:
+        typed = {k: v for k, v in knobs.items() if k in given_on_command_line(ctx)}
+        knobs = {**knobs, **ExitConfig.file_knobs(exit_config, typed), **typed}
+    seed = knobs["seed"]
     check_fit_options(limit, batch_size, seed)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    steps = fit_depths(ck.model, knobs)
     path = writable_output(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
     with console.status("fit-exit: reading the documents"):
         docs, source, disjoint = fitting_documents(ck, task, text, data_dir, tokens, limit, seed, disjoint_from)
     content = with_progress("fit-exit", lambda on_progress: fit_learned(
-        ck.model, docs, kind=kind, seed=seed, batch_size=batch_size, on_progress=on_progress))
+        ck.model, docs, kind=kind, seed=seed, batch_size=batch_size, on_progress=on_progress, steps=steps))
     content.update(provenance(ck, source, docs, disjoint, seed))
     for table in exit_model_tables(content):
         console.print(table)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -162,25 +162,41 @@ class ExitConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], what: str = "exit config key") -> "ExitConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ExitbenchError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        _refuse_unknown(raw, what)
         return cls(**raw)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ExitConfig":
-        return cls.from_dict(cls.read_yaml(path), what=f"knob in exit config {path}")
+        return cls.with_file(path, {})
 
     @classmethod
-    def with_file(cls, path: str | Path, knobs: dict[str, Any], what: str) -> "ExitConfig":
-        """The knobs of an exit-config file with `knobs` given one by one beside it; a knob set in both is
-        refused rather than silently taken from one."""
+    def with_file(cls, path: str | Path, given: dict[str, Any], where: str | None = None,
+                  defaults: dict[str, Any] | None = None) -> "ExitConfig":
+        """The config of an exit-config file and the knobs `given` one by one beside it (flags typed, or lm-eval's
+        model arguments: `where` names them so, e.g. "exitbench model argument"), over a command's `defaults`
+        for the knobs neither sets: how every command reads --exit-config (`file_knobs` says the rule)."""
+        spell = (lambda name: f"{where} {name}") if where else None
+        return cls.from_dict({**(defaults or {}), **cls.file_knobs(path, given, spell), **given},
+                             what=f"knob in exit config {path}")
+
+    @classmethod
+    def file_knobs(cls, path: str | Path, given: Iterable[str] = (), spell: Callable[[str], str] | None = None
+                   ) -> dict[str, Any]:
+        """An exit-config file's knobs, by the one rule of every command: known knobs, at least one, and none of
+        the knobs `given` beside it, one of which would otherwise be silently dropped. `spell` says how the
+        user gave a knob (default its flag, `--min-steps`)."""
         raw = cls.read_yaml(path)
-        both = sorted(set(raw) & set(knobs))
+        _refuse_unknown(raw, f"knob in exit config {path}")
+        if not raw:
+            raise ExitbenchError(f"exit config {path} sets no knob; give at least its policy, or leave "
+                                 "--exit-config out")
+        # typed here, so a wrong value is named by the file whatever the policy it ends up beside
+        parse(_typed_knobs(), {**{f.name: f.default for f in fields(cls)}, **raw}, f"exit config {path}")
+        both = sorted(set(raw) & set(given))
         if both:
-            raise ExitbenchError(f"{what} {both[0]} is set both in exit config {path} and on its own; set it once")
-        return cls.from_dict({**raw, **knobs}, what=f"knob in exit config {path}")
+            name = spell(both[0]) if spell else "--" + both[0].replace("_", "-")
+            raise ExitbenchError(f"{both[0]} is set both in exit config {path} and by {name}; set it in one place")
+        return raw
 
     @staticmethod
     def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -219,6 +235,13 @@ class ExitConfig:
 _POLICY_ROLE = ExitConfig.names(role="policy")
 if set(_POLICY_ROLE) - {"policy"} != set(POLICY_KNOBS):
     raise AssertionError(f"ExitConfig's policy knobs {_POLICY_ROLE} and the policies' {POLICY_KNOBS} differ")
+
+
+def _refuse_unknown(raw: dict[str, Any], what: str) -> None:
+    known = sorted(f.name for f in fields(ExitConfig))
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ExitbenchError(f"unknown {what} {unknown[0]!r}; known: {', '.join(known)}")
 
 
 @functools.cache

@@ -152,10 +152,13 @@ def split(docs: Sequence[list[int]], test_fraction: float, seed: int) -> tuple[l
 
 
 # ---- the procedure ---------------------------------------------------------------------------------------
-def check_calibratable(policy: str) -> None:
+def check_calibratable(policy: str, threshold: float | None = None) -> None:
     if policy in UNCALIBRATABLE:
         raise ExitbenchError(f"calibrate: policy {policy!r} cannot be calibrated: {UNCALIBRATABLE[policy]}; "
                              f"pick a threshold rule such as second_order or kl")
+    if threshold is not None:  # only an exit-config file gives one: calibrate has no --threshold
+        raise ExitbenchError(f"calibrate chooses the threshold, and the exit config sets threshold {threshold:g}; "
+                             "drop it from the file (calibrate --thresholds takes a grid to choose from)")
 
 
 def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: Sequence[float], *,

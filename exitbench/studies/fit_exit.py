@@ -104,15 +104,36 @@ class Rows:
     oracle: np.ndarray    # (rows,) the token's oracle exit
 
 
+def fit_depths(model, knobs: dict[str, Any]) -> list[int]:
+    """Each loop group's depth for the fit, whose labels are taken against it (`max_steps`, default each group's
+    own), from the exit knobs the command was given; knobs that change how tokens run are refused, since the
+    recording runs them the default way (the rule's threshold, patience and steps apply where it is used)."""
+    from ..engine import ExitConfig
+
+    changed = ExitConfig(**{k: v for k, v in knobs.items() if k in ExitConfig.names(role="engine")}).changed("engine")
+    if changed:
+        raise ExitbenchError(f"fit-exit records every token the default way (prompt at full depth, its own initial "
+                             f"state, every KV slot, physical exits), so it cannot fit under {changed[0]}="
+                             f"{knobs[changed[0]]!r}; drop it")
+    depths = []
+    for g in model.loop_groups():
+        depth = knobs.get("max_steps") or g.default_steps
+        if depth > g.max_steps:
+            raise ExitbenchError(f"--max-steps {depth} exceeds the {g.name} group's maximum of {g.max_steps} "
+                                 f"iterations; give at most {g.max_steps}")
+        depths.append(depth)
+    return depths
+
+
 def record_rows(model, docs: Sequence[list[int]], seed: int, batch_size: int,
-                on_batch: Callable[[], None] | None = None) -> Rows:
-    """Every predicted position of `docs`, teacher-forced, at every iteration of every loop group (a group's
-    trajectory with the others at full depth, as the replay recorder takes it); tokens with a non-finite state
-    or readout are left out."""
+                on_batch: Callable[[], None] | None = None, steps: Sequence[int] | None = None) -> Rows:
+    """Every predicted position of `docs`, teacher-forced, at every iteration of every loop group to its depth
+    (`steps`, default each group's own; a group's trajectory with the others at full depth, as the replay
+    recorder takes it); tokens with a non-finite state or readout are left out."""
     from ..engine.recorder import Recorder, Sequence_
 
     groups = model.loop_groups()
-    steps = [g.default_steps for g in groups]
+    steps = list(steps or [g.default_steps for g in groups])
     probe = _FeatureProbe()
     recorder = Recorder(model, max(steps), [probe], [], seed, steps, oracle=True)
     parts: dict[str, list[np.ndarray]] = {n: [] for n in ("x", "y", "doc", "token", "k", "changed", "oracle")}
@@ -255,13 +276,15 @@ def subset(rows: Rows, docs: set[int]) -> Rows:
 
 
 def fit(model, docs: Sequence[list[int]], *, kind: str = "logistic", seed: int = 0, batch_size: int = 16,
-        thresholds: Sequence[float] = (), on_batch: Callable[[], None] | None = None) -> dict[str, Any]:
+        thresholds: Sequence[float] = (), on_batch: Callable[[], None] | None = None,
+        steps: Sequence[int] | None = None) -> dict[str, Any]:
     """Record, label, fit and measure: the exit-model file's content, less where the documents came from."""
     if kind not in FITTERS:
         raise ExitbenchError(f"--kind must be one of {', '.join(FITTERS)}, got {kind!r}")
     if len(docs) < 2:
         raise ExitbenchError(f"fit-exit needs at least 2 documents (one to fit on, one to check), got {len(docs)}")
-    rows = record_rows(model, docs, seed, batch_size, on_batch)
+    steps = list(steps or [g.default_steps for g in model.loop_groups()])
+    rows = record_rows(model, docs, seed, batch_size, on_batch, steps)
     train_docs, valid_docs = split_documents(len(docs), seed)
     train, valid = subset(rows, train_docs), subset(rows, valid_docs)
     if len(np.unique(train.y)) < 2:
@@ -276,7 +299,7 @@ def fit(model, docs: Sequence[list[int]], *, kind: str = "logistic", seed: int =
         "data": {"documents": len(docs), "tokens": int(len(np.unique(rows.token))), "rows": int(len(rows.y)),
                  "settled_share": float(rows.y.mean()), "fit_documents": len(train_docs),
                  "validation_documents": len(valid_docs),
-                 "max_steps": [g.default_steps for g in model.loop_groups()]},
+                 "max_steps": steps},
         "metrics": {
             "validation": {"log_loss": loss, "auc": auc(valid.y, 1.0 - risk),
                            "accuracy": float(((risk < 0.5) == (valid.y == 1)).mean()),
@@ -321,14 +344,15 @@ def fitting_documents(ck, task: str | None, text: str | None, data_dir: str | No
 
 
 def fit_learned(model, docs: Sequence[list[int]], *, kind: str, seed: int, batch_size: int,
-                on_progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                on_progress: Callable[[int, int], None] | None = None, steps: Sequence[int] | None = None
+                ) -> dict[str, Any]:
     """`fit` at the learned rule's own threshold grid, saying (batches recorded, batches) as it records."""
     from ..policies import REGISTRY
 
     batches = -(-len(docs) // batch_size)
     done = iter(range(1, batches + 1))
     return fit(model, docs, kind=kind, seed=seed, batch_size=batch_size, thresholds=REGISTRY["learned"].default_grid,
-               on_batch=(lambda: on_progress(next(done), batches)) if on_progress else None)
+               on_batch=(lambda: on_progress(next(done), batches)) if on_progress else None, steps=steps)
 
 
 def documents_digest(docs: Sequence[list[int]]) -> str:

@@ -190,22 +190,23 @@ class SweepConfig:
 
 def with_exit_config(options: RunOptions, knobs: dict[str, Any], given: set[str]
                      ) -> tuple[RunOptions, dict[str, Any]]:
-    """--exit-config FILE: the file's knobs over the defaults; its policy and threshold where --policy and
-    --thresholds were not typed (so `--thresholds` sweeps a conjunction's varied rule). A knob typed on the
-    command line that the file sets too is refused: one of the two would be silently ignored."""
+    """--exit-config FILE beside the options typed, by every command's one rule (`ExitConfig.file_knobs`): a knob
+    set in both places is refused. The file's policy, threshold and seed are the sweep's --policy, --thresholds
+    (so `--thresholds` sweeps a conjunction's varied rule when the file leaves its threshold open) and --seed."""
     path = options.exit_config
-    raw = ExitConfig.read_yaml(path)
-    ExitConfig.from_dict(raw, what=f"knob in exit config {path}")  # whole and valid on its own, named by file
-    both = sorted(k for k in set(raw) & given if k != "threshold")
-    if both:
-        raise ExitbenchError(f"--{both[0].replace('_', '-')} is given on the command line and in --exit-config "
-                             f"{path}; set it in one place")
+    typed = {k for k in knobs if k in given} | {k for k in ("policy", "seed") if k in given}
+    typed |= {"threshold"} if "thresholds" in given else set()
+    raw = ExitConfig.file_knobs(path, typed, spell=lambda k: "--" + RUN_SPELLING.get(k, k).replace("_", "-"))
     policy = [raw["policy"]] if "policy" in raw else options.policy
-    thresholds = options.thresholds
-    if "thresholds" not in given and raw.get("threshold") is not None:
-        thresholds = repr(raw["threshold"])
-    knobs = {**knobs, **{k: v for k, v in raw.items() if k not in ("policy", "threshold")}}
-    return replace(options, policy=policy, thresholds=thresholds), knobs
+    thresholds = repr(raw["threshold"]) if raw.get("threshold") is not None else options.thresholds
+    knobs = {**knobs, **{k: v for k, v in raw.items() if k not in ("policy", "threshold", "seed")}}
+    for name in (n for n in policy if n != "all"):  # what the file's knobs mean to each rule, before a checkpoint
+        ExitConfig.for_policy(name, raw.get("threshold"), knobs)
+    return replace(options, policy=policy, thresholds=thresholds, seed=raw.get("seed", options.seed)), knobs
+
+
+# The exit knobs `run` takes under another option's name.
+RUN_SPELLING = {"threshold": "thresholds"}
 
 
 def check_mode(cfg: SweepConfig, verify: bool = False, verify_cells: str | None = None) -> list[tuple[str, float]]:
