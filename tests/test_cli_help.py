@@ -27,3 +27,14 @@ def test_policies_lists_every_registered_policy():
     assert res.exit_code == 0
     for name in REGISTRY:
         assert name in res.output
+
+
+def test_policies_says_each_rule_whole():
+    """Each rule's description is its docstring's whole first paragraph: the first line alone cut qexit's mid
+    sentence ("(the last step") and learned's before its label."""
+    import re
+
+    res = runner.invoke(app, ["policies"], terminal_width=200)
+    assert res.exit_code == 0
+    text = " ".join(re.sub(r"[│┃]", " ", res.output).split())
+    assert "so every token leaves by T" in text and "(label: the oracle's criterion)" in text

@@ -61,7 +61,7 @@ def test_samples_without_token_text_draw_numbered_tokens():
     sample = {"doc_id": 0, "arguments": [["x=1 y=x", {"until": ["\n"]}]], "acc": 1,
               "exitbench": {"exit_steps": [[3], [4]], "mean": 3.5}}
     m = exitmap.from_sample(sample, {"policy": "kl", "threshold": 1e-4, "max_steps": 16}, "acc")
-    assert [t.text for t in m.tokens] == ["[0]", "[1]"] and m.context == "x=1 y=x" and m.note == "acc 1"
+    assert [t.text for t in m.tokens] == ["[0]", "[1]"] and m.context == "x=1 y=x" and m.note == "accuracy 1"
     assert m.max_steps == 16 and m.mean_iterations == 3.5
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..store.cells import series
-from .labels import config_label
+from .labels import config_label, metric_name, series_label
 
 CMAP = "YlGnBu"  # light = early exit, dark = deep: the eye finds the expensive tokens first
 MISS_COLOR = "#d62728"
@@ -86,7 +86,7 @@ def from_sample(sample: dict[str, Any], knobs: dict[str, Any], metric: str | Non
     tokens = [MapToken(t, list(s), lp, g) for t, s, lp, g in zip(texts, steps, logprobs, greedy)]
     note = ""
     if metric is not None and isinstance(sample.get(metric), (int, float)):
-        note = f"{metric} {sample[metric]:.4g}"
+        note = f"{metric_name(metric)} {sample[metric]:.4g}"
     return ExitMap(label=policy_label(knobs), tokens=tokens, max_steps=_scale(knobs.get("max_steps"), tokens),
                    context=sample_context(sample), note=note)
 
@@ -104,8 +104,8 @@ def sample_context(sample: dict[str, Any]) -> str:
 
 
 def policy_label(knobs: dict[str, Any]) -> str:
-    """`second_order τ=0.316`, `fixed r=16`, with the series' variant (relative, a KV window) in its name."""
-    return config_label(series(knobs), knobs.get("threshold"))
+    """`second_order τ=0.316`, `fixed r=16`, with the series' variant in words (`second_order (relative)`)."""
+    return config_label(series_label(series(knobs)), knobs.get("threshold"))
 
 
 def _scale(max_steps: int | None, tokens: list[MapToken]) -> int:

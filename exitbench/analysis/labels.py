@@ -51,8 +51,29 @@ def exit_config_label(config: Any) -> str:
 
 
 def point_label(policy: str, threshold: Any) -> str:
-    """A frontier point's label in a figure: `r = 8` for a fixed depth, `second_order τ=1` otherwise."""
-    return f"r = {threshold:g}" if policy.startswith("fixed") else config_label(policy, threshold)
+    """A frontier point's label in a figure: `r = 8` for a fixed depth, `second_order τ=1` otherwise (a series'
+    variant in words: `second_order (relative) τ=1`)."""
+    return f"r = {threshold:g}" if policy.startswith("fixed") else config_label(series_label(policy), threshold)
+
+
+# A series' suffixes (`store.cells.series`) as a reader says them.
+SUFFIXES = ((r"-rel$", "relative"), (r"-kv(\d+)$", "KV window {0}"), (r"-(select|weighted|freeze)$", "exit mode {0}"))
+
+
+def series_label(name: str) -> str:
+    """A series as figures and pages name it: `second_order-rel-kv4` → `second_order (relative, KV window 4)`."""
+    import re
+
+    said: list[str] = []
+    found = True
+    while found:
+        found = False
+        for pattern, words in SUFFIXES:
+            m = re.search(pattern, name)
+            if m:
+                said.insert(0, words.format(*m.groups()))
+                name, found = name[:m.start()], True
+    return f"{name} ({', '.join(said)})" if said else name
 
 
 def overhead(value: float | None, timing: str | None = None) -> str:

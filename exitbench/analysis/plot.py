@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import ExitbenchError
 from .frontier import COSTS, Point, frontier, group_names, groups
-from .labels import metric_name, metric_with_direction, point_label
+from .labels import metric_name, metric_with_direction, point_label, series_label
 
 
 def check_plot_target(path: Path, axis: str) -> None:
@@ -53,7 +53,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             pts.sort(key=lambda p: p.cost(axis))
             style = (dict(color="black", linestyle="--", marker="s") if name.startswith("fixed")
                      else dict(marker="o", color=colours[i % len(colours)]))
-            label = "fixed depth" if name == "fixed" else name
+            label = "fixed depth" if name == "fixed" else series_label(name)
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, zorder=2, **style)
             estimated = [p for p in pts if p.mode == "replay"] if axis == "wall_clock" else []
             if estimated:  # replay's times are its cost model's: drawn hollow, so none reads as a timing
@@ -109,13 +109,16 @@ def axis_label(axis: str, estimated: bool) -> str:
 
 
 def readable_log_ticks(axis) -> None:
-    """Ticks at 1, 2 and 5 of each decade, written as plain numbers: an axis that spans less than a decade (a
-    perplexity from 1 to 9) otherwise shows one or two powers of ten and nothing between."""
+    """On a log axis of its data (call it after plotting): ticks at 1, 2 and 5 of each decade, written as plain
+    numbers, where the data span at most two decades: such an axis (a perplexity from 1 to 9) otherwise shows one
+    or two powers of ten and nothing between. A wider one keeps a tick per decade."""
     import matplotlib.ticker as ticker
 
-    axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(ticker.NullFormatter())  # minor labels overprint
+    lo, hi = sorted(axis.get_data_interval())
+    if lo > 0 and hi / lo <= 100:
+        axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
 
 
 # Where a point's label may go, in points from the point, tried in this order: below right, above right,
@@ -124,12 +127,14 @@ LABEL_OFFSETS = ((4, -9, "left"), (4, 4, "left"), (-4, -9, "right"), (-4, 4, "ri
 
 
 def place_labels(fig, labels: list) -> None:
-    """Put each label where its rendered box covers no marker of any series and no label kept before it, trying
-    LABEL_OFFSETS in turn; a label with no such place is dropped (a missing label misleads less than one that
-    names another series' point). Measured on the laid-out figure, in display units, so it holds whatever the
+    """Put each label where its rendered box stays inside its axes and covers no marker of any series, no legend
+    and no label kept before it, trying LABEL_OFFSETS in turn; a label with no such place is dropped (a missing label misleads less than one
+    that names another series' point). Measured on the laid-out figure, in display units, so it holds whatever the
     axes' scales and the labels' lengths."""
     renderer = fig.canvas.get_renderer()
-    markers = {id(ax): marker_boxes(ax) for ax in fig.axes}
+    fig.canvas.draw()  # places each legend ("best" is settled at draw time), so labels can keep clear of it
+    markers = {id(ax): marker_boxes(ax) + ([ax.get_legend().get_window_extent(renderer)] if ax.get_legend() else [])
+               for ax in fig.axes}
     kept = []
     for label in labels:
         anchor = label.axes.transData.transform(label.xy)
@@ -139,7 +144,9 @@ def place_labels(fig, labels: list) -> None:
             label.xyann = (dx, dy)
             label.set_horizontalalignment(align)
             box = label.get_window_extent(renderer)
-            if not any(box.overlaps(other) for other in kept + others):
+            inside = label.axes.bbox.x0 <= box.x0 and box.x1 <= label.axes.bbox.x1 and \
+                label.axes.bbox.y0 <= box.y0 and box.y1 <= label.axes.bbox.y1  # not over a spine or a tick label
+            if inside and not any(box.overlaps(other) for other in kept + others):
                 kept.append(box)
                 break
         else:

@@ -133,7 +133,8 @@ def policies():
     for col in ("policy", "exits when", "decodes?", "default τ", "grid", "source"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
-        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        # the docstring's whole first paragraph: its first line alone cut qexit's and learned's mid-sentence
+        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
         if cls.takes_rules:  # a conjunction decodes, and sweeps, as its rules do
             table.add_row(name, summary, "if a rule does", "its varied rule's", "its varied rule's", cls.source)
             continue

@@ -4,12 +4,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..analysis.plot import readable_log_ticks
 from .geometry import QUANTITIES, write_report
 
 # What `exitbench geometry` writes into its --out directory.
 FILES = ("geometry.json", "steps.png", "handoffs.png", "pca.png")
-LABELS = {"step": "‖Δ_k‖", "rel_step": "‖Δ_k‖ / ‖s_k‖", "cosine": "cos(Δ_k, Δ_{k−1})",
-          "accel": "‖Δ_k − Δ_{k−1}‖", "accel_mag": "|‖Δ_k‖ − ‖Δ_{k−1}‖|"}
+# In matplotlib's mathtext: written as plain text, `Δ_{k−1}` showed its braces and underscores.
+LABELS = {"step": r"$\Vert\Delta_k\Vert$", "rel_step": r"$\Vert\Delta_k\Vert \,/\, \Vert s_k\Vert$",
+          "cosine": r"$\cos(\Delta_k, \Delta_{k-1})$", "accel": r"$\Vert\Delta_k - \Delta_{k-1}\Vert$",
+          "accel_mag": r"$|\,\Vert\Delta_k\Vert - \Vert\Delta_{k-1}\Vert\,|$"}
+HANDOFF_TITLE = r"$\Vert x_{g+1}^{(1)} - x_g^{(K)}\Vert \,/\, \mathrm{mean}_k \Vert\Delta_g^{(k)}\Vert$"
 
 
 def _pyplot():
@@ -59,6 +63,7 @@ def plot_steps(report: dict[str, Any], path: Path, title: str = "") -> Path:
                     ax.plot(ks, medians, color=color, lw=1, ls="--", label="median")
             if q != "cosine":
                 ax.set_yscale("log")
+                readable_log_ticks(ax.yaxis)
             else:
                 ax.axhline(0, color="grey", lw=0.6)
                 ax.set_ylim(-1.05, 1.05)
@@ -92,9 +97,10 @@ def plot_handoffs(report: dict[str, Any], path: Path) -> Path | None:
         ax.plot(xs, ys, marker=marker, label=f"{first['from']} → {first['to']}")
     ax.axhline(1, color="grey", lw=0.8, ls=":")
     ax.set_yscale("log")
+    readable_log_ticks(ax.yaxis)
     ax.set_xlabel("training step" if entries[0].get("training_step") is not None else "checkpoint")
     ax.set_ylabel("drift-to-loop ratio (first step of next group)")
-    ax.set_title("‖x_{g+1}^(1) − x_g^(K)‖ / mean_k ‖Δ_g^(k)‖")
+    ax.set_title(HANDOFF_TITLE)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
