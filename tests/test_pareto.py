@@ -251,3 +251,48 @@ def test_matched_table_warns_when_speedups_mix_runs(tmp_path, capfd, small_sweep
     run_cells(ck, tasks, SweepConfig(**{**cfg.__dict__, "thresholds": [1.0]}), out, "cpu")
     code, lines, _ = invoke(["pareto", str(out)], capfd)
     assert code == 0 and any("warning:" in line and "different runs" in line for line in lines), lines
+
+
+def test_paired_speedups_from_several_runs_are_no_mix():
+    """A cell's paired speed-up was timed beside full depth in its own run: one directory gathering several runs'
+    cells (the quickstart's second step) divides nothing across runs, so nothing is said; two evaluations of
+    different runs divided still are."""
+    import copy
+
+    cell_list = copy.deepcopy(ACC)
+    for c in cell_list:
+        if c["policy"]["policy"] != "fixed":
+            c["run"]["run_id"] = "later"
+            paired(c, [0.5, 0.55, 0.6])
+    assert notes.mixed_note(frontier.report(cell_list)) is None
+    kl = next(c for c in cell_list if c["policy"]["policy"] == "kl")
+    del kl["wall_clock"]["repeats"]
+    assert "divide timings measured by different runs" in notes.mixed_note(frontier.report(cell_list))
+
+
+def test_figures_read_as_words_and_the_frontier_has_its_own_colour():
+    """A series' variant in words (`second_order (relative)`, not `second_order-rel`), a log axis within one
+    decade ticked at 1, 2, 5 (a perplexity from 1 to 9 showed only 1 and 10), and a frontier band whose colour
+    no policy's curve shares (its light red was kl's)."""
+    import copy
+
+    from matplotlib.colors import to_hex
+
+    from exitbench.studies.geometry_plot import HANDOFF_TITLE, LABELS
+
+    cell_list = copy.deepcopy(ACC + PPL)
+    for c in cell_list:
+        if c["policy"]["policy"] == "first_order":
+            c["policy"]["relative"] = True
+    fig = plot.draw(cell_list, "iterations")
+    acc_ax, ppl_ax = fig.axes
+    names = {line.get_label() for line in ppl_ax.get_lines()}
+    assert "first_order (relative)" in names and not any(n.endswith("-rel") for n in names)
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ppl_ax.get_yticklabels() if t.get_text()]
+    assert {"1", "2", "5"} <= set(ticks), ticks
+    front = next(line for line in acc_ax.get_lines() if line.get_label() == "frontier")
+    others = {to_hex(line.get_color()) for ax in fig.axes for line in ax.get_lines() if line is not front
+              and line.get_label() != "frontier"}
+    assert to_hex(front.get_color()) not in others
+    assert all(p.startswith("$") and p.endswith("$") for p in [*LABELS.values(), HANDOFF_TITLE])  # mathtext

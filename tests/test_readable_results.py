@@ -140,3 +140,14 @@ def test_no_metadata_hint_and_no_datasets_bar_inside_a_run(tmp_path, capfd):
     finally:
         logger.removeHandler(ear)
         logger.setLevel(saved_level)
+
+
+def test_a_conjunctions_trace_says_whose_threshold_it_is():
+    """`all_of τ=5` named no rule; the title names the rules and the one τ varies."""
+    knobs = {"policy": "all_of", "threshold": 5, "patience": 2, "max_steps": 16,
+             "rules": [{"policy": "margin", "threshold": 0.125}, {"policy": "argmax_stability"}]}
+    table = tables.trace_table({"policy": knobs, "mode": "score", "mean_iterations": 7.0, "tokens": []})
+    assert str(table.title).startswith("margin 0.125 ∧ argmax_stability, argmax_stability τ=5 (patience 2")
+    plain = tables.trace_table({"policy": {**knobs, "policy": "kl", "threshold": 5e-4, "rules": None},
+                                "mode": "score", "mean_iterations": 3.0, "tokens": []})
+    assert str(plain.title).startswith("kl τ=0.0005 (patience 2")

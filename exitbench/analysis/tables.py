@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import ExitbenchError
+from ..store.cells import conjunction
 from .frontier import collapse_tolerances, table_rows
 from .labels import PLAIN_OVERHEAD, config_label, direction, metric_with_direction, overhead, setting
 from .speedup import NONE as NO_SPEEDUP
@@ -316,7 +317,7 @@ def exit_model_tables(content: dict[str, Any]) -> list[Table]:
 def trace_table(report: dict[str, Any]):
     knobs = report["policy"]
     window = f", KV window {knobs['kv_window']}" if knobs.get("kv_window") else ""
-    title = (f"{knobs['policy']} τ={knobs['threshold']:g} (patience {knobs['patience']}, max {knobs['max_steps']}"
+    title = (f"{rule_and_threshold(knobs)} (patience {knobs['patience']}, max {knobs['max_steps']}"
              f"{window}) · {report['mode']} · mean iterations {report['mean_iterations']:.2f}")
     table = Table(title=title)
     for col in ("input token", "next token", "log p", "greedy", "exit step"):
@@ -325,6 +326,16 @@ def trace_table(report: dict[str, Any]):
         table.add_row(row["input"], row["next"], f"{row['logprob']:.3f}", "yes" if row["greedy"] else "no",
                       ", ".join(map(str, row["exit_steps"])))
     return table
+
+
+def rule_and_threshold(knobs: dict[str, Any]) -> str:
+    """A rule and its τ as a title says them; a conjunction by its rules, its τ named as its varied rule's
+    (`margin 0.125 ∧ argmax_stability, argmax_stability τ=5`: "all_of τ=5" says nobody's)."""
+    if not knobs.get("rules"):
+        return config_label(knobs["policy"], knobs["threshold"])
+    vary = knobs.get("vary") or next((r["policy"] for r in knobs["rules"] if r.get("threshold") is None),
+                                     knobs["rules"][0]["policy"])
+    return f"{conjunction(knobs)}, {config_label(vary, knobs['threshold'])}"
 
 
 def depth_tables(report: dict[str, Any]) -> list:
