@@ -151,3 +151,23 @@ def test_a_conjunctions_trace_says_whose_threshold_it_is():
     plain = tables.trace_table({"policy": {**knobs, "policy": "kl", "threshold": 5e-4, "rules": None},
                                 "mode": "score", "mean_iterations": 3.0, "tokens": []})
     assert str(plain.title).startswith("kl τ=0.0005 (patience 2")
+
+
+def test_the_quickstarts_trace_shows_an_answer_not_only_misses():
+    """Scoring the program's own tokens is a row of misses (a next variable's name is arbitrary); the quickstart's
+    trace generates the answer, which the model gets right, so the exit steps it shows mean something."""
+    import shlex
+
+    from helpers.cli import runner
+    from helpers.paths import REPO
+
+    from exitbench.cli import app
+
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("exitbench trace "))
+    args = [a for a in shlex.split(line)[1:] if a != "--html" and a != "exitmap.html"]
+    assert "--generate" in args
+    res = runner.invoke(app, args, terminal_width=120)
+    assert res.exit_code == 0, res.output
+    rows = [r for r in res.output.splitlines() if r.startswith("│ d=c")]
+    assert len(rows) == 2 and all("│ 7 " in r and "│ yes " in r for r in rows), res.output

@@ -114,8 +114,10 @@ def reuse_note(reused: list[dict[str, Any]], out) -> str | None:
     started = sorted(c["run"]["started"] for c in reused)
     runs = len({c["run"].get("run_id") for c in reused})
     when = started[0] if started[0] == started[-1] else f"{started[0]} to {started[-1]}"
-    note = (f"reusing {len(reused)} cell(s) already in {out}, measured {when} by {runs} earlier run(s); "
-            "their timings are as measured then (use a fresh --out to measure everything now)")
+    # Said as a note, not a warning: adding rules to a sweep's directory is how a sweep grows (the quickstart's
+    # second step), and each cell's paired speed-up was timed beside full depth in its own run.
+    note = (f"note: reusing {len(reused)} cell(s) already in {out}, measured {when} by {runs} earlier run(s); each "
+            "keeps the timings of its own run (a fresh --out measures everything now)")
     broken = [c for c in reused if (c.get("numerics") or {}).get("nonfinite_tokens")]
     if broken:
         note += (f"\nwarning: {len(broken)} reused cell(s) had tokens whose states or logits went NaN or infinite "
