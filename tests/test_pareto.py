@@ -296,3 +296,33 @@ def test_figures_read_as_words_and_the_frontier_has_its_own_colour():
               and line.get_label() != "frontier"}
     assert to_hex(front.get_color()) not in others
     assert all(p.startswith("$") and p.endswith("$") for p in [*LABELS.values(), HANDOFF_TITLE])  # mathtext
+
+
+def test_every_table_names_the_depth_full_depth_means():
+    """Policies capped by --max-steps are compared against their cap: the titles say which depth that is, and
+    where a deeper fixed depth sits beside it, the matched table says what it scores (a cell 120% worse than
+    r = 16 read as "within 0–2% of full depth" without a word)."""
+    import copy
+    import re
+
+    from rich.console import Console
+
+    from exitbench.analysis import tables
+    from exitbench.sweep.run import summary_rows
+
+    def render(*things):
+        console = Console(width=160, record=True, file=open("/dev/null", "w"))
+        console.print(*things)
+        return " ".join(console.export_text().split())
+
+    cell_list = copy.deepcopy(ACC)
+    assert "full depth r = 16" in render(tables.summary_table(summary_rows(cell_list), "cells"))
+    capped = [hand_made_cell("t", "acc", True, "fixed", 4, 0.50, 4, 0.25e-3),
+              hand_made_cell("t", "acc", True, "fixed", 16, 0.90, 16, 1.0e-3),
+              hand_made_cell("t", "acc", True, "second_order", 0.1, 0.5, 3.5, 0.24e-3, max_steps=4)]
+    shown = render(*tables.pareto_tables(frontier.report(capped)))
+    assert "matched quality (ε relative to full depth r = 4;" in shown
+    assert "frontier over wall-clock (speed-ups over full depth r = 4)" in shown
+    assert re.search(r"full depth here is r = 4, the policies' max steps \(quality 0\.5\); r = 16 ran beside them "
+                     r"and scores 0\.9", shown), shown
+    assert "full depth r = 4" in render(tables.summary_table(summary_rows(capped), "cells"))

@@ -70,7 +70,7 @@ def test_report_states_direction_and_spread_in_words(tmp_path):
     write_cells(tmp_path, cell_list)
     page = report.build(tmp_path)
     matched = page[page.index('id="matched"'):page.index('id="histograms"')]
-    assert "(higher is better)" in matched and "higher is better: True" not in page
+    assert "(higher is better; full depth r = 16)" in matched and "higher is better: True" not in page
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", matched).group(1)
     assert "1.82–2.22×" in re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)
     assert '<td class="num">r = 16</td>' in matched

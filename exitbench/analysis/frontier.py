@@ -188,6 +188,18 @@ def full_depth(points: list[Point]) -> Point:
     return max(at_max or fixed, key=lambda p: (p.threshold, not p.cell["policy"].get("kv_window")))
 
 
+def reference_depths(points: list[Point]) -> dict[str, Any]:
+    """What "full depth" means in a group, for every table to name: the reference's depth and quality, and the
+    deepest fixed depth beside it with its quality where that is deeper (policies capped by --max-steps are
+    compared against their cap, while a deeper baseline may sit in the same directory)."""
+    ref = full_depth(points)
+    deepest = max((p for p in points if p.cell["policy"]["policy"] == "fixed"), key=lambda p: p.threshold)
+    out = {"full_depth": ref.threshold, "full_depth_quality": ref.quality}
+    if deepest.threshold > ref.threshold:
+        out.update(deepest_fixed=deepest.threshold, deepest_fixed_quality=deepest.quality)
+    return out
+
+
 def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
     """Quality no worse than the reference by more than eps (relative), in the metric's direction."""
     slack = eps * abs(reference)
@@ -300,7 +312,7 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
     for key, points in sorted(grouped.items(), key=lambda kv: names[kv[0]]):
         higher = points[0].cell["quality"]["higher_is_better"]
         entry = {"title": titles[key], "higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
-                 "matched_quality": matched_quality(points)}
+                 "matched_quality": matched_quality(points), **reference_depths(points)}
         as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
                                       "cost": p.cost(axis), "mode": p.mode,
                                       **(p.speed.to_dict() if axis == "wall_clock" and p.speed else {})}

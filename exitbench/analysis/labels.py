@@ -86,3 +86,17 @@ def overhead(value: float | None, timing: str | None = None) -> str:
 
 # Said under every table that marks one.
 PLAIN_OVERHEAD = "overhead: time ratio ÷ FLOP ratio to full depth; * from the cells' own timings, not paired repeats"
+
+
+def depth_said(entry: dict[str, Any]) -> str:
+    """The reference depth a group's ratios and ε are against, as a title names it (`r = 16`)."""
+    return f"r = {entry['full_depth']:g}" if entry.get("full_depth") is not None else "(none)"
+
+
+def deeper_said(entry: dict[str, Any]) -> str | None:
+    """Where a deeper fixed depth sits beside the reference (policies capped by --max-steps): what it scores."""
+    if entry.get("deepest_fixed") is None:
+        return None
+    return (f"full depth here is r = {entry['full_depth']:g}, the policies' max steps (quality "
+            f"{entry['full_depth_quality']:.4g}); r = {entry['deepest_fixed']:g} ran beside them and scores "
+            f"{entry['deepest_fixed_quality']:.4g}")

@@ -27,7 +27,7 @@ from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
-from .labels import direction, overhead, setting
+from .labels import deeper_said, depth_said, direction, overhead, setting
 from .speedup import SpeedUp
 from .speedup import text as speedup_text
 from .plot import draw
@@ -404,8 +404,9 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
              "retimed, else (marked *) the two cells' own timings; far above 1, the time measures our "
              "implementation of a rule, not the rule.</p>")
     tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
-              f"({direction(entry['higher_is_better'])})</small></h3>{matched_table(entry)}"
-              for group, entry in rep.items()]
+              f"({direction(entry['higher_is_better'])}; full depth {html.escape(depth_said(entry))})</small></h3>"
+              + (f'<p class="note">{html.escape(deeper_said(entry))}</p>' if deeper_said(entry) else "")
+              + matched_table(entry) for group, entry in rep.items()]
     return [intro, *tables]
 
 

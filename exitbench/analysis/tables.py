@@ -13,7 +13,8 @@ from rich.text import Text
 from ..errors import ExitbenchError
 from ..store.cells import conjunction
 from .frontier import collapse_tolerances, table_rows
-from .labels import PLAIN_OVERHEAD, config_label, direction, metric_with_direction, overhead, setting
+from .labels import (PLAIN_OVERHEAD, config_label, deeper_said, depth_said, direction, metric_with_direction,
+                     overhead, setting)
 from .speedup import NONE as NO_SPEEDUP
 from .speedup import SpeedUp
 from .speedup import legend
@@ -29,8 +30,14 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Group:
     by_task: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         by_task.setdefault((r["task"], r["metric"]), []).append(r)
-    return Group(*(_task_summary(f"{title}: {task} · {metric_with_direction(metric, group[0]['higher_is_better'])}",
-                                 group) for (task, metric), group in by_task.items()))
+    return Group(*(_task_summary(f"{title}: {task} · {metric_with_direction(metric, group[0]['higher_is_better'])}"
+                                 f"{_reference(group)}", group) for (task, metric), group in by_task.items()))
+
+
+def _reference(rows: list[dict[str, Any]]) -> str:
+    """` · full depth r = 16`: the depth the rows' speed-ups and overheads are against (none without one)."""
+    depths = sorted({r["reference_depth"] for r in rows if r.get("reference_depth") is not None})
+    return f" · full depth {', '.join(f'r = {d:g}' for d in depths)}" if depths else ""
 
 
 def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
@@ -141,8 +148,8 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
 
 
 def _matched_table(group: str, entry: dict[str, Any]) -> Table:
-    t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth; "
-                    f"{direction(entry['higher_is_better'])})", caption_justify="left")
+    t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth "
+                    f"{depth_said(entry)}; {direction(entry['higher_is_better'])})", caption_justify="left")
     for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
         # a speed-up and its range stay on one line: a narrow terminal folds the headings instead
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
@@ -154,7 +161,8 @@ def _matched_table(group: str, entry: dict[str, Any]) -> Table:
                   f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": SpeedUp.from_row(r)}),
                   overhead(r.get("overhead"), r.get("overhead_timing")),
                   "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
-    t.caption = timing_caption([{**r, "speedup": SpeedUp.from_row(r)} for r in rows])
+    t.caption = "\n".join(c for c in (deeper_said(entry), timing_caption([{**r, "speedup": SpeedUp.from_row(r)}
+                                                                          for r in rows])) if c) or None
     return t
 
 
@@ -170,7 +178,8 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
 def _wall_clock_table(group: str, entry: dict[str, Any]) -> Table:
     """The frontier over time per token: full depth's, divided by each cell's speed-up where the cell was retimed
     beside it (`frontier.price_wall_clock`), so its order is the speed-ups' order."""
-    f = Table(title=f"{entry.get('title', group)}: frontier over wall-clock", caption_justify="left")
+    f = Table(title=f"{entry.get('title', group)}: frontier over wall-clock (speed-ups over full depth "
+                    f"{depth_said(entry)})", caption_justify="left")
     for col in ("policy", "τ", "quality", "ms/token", "speed-up"):
         f.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
     rows = entry["frontiers"]["wall_clock"]
