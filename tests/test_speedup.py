@@ -140,3 +140,19 @@ def test_replay_time_is_labelled_an_estimate_everywhere(tmp_path):
     page = report.build(tmp_path)
     kl_row = re.search(r"<tr><td>kl</td>(.*?)</tr>", page[page.index('id="matched"'):]).group(1)
     assert "≈1.25×" in re.findall(r"<td[^>]*>([^<]*)</td>", kl_row)
+
+
+def test_a_cell_whose_repeats_are_broken_is_refused_in_one_line(tmp_path):
+    """Every reader divides by the repeats' ratio: a hand-edited one that is no number is a broken cell, named
+    before any reader touches it, not a traceback."""
+    from helpers.cli import assert_one_line_error, runner
+
+    from exitbench.cli import app
+
+    cell_list, kl = acc("kl", 1e-3)
+    paired(kl, [0.45, 0.5, 0.55])
+    kl["wall_clock"]["repeats"]["ratio"] = "0.5"
+    write_cells(tmp_path, cell_list)
+    for command in (["pareto", str(tmp_path)], ["export", str(tmp_path)]):
+        line = assert_one_line_error(runner.invoke(app, command), ["broken cell", "wall_clock.repeats.ratio"])
+        assert "kl" in line

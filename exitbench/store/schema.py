@@ -89,12 +89,32 @@ class IterationsPart(_Part):
     mlp_token_steps: Optional[int] = None
 
 
+class RepeatsPart(_Part):
+    """A cell's paired retiming beside full depth (harness/retime.py); cells written before the draw across the
+    task have no `documents` (they timed the task's first requests) and no fields after it."""
+    repeats: int
+    ratio: Number
+    spread: Number
+    full_depth: Number
+    ratios: list[Number] = []
+    requests: Optional[int] = None
+    flops_ratio: Optional[Number] = None
+    overhead: Optional[Number] = None
+    documents: Optional[list[Union[int, str]]] = None
+    of_documents: Optional[int] = None
+    whole_flops_ratio: Optional[Number] = None
+    representative: Optional[bool] = None
+    corrected_ratio: Optional[Number] = None
+
+
 class WallClockPart(_Part):
     per_token_s: Optional[float]
     probe_share: Optional[float]
     total_s: Optional[float] = None
     estimated: bool = False
     overhead: Optional[float] = None  # cells written before it, or timed once, have none
+    repeats: Optional[RepeatsPart] = None
+    untimed: Optional[str] = None  # why a task too small was not retimed
 
 
 class FlopsPart(_Part):
