@@ -273,3 +273,16 @@ def test_too_few_documents_says_how_many_are_needed(tmp_path):
 def test_command_errors_are_one_line(args, words):
     res = runner.invoke(app, ["calibrate", *args])
     assert_one_line_error(res, words)
+
+
+def test_the_default_grid_leaves_out_thresholds_at_which_the_rule_cannot_exit():
+    """argmax_stability's grid is 1, 2, 3, 5, 8; on three passes only τ = 1 can exit before the last, so calibrate
+    chooses among it alone. A threshold typed that cannot exit is refused (tests/test_cli_errors.py)."""
+    from pathlib import Path
+
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.studies.calibrate import grid_for
+
+    inkling = open_checkpoint(str(Path(__file__).parent / "fixtures" / "inkling2-tiny")).model
+    assert grid_for(inkling, ExitConfig("argmax_stability")) == [1]
+    assert grid_for(tiny(), ExitConfig("argmax_stability", max_steps=6)) == [1, 2, 3]

@@ -23,6 +23,7 @@ from helpers.cli import assert_one_line_error, invoke, run_cli, runner
 from helpers.sweeps import SMALL, SMALL_LOUD
 
 EMBEDDED = EMBEDDED_DIR / "tiny-raven"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def broken_cell(directory: Path) -> Path:
@@ -138,6 +139,15 @@ BAD_COMMANDS = {
     "run --baselines past the maximum": (run("--baselines", "4,1000", "--out", "{out}"), ["--baselines 1000", "32"]),
     "run --min-steps past the depth": (run("--min-steps", "20", "--out", "{out}"), ["min_steps=20", "max_steps=16"]),
     "run --baselines ''": (run("--baselines", "", "--out", "{out}"), ["--baselines", "empty"]),
+    # rules that can never exit before full depth, refused when planned, before a cell (tests/test_run.py: more)
+    "run the default second_order on two loops": (lambda t: ["run", "-c", str(FIXTURES / "nanbeige-tiny"), "--tasks",
+                                                             "chains", "--limit", "2", "--out", str(t / "o")],
+                                                   ["second_order can first exit at iteration 3", "--max-steps 4"]),
+    "trace the default second_order on two cycles": (lambda t: ["trace", "a b c", "-c", str(FIXTURES / "hrm-text-tiny")],
+                                                     ["second_order can first exit at iteration 3"]),
+    "calibrate at a τ that cannot exit": (lambda t: ["calibrate", "-p", "argmax_stability", "--thresholds", "3,15",
+                                                     "--programs", "8", "--out", str(t / "c.json")],
+                                          ["calibrate: argmax_stability at τ=15", "iteration 16", "at most 14"]),
     "run --verify-cells policy not swept": (
         run("--replay", "--verify", "--verify-cells", "kl:1e-3", "--out", "{out}"),
         ["--verify-cells kl:0.001", "'kl' is not in this sweep", "second_order at 0.1", "fixed at 16"]),

@@ -235,7 +235,7 @@ class _Reached(Exception):
                                           ("fit-exit", "exitbench.studies.fit_exit.fit_learned")])
 def test_flags_beside_an_exit_config_reach_the_work(command, work, tmp_path, monkeypatch):
     """The flags typed beside a file are kept (trace and calibrate built their config from the file alone and
-    dropped `--max-steps 2 --exit-mode freeze`); the file's own knobs and the command's defaults fill the rest."""
+    dropped `--max-steps 3 --exit-mode freeze`); the file's own knobs and the command's defaults fill the rest."""
     from helpers.cli import runner
 
     from exitbench.cli import app
@@ -245,14 +245,14 @@ def test_flags_beside_an_exit_config_reach_the_work(command, work, tmp_path, mon
 
     module, name = work.rsplit(".", 1)
     monkeypatch.setattr(__import__(module, fromlist=[name]), name, reached)
-    flags = ["--max-steps", "2"] + ([] if command == "fit-exit" else ["--exit-mode", "freeze", "--patience", "1"])
+    flags = ["--max-steps", "3"] + ([] if command == "fit-exit" else ["--exit-mode", "freeze", "--patience", "1"])
     res = runner.invoke(app, [*EXIT_COMMANDS[command](_file(tmp_path, policy="kl", min_steps=2, seed=5), tmp_path),
                               *flags])
     assert isinstance(res.exception, _Reached), res.stdout + res.stderr
     args, kwargs = res.exception.args
     if command == "fit-exit":
-        assert kwargs["steps"] == [2] and kwargs["seed"] == 5
+        assert kwargs["steps"] == [3] and kwargs["seed"] == 5
         return
     config = next(a for a in args if isinstance(a, ExitConfig))
     assert (config.policy, config.min_steps, config.seed) == ("kl", 2, 5)  # the file's
-    assert (config.max_steps, config.exit_mode, config.patience) == (2, "freeze", 1)  # the flags'
+    assert (config.max_steps, config.exit_mode, config.patience) == (3, "freeze", 1)  # the flags'

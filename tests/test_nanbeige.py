@@ -163,7 +163,9 @@ def test_every_command_runs_on_a_nanbeige_checkpoint(tmp_path):
     out = run_every_command(str(FIXTURES / "nanbeige-tiny"), tmp_path, calibrate="0.3,0.9",
                             sentence="the cat sat on the mat and the dog ran")
     cells = out["cells"]
-    assert {"fixed", "kl", "second_order", "oracle", "learned"} <= {c["policy"]["policy"] for c in cells}
+    ran = {c["policy"]["policy"] for c in cells}
+    # two loops: the rules defined from iteration 2 cannot exit before full depth, so `all` runs none of them
+    assert {"fixed", "kl", "first_order", "oracle", "learned"} <= ran and not ran & {"second_order", "contraction"}
     assert all(c["model"]["architecture"] == "nanbeige" and c["iterations"]["max"] <= 2 for c in cells
                if c["policy"]["policy"] != "fixed")
     assert out["replayed"] > 10 and out["info"]["plan"]["kv_layout"]["slots_per_loop_layer"] == [2]

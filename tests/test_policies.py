@@ -296,3 +296,52 @@ def test_contraction_counts_the_tokens_still_not_contracting_at_the_cap():
     replay = ReplayLM.__new__(ReplayLM)
     replay.policies = [policy]
     assert [replay._stalled(t, 0, [6]) for t in trajs] == stalled
+
+
+# ---- how early a rule can exit, by its definition: what refuses a rule that cannot and marks one that barely can --
+
+def _most_favourable(policy, K: int) -> np.ndarray:
+    """The signal that hits at every iteration the rule lets it (an argmax that never changes, a zero step, a
+    certain readout), as `defined` reads it: (1, K), or (1, K, members) for a conjunction."""
+    def column(rule):
+        raw = [float(k - 1) if rule.name == "argmax_stability" else (0.0 if rule.exits_below else 1e9)
+               for k in range(1, K + 1)]
+        return [rule.defined(k, v) for k, v in zip(range(1, K + 1), raw)]
+    members = getattr(policy, "members", None)
+    if members:
+        return np.array([list(zip(*(column(m) for m in members)))], dtype=float)
+    return np.array([column(policy)], dtype=float)
+
+
+RULES = [p for p in ALL_POLICIES if p not in ("fixed", "oracle")]
+
+
+@pytest.mark.parametrize("policy,knobs", [(p, k) for p in RULES for k in ({}, {"patience": 3}, {"min_steps": 5})]
+                         + [("argmax_stability", {"threshold": 4}), ("argmax_stability", {"threshold": 2, "patience": 2}),
+                            ("all_of", {"rules": [{"policy": "argmax_stability", "patience": 2},
+                                                  {"policy": "second_order"}], "threshold": 3, "patience": 2}),
+                            ("all_of", {"rules": [{"policy": "kl", "min_steps": 6}, {"policy": "margin"}]})])
+def test_earliest_exit_is_where_the_rule_first_exits_on_its_most_favourable_signal(policy, knobs):
+    from helpers.engine import knobs_for
+
+    K = 20
+    rule = ExitConfig(policy, **{**knobs_for(policy), **knobs}).build_policy().bind(K)
+    assert rule.first_exits(_most_favourable(rule, K))[0] == rule.earliest_exit
+    assert rule.first_exit(list(_most_favourable(rule, K)[0])) == rule.earliest_exit  # the streaming form too
+
+
+@pytest.mark.parametrize("policy,knobs,depth,earliest,late", [
+    ("second_order", {}, 2, 3, True), ("contraction", {}, 2, 2, True),      # a two-loop model: neither can exit
+    ("contraction", {}, 3, 2, True), ("second_order", {}, 3, 3, True),      # three passes (Inkling)
+    ("kl", {}, 2, 1, False), ("first_order", {}, 3, 1, False),               # as early as any rule can
+    ("second_order", {}, 16, 3, False), ("second_order", {"patience": 17}, 16, 18, True),
+    ("argmax_stability", {"threshold": 14}, 16, 15, True), ("argmax_stability", {"threshold": 15}, 16, 16, True),
+    ("argmax_stability", {"threshold": 12}, 16, 13, False), ("kl", {}, 1, 1, False)])
+def test_a_rule_that_can_exit_only_late_is_marked_and_one_that_never_can_is_named(policy, knobs, depth, earliest,
+                                                                                   late):
+    rule = ExitConfig(policy, **knobs).build_policy().bind(depth)
+    assert rule.exit_reach() == {"earliest_exit": earliest, **({"late_exit": True} if late else {})}
+    why = rule.never_exits_early(capped=False, limit=32)
+    assert (why is None) == (earliest < depth)
+    if why is not None:
+        assert "\n" not in why and (f"iteration {earliest}" in why or "nothing to save" in why), why

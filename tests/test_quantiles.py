@@ -93,6 +93,25 @@ def test_a_conjunction_reads_its_varied_members_column():
     assert signal_values([traj], [conj]).tolist() == [0.5] * 6
 
 
+@pytest.mark.parametrize("conjunction", [False, True])
+def test_a_derived_count_at_which_the_rule_cannot_exit_is_no_point_of_its_grid(tiny, conjunction):
+    """argmax runs that reach 15 on a 16-step loop put τ = 15 among the quantiles; at τ = 15 the rule (or the peer's
+    conjunction varying it, min_steps and patience 2) could never exit before full depth, so the grid stops short."""
+    from exitbench.engine.recorder import Trajectories
+
+    runs = np.tile(np.arange(16.0), (40, 1))  # every token's argmax settled from the start: runs 0 … 15
+    rules = [{"policy": "margin", "threshold": 0.125}, {"policy": "argmax_stability"}]
+    config = (ExitConfig("all_of", rules=rules, min_steps=2, patience=2) if conjunction
+              else ExitConfig("argmax_stability"))
+    variant = variant_key(config.bound_policies(tiny.model.loop_groups())[0])
+    signal = np.stack([np.zeros_like(runs), runs], -1) if conjunction else runs
+    traj = Trajectories(list(range(40)), [{variant: signal}], [None], [[None]], [np.zeros((40, 16))],
+                        np.ones((40, 16), bool))
+    grid = derive_grids([traj], [config], tiny.model.loop_groups(), 9)["argmax_stability"]
+    assert grid == sorted({max(1, int(round(q))) for q in np.quantile(np.arange(16.0), np.linspace(0.02, 0.98, 9))
+                           if q < (13.5 if conjunction else 14.5)})
+
+
 @pytest.mark.parametrize("text,n", [("quantiles:3", 3), (" Quantiles:100 ", 100), ("quantiles:1", 1),
                                     ("1e-3,1e-2", None), (None, None)])
 def test_parse(text, n):

@@ -139,6 +139,59 @@ def test_shards_split_the_plan_without_overlap(tmp_path):
     assert {tasks.names[t] for t, _, _ in parts[0]} == {"chains", "chains_lambada"}
 
 
+
+# ---- rules that cannot exit, and full depth ------------------------------------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def shallow():
+    """Checkpoints whose loops are too short for some rules: Nanbeige (2 loops), Inkling 2 (3 passes), and the
+    embedded tiny-raven (16 of 32)."""
+    from exitbench.models.checkpoint import open_checkpoint
+
+    return {"nanbeige": open_checkpoint(str(FIXTURES / "nanbeige-tiny")),
+            "inkling": open_checkpoint(str(FIXTURES / "inkling2-tiny")), "raven": open_checkpoint(None)}
+
+
+def _configs(ck, **options):
+    from exitbench.sweep.config import SweepConfig
+
+    return schedule.exit_configs(ck, SweepConfig(tasks=["chains"], **options))
+
+
+def test_all_runs_the_rules_that_can_exit_and_leaves_out_those_that_cannot(shallow):
+    """`--policy all` is every rule this model can run: on two loops the rules defined from iteration 2 (and
+    patience 2) cannot exit before full depth and are no rows; on three passes contraction can, at pass 2 only."""
+    names = lambda configs: {c.policy for c in configs}  # noqa: E731
+    two = names(_configs(shallow["nanbeige"], policies=["all"]))
+    assert {"kl", "first_order", "confidence", "cosine", "oracle", "fixed"} <= two
+    assert not two & {"second_order", "second_order_magnitude", "contraction", "entropy_diff"}
+    three = _configs(shallow["inkling"], policies=["all"])
+    assert "contraction" in names(three) and not names(three) & {"second_order", "second_order_magnitude"}
+    # a rule's own grid keeps the points that can exit: argmax_stability τ = 1 on three passes, not τ = 2
+    assert [c.threshold for c in three if c.policy == "argmax_stability"] == [1]
+
+
+@pytest.mark.parametrize("checkpoint,options,words", [
+    ("nanbeige", dict(policies=["second_order"]), ["second_order can first exit at iteration 3", "runs 2",
+                                                   "--max-steps 4 or more"]),
+    ("nanbeige", dict(policies=["contraction"], thresholds=[0.1]), ["contraction", "iteration 2"]),
+    ("inkling", dict(policies=["second_order"]), ["iteration 3", "runs 3", "--patience 1 or less"]),
+    ("raven", dict(policies=["second_order"], exit={"patience": 17}), ["iteration 18", "--patience 14 or less"]),
+    ("raven", dict(policies=["kl"], exit={"max_steps": 1}), ["--max-steps 1 leaves kl nothing to save"]),
+    ("raven", dict(policies=["all"], exit={"max_steps": 1}), ["--max-steps 1 leaves"]),
+    ("raven", dict(policies=["argmax_stability"], thresholds=[3, 15]), ["at τ=15", "iteration 16", "at most 14"]),
+    ("inkling", dict(policies=["argmax_stability"], thresholds=[2]), ["at τ=2", "at most 1"]),
+])
+def test_a_rule_that_cannot_exit_before_full_depth_is_refused_when_planned(shallow, checkpoint, options, words):
+    from exitbench.errors import ExitbenchError
+
+    with pytest.raises(ExitbenchError) as err:
+        _configs(shallow[checkpoint], **options)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
 # ---- quality against lm-eval itself ------------------------------------------------------------------------
 
 def test_cells_equal_lm_eval_simple_evaluate(swept):

@@ -40,7 +40,7 @@ def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dt
     from ..models.checkpoint import open_checkpoint
     from ..policies.learned import check_fitted_for
     from ..runtime.devices import use_threads
-    from ..studies.trace import parse_vs
+    from ..studies.trace import check_exits, parse_vs
 
     use_threads(threads)
     cfg = exit_config_from(ctx, knobs, exit_config, seed=seed)
@@ -48,6 +48,7 @@ def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dt
     writable_targets((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json"))
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
     check_fitted_for(ck, cfg.fitted_exit_model)
+    check_exits(ck, configs)
     if compile_step:
         ck.model.compile_loops()
     reports = [traced(ck, prompt, c, generate, add_bos_token) for c in configs]
@@ -173,7 +174,7 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..runtime.devices import use_threads
     from ..store.disk import writable_output
     from ..studies.calibrate import calibrate as run_calibration
-    from ..studies.calibrate import check_calibratable, write_report
+    from ..studies.calibrate import check_calibratable, grid_for, write_report
     from ..sweep.config import parse_thresholds
     from ..sweep.config import parse_quantiles
 
@@ -189,9 +190,8 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    rule = config.build_policy()  # a conjunction calibrates its varied member's threshold, over that one's grid
-    grid = parse_thresholds(thresholds) or list(ck.model.exit_grids().get(rule.vary or config.policy,
-                                                                          rule.default_grid))
+    # a conjunction calibrates its varied member's threshold, over that one's grid
+    grid = parse_thresholds(thresholds) or grid_for(ck.model, config)
     check_fitted_for(ck, config.fitted_exit_model)
     path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
     with console.status("calibrate: reading the documents"):

@@ -124,6 +124,15 @@ class ExitConfig:
         """One policy per loop group, its open max_steps fixed from the group's default depth."""
         return [self.build_policy().bind(g.default_steps, g) for g in groups]
 
+    def never_exits_early(self, groups: Sequence[Any]) -> str | None:
+        """Why this config's rule can never exit before full depth in any of the loop groups (one line: the
+        earliest iteration it can exit at and what to change), or None where it can somewhere."""
+        if REGISTRY[self.policy].signal_free:
+            return None
+        why = [p.never_exits_early(self.max_steps is not None, g.max_steps)
+               for g, p in zip(groups, self.bound_policies(groups))]
+        return None if None in why else why[0]
+
     def changed(self, role: str) -> list[str]:
         """The knobs of `role` set away from their defaults."""
         return [f.name for f in fields(self) if f.metadata["role"] == role and getattr(self, f.name) != f.default]

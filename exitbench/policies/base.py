@@ -48,6 +48,10 @@ def runs_end(hits: np.ndarray, p: int) -> np.ndarray:
     return ends
 
 
+# A rule whose definition leaves it at most this many iterations before full depth to exit at is marked late.
+LATE_STEPS = 2
+
+
 def log_grid(lo: float, hi: float, per_decade: int = 1) -> tuple[float, ...]:
     n = round(math.log10(hi / lo) * per_decade)
     return tuple(float(f"{lo * 10 ** (i / per_decade):.3g}") for i in range(n + 1))
@@ -146,6 +150,84 @@ class ExitPolicy:
     def variant(self) -> str:
         """What a recording of this rule's signal depends on beyond thresholds, patience and step limits."""
         return self.name + ("-rel" if self.relative else "")
+
+    # ---- how early it can exit, by its definition alone -------------------------------------------------
+    def first_hit(self) -> int:
+        """The first iteration whose signal can count as a hit, whatever the values: `defined_from`, later for a
+        rule whose threshold is itself a count of iterations."""
+        return self.defined_from
+
+    @property
+    def earliest_exit(self) -> int:
+        """The first iteration at which the rule can exit: its signal counting, `patience` hits in a row and
+        min_steps reached. At max_steps or beyond it never exits before full depth."""
+        return max(self.min_steps, self.first_hit() + self.patience - 1)
+
+    def exit_reach(self) -> dict[str, Any]:
+        """What a cell records of it, bound: `earliest_exit`, and `late_exit` where its own definition leaves it
+        only the last iteration or two before full depth to exit at (a rule exiting from iteration 1 on a
+        two-loop model has nothing to be marked for: no rule can do better there)."""
+        if self.signal_free:
+            return {}
+        e = self.earliest_exit
+        return {"earliest_exit": e, **({"late_exit": True} if 1 < e and self.max_steps - e <= LATE_STEPS else {})}
+
+    def never_exits_early(self, capped: bool, limit: int) -> str | None:
+        """None where the bound rule can exit before its max_steps; else one line saying the earliest iteration it
+        can exit at and what to change. `capped`: max_steps was set (--max-steps), not the loop's own depth;
+        `limit`: the most iterations the loop allows."""
+        e, depth = self.earliest_exit, self.max_steps
+        if self.signal_free or e < depth:
+            return None
+        if depth == 1:
+            return (f"{'--max-steps 1' if capped else 'a loop of one iteration'} leaves {self.label} nothing to "
+                    "save: every token runs its one iteration whatever the rule; raise --max-steps (or run fixed "
+                    "depth 1 alone, --baselines 1)")
+        loop = f"--max-steps {depth} caps the loop" if capped else f"the model's loop runs {depth} iterations"
+        fixes = [f"--max-steps {e + 1} or more"] if e < limit else []
+        room = depth - self.first_hit()  # the longest run of hits that ends before full depth
+        if self.patience > room >= 1 and self.min_steps < depth:
+            fixes.append(f"--patience {room} or less")
+        if self.min_steps >= depth:
+            fixes.append(f"--min-steps below {depth}")
+        fixes += self._threshold_fix(depth)
+        early = [n for n in ("first_order", "kl", "confidence") if n != self.name]
+        fixes.append(f"a rule that can exit from iteration 1 ({', '.join(early)})")
+        return (f"{self.label} can first exit at iteration {e} ({self._why_late()}), and {loop}, so it never exits "
+                f"before full depth; use {', or '.join(fixes)}")
+
+    @property
+    def label(self) -> str:
+        """The rule as a message names it: its name, and its τ where τ decides how early it can exit."""
+        return self.name + (f" at τ={self.threshold:g}" if self.integer_threshold else "")
+
+    def _why_late(self) -> str:
+        why = [f"its signal counts from iteration {self.first_hit()}"] if self.first_hit() > 1 else []
+        if self.patience > 1:
+            why.append(f"then needs {self.patience} hits in a row")
+        if self.min_steps == self.earliest_exit:
+            why = [f"min_steps is {self.min_steps}"]
+        return ", ".join(why)
+
+    def _threshold_fix(self, depth: int) -> list[str]:
+        """The largest τ that would let it exit before `depth`, where τ counts iterations (argmax_stability, or a
+        conjunction varying it); none for other rules."""
+        rule = self._varied_rule()
+        if not rule.integer_threshold or rule.signal_free:
+            return []
+        saved = rule.threshold
+        try:
+            for tau in range(int(saved) - 1, 0, -1):
+                rule.threshold = tau
+                if self.earliest_exit < depth:
+                    return [f"a threshold of at most {tau} (--thresholds)"]
+        finally:
+            rule.threshold = saved
+        return []
+
+    def _varied_rule(self) -> "ExitPolicy":
+        """The rule whose threshold is this one's τ (a conjunction's varied member)."""
+        return self
 
     # ---- what subclasses implement -----------------------------------------------------------------
     def start(self, s0: torch.Tensor, vocab: int) -> Memory:

@@ -129,6 +129,22 @@ class AllOf(ExitPolicy):
     def variant(self) -> str:
         return f"{self.name}[{','.join(m.variant for m in self.members)}]"
 
+    def first_hit(self) -> int:
+        # the first iteration at which every member can be ready (its own run of hits ended) and past its min_steps
+        return max(max(m.first_hit() + m.patience - 1, m.min_steps) for m in self.members)
+
+    def _varied_rule(self) -> ExitPolicy:
+        return self.members[self.varied]
+
+    @property
+    def label(self) -> str:
+        varied = self.members[self.varied]
+        return f"{self.variant} ({varied.label if varied.integer_threshold else varied.name} varied)"
+
+    def _why_late(self) -> str:
+        why = f"every rule is ready from iteration {self.first_hit()}"
+        return why + (f", then {self.patience} times in a row" if self.patience > 1 else "")
+
     @property
     def model(self) -> Any:
         """The exit model its learned member reads (None without one): what keys its cells and is checked against

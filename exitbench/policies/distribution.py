@@ -103,6 +103,14 @@ class ArgmaxStability(_DistributionRule):
         return {"argmax": torch.full((n,), -1, dtype=torch.long, device=s0.device),
                 "run": torch.zeros(n, dtype=torch.long, device=s0.device)}
 
+    def first_hit(self) -> int:
+        # the run of unchanged argmaxes starts at k = 2, so it reaches τ at k = τ + 1
+        return int(self.threshold) + 1
+
+    def _why_late(self) -> str:
+        why = f"its argmax must stay unchanged for {self.threshold:g} iterations"
+        return why + (f", then {self.patience} times in a row" if self.patience > 1 else "")
+
     def signal(self, s: torch.Tensor, memory: Memory, logp: torch.Tensor | None) -> torch.Tensor:
         top = logp.argmax(-1)
         run = torch.where(top == memory["argmax"], memory["run"] + 1, 0)

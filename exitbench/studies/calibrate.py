@@ -170,7 +170,7 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
     per split (exitbench.replay: every position's context at full depth, where the exact run reads an exited
     token's own depth), instead of one exact run per threshold. Under a KV window (`kv_window`) the reference is
     full depth under the same window: the risk is what the exits cost in the cache regime that will serve."""
-    _check_request(config, thresholds, epsilon, delta, test_fraction, batch_size, replay)
+    _check_request(config, thresholds, epsilon, delta, test_fraction, batch_size, replay, model.loop_groups())
     engines = {tau: ExitEngine(model, _at_threshold(config, tau))
                for tau in conservative_order(config.build_policy(), thresholds)}  # validates every threshold first
     cal, test = split([list(d) for d in docs], test_fraction, seed)
@@ -205,7 +205,7 @@ def calibrate(model, docs: Sequence[list[int]], config: ExitConfig, thresholds: 
 
 
 def _check_request(config: ExitConfig, thresholds: Sequence[float], epsilon: float, delta: float,
-                   test_fraction: float, batch_size: int, replay: bool) -> None:
+                   test_fraction: float, batch_size: int, replay: bool, groups: Sequence[Any]) -> None:
     """Refuse what calibrate cannot do before anything runs."""
     check_calibratable(config.policy)
     for name, value in (("epsilon", epsilon), ("delta", delta)):
@@ -218,6 +218,19 @@ def _check_request(config: ExitConfig, thresholds: Sequence[float], epsilon: flo
         raise ExitbenchError(f"calibrate: policy {config.policy!r} has no threshold grid; pass --thresholds")
     if replay:
         check_recordable(config.to_dict(), "calibrate")
+    for tau in thresholds:
+        why = _at_threshold(config, tau).never_exits_early(groups)
+        if why is not None:
+            raise ExitbenchError(f"calibrate: {why}")
+
+
+def grid_for(model, config: ExitConfig) -> list[float]:
+    """The thresholds calibrate chooses from by default: the model's grid for the rule (a conjunction's varied
+    member's), less those at which it could never exit before full depth (a τ that counts iterations)."""
+    rule = config.build_policy()
+    grid = list(model.exit_grids().get(rule.vary or config.policy, rule.default_grid))
+    groups = model.loop_groups()
+    return [tau for tau in grid if _at_threshold(config, tau).never_exits_early(groups) is None] or grid
 
 
 def _at_threshold(config: ExitConfig, tau: float) -> ExitConfig:

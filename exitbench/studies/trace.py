@@ -18,6 +18,7 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
                  add_bos_token: bool | None = None) -> dict[str, Any]:
     """The prompt encoded as `run` encodes a request (the tokenizer decides BOS unless `add_bos_token` says),
     so a trace shows the tokens a sweep scores, and a generation what the model's own `generate` gives."""
+    check_exits(ck, [config])
     tok = ck.tokenizer
     if tok is None:
         raise ExitbenchError(f"{ck.path} has no tokenizer.json, so it cannot read a text prompt")
@@ -49,6 +50,14 @@ def trace_prompt(ck: Checkpoint, prompt: str, config: ExitConfig, generate: int 
             "loop_groups": [g.name for g in ck.model.loop_groups()], "tokens": rows, "context": context,
             "mean_iterations": sum(result.iterations) / max(1, len(result.iterations)),
             "nonfinite_tokens": nonfinite}
+
+
+def check_exits(ck: Checkpoint, configs: list[ExitConfig]) -> None:
+    """Each rule to trace can exit before full depth on this model: a map of one that cannot shows nothing of it."""
+    for config in configs:
+        why = config.never_exits_early(ck.model.loop_groups())
+        if why is not None:
+            raise ExitbenchError(why)
 
 
 def write_json(reports: list[dict[str, Any]], ck: Checkpoint, path: Path, seed: int) -> Path:

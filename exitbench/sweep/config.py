@@ -414,6 +414,30 @@ def check_depths(configs: list[ExitConfig], groups: list[Any]) -> None:
                                  f"checkpoint's configured maximum); give at most {g.max_steps}")
 
 
+def reachable(configs: list[ExitConfig], cfg: SweepConfig, groups: list[Any]) -> list[ExitConfig]:
+    """The configs whose rule can exit before full depth on these loop groups, checked when the sweep is planned: a
+    row that cannot is not a measurement of its rule. A threshold typed on the command line that cannot is refused;
+    a point of a grid the sweep chose (a rule's own, or derived by quantiles:N) is left out, and a rule none of whose
+    points can is refused, unless `--policy all` asked for every rule this model can run."""
+    every = "all" in cfg.policies
+    kept, why = [], {}
+    for config in configs:
+        reason = config.never_exits_early(groups)
+        if reason is None:
+            kept.append(config)
+        elif cfg.thresholds is not None and not every:
+            raise ExitbenchError(reason)
+        else:
+            why.setdefault(config.policy, reason)
+    left = {c.policy for c in kept}
+    for name, reason in why.items():
+        if name not in left and not every:
+            raise ExitbenchError(reason)
+    if why and left <= {"fixed"}:  # --policy all where no rule can: say why the first one cannot
+        raise ExitbenchError(next(iter(why.values())))
+    return kept
+
+
 def check_named(named: list[tuple[str, float]], configs: list[ExitConfig]) -> None:
     """Each named cell is one the sweep has: a name or threshold it lacks would otherwise verify nothing, without
     a word. Checked when the sweep is planned, before any cell is computed."""

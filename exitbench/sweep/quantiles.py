@@ -5,8 +5,8 @@ needs no constants guessed for each checkpoint.
 As the peer vLLM-Hook calibrates (`analyze_signals.py`): N quantiles evenly spaced from the 2% to the 98% quantile
 of the rule's finite, defined signal values (iterations 1 … max_steps, every scored token), rounded to 3
 significant digits (a cell's file name and key carry the threshold), deduplicated. A rule that counts iterations
-(argmax_stability) gets whole numbers ≥ 1; thresholds must be > 0, so other values ≤ 0 are dropped. Rules without
-a signal (fixed depths, the oracle) keep their own handling.
+(argmax_stability) gets whole numbers ≥ 1, none at which it could never exit before full depth; thresholds must
+be > 0, so other values ≤ 0 are dropped. Rules without a signal (fixed depths, the oracle) keep their own handling.
 
 From a notebook:
 
@@ -93,7 +93,11 @@ def derive_grids(trajs: Sequence[Trajectories], configs: Sequence[ExitConfig], g
         members = getattr(policies[0], "members", None)
         name = members[policies[0].varied].name if members else config.policy
         if name not in grids:
-            grids[name] = quantile_grid(signal_values(trajs, policies), n, name)
+            grid = quantile_grid(signal_values(trajs, policies), n, name)
+            # A threshold that counts iterations may be one at which the rule never exits before full depth (τ = 15
+            # of a 16-step loop): not a point of its grid. The sweep refuses a rule left with none.
+            grids[name] = [t for t in grid if not REGISTRY[name].integer_threshold
+                           or dataclasses.replace(config, threshold=t).never_exits_early(groups) is None] or grid
     return grids
 
 

@@ -18,7 +18,7 @@ from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..runtime.distributed import init_distributed
 from ..store import cells, disk
-from .config import SweepConfig, check_depths, grid
+from .config import SweepConfig, check_depths, grid, reachable
 from .exact import evaluation_error, run_config
 from .keys import cell_key, model_record
 from ..analysis.labels import exit_config_label
@@ -41,11 +41,12 @@ class SweepPlan:
 
 def exit_configs(ck: Checkpoint, cfg: SweepConfig) -> list[ExitConfig]:
     """The sweep's exit configs on this checkpoint: its default depth and grids (or those `--thresholds
-    quantiles:N` derived), within its loop groups' depths."""
+    quantiles:N` derived), within its loop groups' depths, each a rule that can exit before full depth there."""
     grids = {**ck.model.exit_grids(), **(cfg.derived or {}).get("grids", {})}
-    configs = grid(cfg, ck.model.loop_groups()[0].default_steps, grids, ck.model.gated)
-    check_depths(configs, ck.model.loop_groups())
-    return configs
+    groups = ck.model.loop_groups()
+    configs = grid(cfg, groups[0].default_steps, grids, ck.model.gated)
+    check_depths(configs, groups)
+    return reachable(configs, cfg, groups)
 
 
 def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,
