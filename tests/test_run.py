@@ -192,6 +192,17 @@ def test_a_rule_that_cannot_exit_before_full_depth_is_refused_when_planned(shall
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
 
 
+def test_full_depth_is_the_rules_cap_for_the_baselines_and_the_paired_timings(shallow):
+    """With --max-steps 2 the default baselines end at r = 2, the depth the readers take as full depth; given
+    deeper baselines, the timings are still paired with r = 2, as the readers compare with it."""
+    ck = shallow["raven"]
+    configs = _configs(ck, policies=["kl"], exit={"max_steps": 2})
+    assert [c.threshold for c in configs if c.policy == "fixed"] == [1, 2]
+    assert schedule.full_depth(configs, ck.model.loop_groups()).threshold == 2
+    deeper = _configs(ck, policies=["kl"], exit={"max_steps": 2}, baselines=[1, 2, 16])
+    assert schedule.full_depth(deeper, ck.model.loop_groups()).threshold == 2
+    assert schedule.full_depth(_configs(ck, policies=["kl"]), ck.model.loop_groups()).threshold == 16
+
 # ---- quality against lm-eval itself ------------------------------------------------------------------------
 
 def test_cells_equal_lm_eval_simple_evaluate(swept):

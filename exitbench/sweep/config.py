@@ -357,8 +357,10 @@ def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...
     unknown = sorted(set(shared) - {name for name, *_ in ExitConfig.knobs()})
     if unknown:
         raise ExitbenchError(f"unknown exit knob {unknown[0]!r} for a sweep")
-    configs = [ExitConfig.fixed_depth(r, {**shared, "seed": cfg.seed})
-               for r in (cfg.baselines or default_baselines(default_steps))]
+    # By default the baselines end at the sweep's full depth, the cap its rules run to (--max-steps, else the
+    # loop's default): the depth every ratio and matched-quality row is taken against.
+    depths = cfg.baselines or default_baselines(cfg.exit.get("max_steps") or default_steps)
+    configs = [ExitConfig.fixed_depth(r, {**shared, "seed": cfg.seed}) for r in depths]
     names = _runnable(cfg, shared, gated)
     for name in names:
         # A conjunction sweeps its varied member's threshold, over that member's grid.

@@ -63,8 +63,16 @@ def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: st
     # A cell asked for with samples is finished only with its samples file beside it.
     done = {cid: stored for cid, stored in disk.existing(out).items()
             if stored.has_samples or not cfg.log_samples}
-    full = max((c for c in configs if c.policy == "fixed"), key=lambda c: c.threshold)
+    full = full_depth(configs, ck.model.loop_groups())
     return SweepPlan(mine, done, model, n_docs=n_docs, full=full, configs=configs)
+
+
+def full_depth(configs: list[ExitConfig], groups: list[Any]) -> ExitConfig:
+    """The baseline each cell's repeated timings are paired with: the fixed depth the rules are capped at (their
+    first loop group's max_steps), as the readers take full depth (analysis/frontier.py), else the deepest."""
+    fixed = [c for c in configs if c.policy == "fixed"]
+    caps = {c.bound_policies(groups)[0].max_steps for c in configs if c.policy != "fixed"}
+    return max([c for c in fixed if c.threshold in caps] or fixed, key=lambda c: c.threshold)
 
 
 def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
