@@ -122,6 +122,64 @@ def test_a_causal_checkpoint_scores_causally(tmp_path, ref):
     torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("schedule,prefill", [("token_major", "full"), ("depth_major", "full"), ("auto", "exit")])
+@pytest.mark.parametrize("cycles", [1, 2])
+def test_a_causal_prompt_scores_as_the_reference_does_without_a_block(ck, ref, schedule, prefill, cycles):
+    """causal_prompt on the released prefix-LM: the context read causally, the reference's logits without
+    token_type_ids (what lm-eval's hf model computes), through the cache; a causal prompt may run with exits too."""
+    ids, prefix = ref["input_ids"], ref["prefix_lengths"].tolist()
+    config = ExitConfig("fixed", threshold=cycles, causal_prompt=True, prefill=prefill)
+    results = ExitEngine(ck.model, config, schedule=schedule).score(
+        [(row.tolist(), n) for row, n in zip(ids, prefix)], batch_size=2)
+    for b, res in enumerate(results):
+        want = logprobs_of(ref[f"logits_causal_{cycles}"][b], ids[b], prefix[b] - 1)
+        torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64), want, atol=ATOL, rtol=0)
+
+
+def test_the_prompts_reading_is_in_the_key_and_the_baselines_keep_it(tmp_path):
+    """Cells of the two readings differ (and every cell before the knob keeps its id); a baseline runs its prompt as
+    the policies beside it do; a model that reads prompts causally anyway refuses the knob, and replay names it."""
+    from exitbench.engine.recorder import check_recordable
+
+    assert "causal_prompt" not in ExitConfig("kl").key_dict()
+    causal = ExitConfig("kl", causal_prompt=True)
+    assert causal.key_dict()["causal_prompt"] is True
+    assert ExitConfig.fixed_depth(2, causal.to_dict()).causal_prompt
+    plain = load_checkpoint(variant(tmp_path, prefix_lm=False)).model
+    with pytest.raises(ExitbenchError, match="reads every prompt causally already"):
+        ExitEngine(plain, causal)
+    with pytest.raises(ExitbenchError, match="cannot replay --causal-prompt"):
+        check_recordable(causal.to_dict(), "run")
+
+
+@pytest.mark.slow  # 4 s: transformers' model through lm-eval; the engine against the reference's causal logits above
+def test_causal_prompt_is_lm_evals_hf_model_on_the_same_weights(tmp_path):
+    """lm-eval's `hf` model runs HRM-Text causally (no token_type_ids): with causal_prompt exitbench gives its
+    numbers, and by default (the prompt one block, as the model was trained) others."""
+    pytest.importorskip("transformers.models.hrm_text")
+    import transformers
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from exitbench.harness.model import ExitbenchLM
+
+    path = tmp_path / "hrm"
+    shutil.copytree(FIXTURES / "hrm-text-tiny", path)
+    tok = load_checkpoint(path).tokenizer
+    name = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=name(tok.bos_token_id),
+                                         eos_token=name(tok.eos_token_id)).save_pretrained(path)
+    requests = [("Natalia sold clips", " to her friends"), ("the cat sat", " on the mat"), ("", "hello there")]
+    asked = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=0, metadata=("hrm", i, 1))
+             for i, r in enumerate(requests)]
+    want = HFLM(pretrained=str(path), device="cpu", dtype="float32", batch_size=1, logits_cache=False).loglikelihood(asked)
+    for causal in (True, False):
+        got = ExitbenchLM(checkpoint=str(path), policy="fixed", batch_size=2, device="cpu",
+                          causal_prompt=causal).loglikelihood(asked)
+        gaps = [abs(a - b) for (a, _), (b, _) in zip(got, want)]
+        assert max(gaps) < 1e-4 if causal else max(gaps[:2]) > 1e-3, (causal, gaps)
+
+
 def test_greedy_generation_matches_the_reference(ck, ref):
     """The prompt is one block, each new token causal, decoded through the cache (the original's inference path)."""
     prompts = [row[:n].tolist() for row, n in zip(ref["input_ids"], ref["greedy_prompt_lengths"].tolist())]

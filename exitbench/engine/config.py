@@ -32,7 +32,8 @@ def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...]
     `role`: who reads it: the exit policy ("policy": its rule and step limits), the engine ("engine": how tokens
     run: prompt depth, warm start, KV window; a fixed-depth baseline keeps these), or whoever runs the config
     ("run": seed, recording). `when_set`: the knob came after results were first written, so a config (and a
-    cell's key) holds it only when it is set, and configs without it read as they did before it existed.
+    cell's key) holds it only when it is set away from its default, and configs without it read as they did
+    before it existed.
     `swept`: a sweep varies it itself (policy, threshold), so it is not one of the knobs shared by a sweep's
     cells; `command_line`: the commands offer it as an option."""
     assert role in ROLES, role
@@ -81,6 +82,10 @@ class ExitConfig:
         "under the exit distribution of the model's gate (Ouro's use_weighted_exit; --policy fixed); freeze: every "
         "token stays to the last iteration, but an exited one is pinned at its exit state, its MLPs skipped, while "
         "its attention layers keep writing keys and values from that pinned state (IBM vLLM-Hook's vLLM executor).",
+        role="engine", when_set=True))
+    causal_prompt: bool = field(default=False, metadata=knob(
+        "Read a prefix-LM's prompt causally, each token seeing only those before it, as lm-eval's hf model runs it "
+        "(default: as the model was trained, one bidirectional block; HRM-Text is the prefix-LM here).",
         role="engine", when_set=True))
     # Set by whoever runs the config.
     record_signals: bool = field(default=False, metadata=knob(
@@ -155,10 +160,10 @@ class ExitConfig:
         return cls("fixed", threshold=depth, **kept)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every knob; a `when_set` knob only when set."""
+        """Every knob; a `when_set` knob only when set away from its default."""
         out = asdict(self)
         for f in fields(self):
-            if f.metadata["when_set"] and out[f.name] is None:
+            if f.metadata["when_set"] and out[f.name] == f.default:
                 del out[f.name]
         return out
 

@@ -5,9 +5,10 @@ How a run moves:
   (continuous batching), so the rows stay full until the queue runs dry.
 - A request's prefix whose outputs nobody scores is prefilled at full depth, all positions at once (or, with
   `prefill="exit"`, token by token with exits like everything else). A prefix-LM's prompt (`model.prefix_lm`:
-  a scoring request's context, a generation's prompt) is one bidirectional block, so the prefill runs all of it,
-  its last position too; that position then runs again with exits as the first scored one, reading the block as
-  its causal self would (the last member of a block sees exactly what causal attention gives it).
+  a scoring request's context, a generation's prompt) is one bidirectional block (unless `causal_prompt` reads it
+  causally, as lm-eval's hf model does), so the prefill runs all of it, its last position too; that position then
+  runs again with exits as the first scored one, reading the block as its causal self would (the last member of a
+  block sees exactly what causal attention gives it).
 - From then on each row advances on its own: it holds one token in flight; when that token has left the last
   loop group the row moves to its next position while the other rows' tokens keep iterating. Every tick, each
   loop group runs one iteration for whatever tokens are in it (`TokenLoop`), whatever their rows, positions
@@ -86,9 +87,15 @@ class ExitEngine:
             raise ExitbenchError(f"warm_start starts a token from the previous token's final state, but this "
                                  f"{model.architecture} model's loop reads the token's input only as its start state, "
                                  f"so the token would be lost; warm_start needs a loop that injects its input (Raven's)")
-        if model.prefix_lm and self.config.prefill == "exit":
+        if self.config.causal_prompt and not model.prefix_lm:
+            raise ExitbenchError(f"causal_prompt reads a prefix-LM's prompt causally, and this {model.architecture} "
+                                 "model reads every prompt causally already; drop it")
+        # A prefix-LM's prompt is one bidirectional block, unless the config reads it causally (as lm-eval's hf does).
+        self.prompt_block = model.prefix_lm and not self.config.causal_prompt
+        if self.prompt_block and self.config.prefill == "exit":
             raise ExitbenchError(f"prefill exit runs a prompt token by token with exits, but this {model.architecture} "
-                                 f"model reads its prompt as one bidirectional block (prefix_lm); use prefill full")
+                                 f"model reads its prompt as one bidirectional block (prefix_lm); use prefill full, "
+                                 "or causal_prompt")
         if self.config.exit_mode == "freeze" and any(g.frozen_step is None for g in self.groups):
             raise ExitbenchError(f"exit_mode freeze runs a loop group's MLPs for its active tokens only; this "
                                  f"{model.architecture} model's loop groups have no such step")
@@ -188,7 +195,7 @@ class ExitEngine:
                                  f"{self.model.config.block_size}")
         # A prefix-LM's prompt is everything before the first output's input's successor: the context (scoring)
         # or the prompt (generation), start + 1 tokens.
-        block = start + 1 if self.model.prefix_lm else 0
+        block = start + 1 if self.prompt_block else 0
         return Request(index, tokens, start if self.config.prefill == "full" else 0, start, end, block)
 
     # ---- a run: rows serving requests, advancing on their own ----------------------------------------------
@@ -371,7 +378,7 @@ class Run:
         rows = [b for b, _ in pairs]
         every_row = rows == list(range(self.B))
         index = None if every_row else torch.tensor(rows, device=cache.device)
-        blocks = torch.tensor([r.block for _, r in pairs], device=cache.device) if self.model.prefix_lm else None
+        blocks = torch.tensor([r.block for _, r in pairs], device=cache.device) if engine.prompt_block else None
         ctx = AttnContext(start=0, cache=cache, rows=index, prefix=blocks)
         if self.teacher_forced:  # everything before the first loop group, for every position
             L = max(r.end + 1 for _, r in pairs)

@@ -68,15 +68,15 @@ class Trajectories:
 
 
 def check_recordable(knobs: dict[str, Any], command: str) -> None:
-    """A recording runs tokens the default way (prompt at full depth, each token from its own initial state, one
-    KV slot per iteration): refuse a replay of any engine knob set otherwise, naming it."""
+    """A recording runs tokens the default way (prompt at full depth and, on a prefix-LM, as its block, each token
+    from its own initial state, one KV slot per iteration): refuse a replay of any engine knob set otherwise."""
     engine = {k: v for k, v in knobs.items() if k in ExitConfig.names(role="engine")}
     changed = ExitConfig(**engine).changed("engine")
     if changed:
         flag = "--" + changed[0].replace("_", "-") + (f" {knobs[changed[0]]}" if changed[0] == "prefill" else "")
-        raise ExitbenchError(f"{command}: --replay records prompts at full depth, every token from its own initial "
-                             f"state and one KV slot per iteration; it cannot replay {flag} (run those cells "
-                             "without --replay)")
+        raise ExitbenchError(f"{command}: --replay records prompts at full depth as the model reads them, every "
+                             f"token from its own initial state and one KV slot per iteration; it cannot replay {flag} "
+                             "(run those cells without --replay)")
 
 
 def variant_key(policy: ExitPolicy) -> str:
