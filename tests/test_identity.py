@@ -507,3 +507,52 @@ def test_limit_600_and_no_limit_are_one_cell_on_disk(tmp_path):
     assert res.exit_code == 0, explain(res)
     assert "reusing 1 cell" in res.stderr
     assert len(list(out.glob("*.json"))) == 1
+
+
+# ---- what a result says it was made with: the same on every machine ------------------------------------------------
+
+def test_a_result_names_an_embedded_model_by_name_and_any_other_by_its_path(tmp_path):
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.models.embedded import recorded_path
+    from exitbench.sweep.keys import model_record
+
+    record = model_record(open_checkpoint("tiny-raven"))
+    assert (record["path"], record["source"]) == ("tiny-raven", "embedded:tiny-raven")
+    assert recorded_path(EMBEDDED_DIR / "tiny-ouro" / "stage-1") == "tiny-ouro/stage-1"
+    copy = tmp_path / "mine"
+    shutil.copytree(EMBEDDED_DIR / "tiny-raven", copy, ignore=shutil.ignore_patterns("training"))
+    assert recorded_path(copy) == str(copy)
+
+
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_a_revision_is_dirty_only_where_the_code_a_run_executes_is(tmp_path):
+    """Docs, tests or results edited beside a run leave its revision clean; a changed or new file of the package,
+    the tasks or the benches does not."""
+    from exitbench.runtime.provenance import git_revision
+
+    for name in ("exitbench/a.py", "tasks/t.yaml", "docs/d.md", "tests/test_t.py", "results/r.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "x")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+
+    def revision():
+        git_revision.cache_clear()
+        return git_revision(tmp_path)
+
+    for name in ("docs/d.md", "tests/test_t.py", "results/r.json", "results/new.json"):
+        (tmp_path / name).write_text("1\n")
+    assert revision() == head
+    for name in ("tasks/t.yaml", "exitbench/new.py"):
+        (tmp_path / name).write_text("1\n")
+        assert revision() == head + "-dirty", name
+        _git(tmp_path, "checkout", "-q", "--", name) if name == "tasks/t.yaml" else (tmp_path / name).unlink()
+    assert revision() == head

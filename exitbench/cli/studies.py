@@ -170,6 +170,7 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..analysis.tables import calibration_table
     from ..harness.documents import token_lists
     from ..models.checkpoint import open_checkpoint
+    from ..models.embedded import recorded_path
     from ..policies.learned import check_fitted_for
     from ..runtime.devices import use_threads
     from ..store.disk import writable_output
@@ -200,7 +201,7 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     rep = with_progress("calibrate", lambda on_progress: run_calibration(
         ck.model, docs, config, grid, epsilon=epsilon, delta=delta, test_fraction=test_fraction, seed=seed,
         batch_size=batch_size, on_progress=on_progress, replay=replay))
-    rep.update(source=source, checkpoint=str(ck.path))
+    rep.update(source=source, checkpoint=recorded_path(ck.path))
     console.print(calibration_table(rep))
     write_report(rep, path)
     say(f"wrote {path}")

@@ -16,10 +16,22 @@ def source_label(path: Path) -> str:
     hub = hub_source(path)
     if hub is not None:
         return f"hub:{hub['repo']}@{hub['commit'][:12]}"
+    name = embedded_name(path)
+    return f"embedded:{name}" if name else str(path)
+
+
+def embedded_name(path: Path) -> str | None:
+    """The name of a checkpoint shipped in the package (`tiny-raven`, `tiny-ouro/stage-1`), None for any other."""
     try:
-        return f"embedded:{Path(path).resolve().relative_to(EMBEDDED_DIR)}"
+        return str(Path(path).resolve().relative_to(EMBEDDED_DIR))
     except ValueError:
-        return str(path)
+        return None
+
+
+def recorded_path(path: Path) -> str:
+    """Where a result says its checkpoint came from: an embedded one by its name, the same on every machine (its
+    install directory names nobody's checkpoint), any other by the path it was loaded from."""
+    return embedded_name(path) or str(path)
 
 
 def embedded_names() -> list[str]:

@@ -26,14 +26,20 @@ def package_version(name: str) -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def git_revision() -> str | None:
-    """The source tree's commit, with "-dirty" when it has uncommitted changes; None outside a checkout. Read once
-    per process: the code a process runs is the code it imported, whatever the tree does afterwards."""
+# What a run executes or reads of the source tree. Docs, tests and results edited beside a run change none of its
+# numbers, so they leave its revision clean (a shipped result names the commit whose code made it).
+RUN_SOURCES = ("exitbench", "tasks", "bench", "pyproject.toml")
+
+
+@functools.lru_cache(maxsize=4)
+def git_revision(repo: Path = _REPO) -> str | None:
+    """The source tree's commit, with "-dirty" when the code a run executes differs from it (changed or new files
+    under RUN_SOURCES); None outside a checkout. Read once per process: the code a process runs is the code it
+    imported, whatever the tree does afterwards."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                              timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *RUN_SOURCES], cwd=repo,
                                capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..errors import ExitbenchError
 from ..harness.documents import heldout_batch
 from ..models import Checkpoint, LoopedLM, LoopGroup
+from ..models.embedded import recorded_path
 
 DEFAULT_R = (1, 2, 4, 7, 8, 16, 32)
 
@@ -49,6 +50,6 @@ def depth_report(ck: Checkpoint, r_values: Sequence[int] = DEFAULT_R, n_programs
     deltas = (states[1:] - states[:-1]).norm(dim=-1)[:, is_answer]
     step_norm = [{"k": k + 1, "mean": deltas[k].mean().item(), "median": deltas[k].median().item()}
                  for k in range(deltas.shape[0])]
-    return {"checkpoint": str(ck.path), "programs": n_programs, "seed": seed, "levels": task.length,
+    return {"checkpoint": recorded_path(ck.path), "programs": n_programs, "seed": seed, "levels": task.length,
             "default_steps": group.default_steps, "max_steps": group.max_steps, "by_r": rows,
             "step_norm": step_norm}

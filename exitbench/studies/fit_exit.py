@@ -370,8 +370,9 @@ def write_exit_model(content: dict[str, Any], path: Path) -> Path:
 
 def provenance(ck, source: dict[str, Any], docs: Sequence[list[int]], disjoint: dict[str, Any], seed: int
                ) -> dict[str, Any]:
+    from ..models.embedded import recorded_path
     from ..store.identity import checkpoint_identity
 
-    return {"checkpoint": {"path": str(ck.path), "fingerprint": checkpoint_identity(ck.path).short},
+    return {"checkpoint": {"path": recorded_path(ck.path), "fingerprint": checkpoint_identity(ck.path).short},
             "source": {**source, "sha256": documents_digest(docs), "disjoint_from_evaluation": disjoint},
             "run": run_metadata(seed=seed)}

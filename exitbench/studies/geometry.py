@@ -32,6 +32,7 @@ import torch
 from ..errors import ExitbenchError
 from ..harness import documents
 from ..models import Checkpoint, LoopedLM
+from ..models.embedded import recorded_path
 
 QUANTITIES = ("step", "rel_step", "cosine", "accel", "accel_mag")
 SCHEMA = "exitbench.geometry"
@@ -162,7 +163,8 @@ def pca_path(group_states: list[torch.Tensor]) -> dict[str, Any]:
 
 def checkpoint_label(ck: Checkpoint) -> dict[str, Any]:
     training = ck.provenance.get("training", {})
-    return {"path": str(ck.path), "architecture": ck.model.architecture, "training_step": training.get("steps_done")}
+    return {"path": recorded_path(ck.path), "architecture": ck.model.architecture,
+            "training_step": training.get("steps_done")}
 
 
 def check_compatible(cks: Sequence[Checkpoint]) -> None:

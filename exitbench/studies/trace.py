@@ -10,6 +10,7 @@ from typing import Any
 from ..engine import ExitConfig, ExitEngine
 from ..errors import ExitbenchError
 from ..models import Checkpoint
+from ..models.embedded import recorded_path
 from ..runtime.files import atomic_write
 from ..runtime.provenance import run_metadata
 
@@ -73,7 +74,8 @@ def write_json(reports: list[dict[str, Any]], ck: Checkpoint, path: Path, seed: 
             return {k: clean(v) for k, v in x.items()}
         return x
 
-    doc = {"schema": "exitbench.trace", "version": 1, "checkpoint": str(ck.path), "architecture": ck.model.architecture,
+    doc = {"schema": "exitbench.trace", "version": 1, "checkpoint": recorded_path(ck.path),
+           "architecture": ck.model.architecture,
            "run": run_metadata(seed), "traces": clean(reports)}
     return atomic_write(path, lambda f: json.dump(doc, f, indent=1))
 

@@ -19,12 +19,12 @@ from .config import SweepConfig
 
 
 def model_record(ck: Checkpoint) -> dict[str, Any]:
-    from ..models.embedded import source_label
+    from ..models.embedded import recorded_path, source_label
     from ..models.hub import hub_source
 
     ident = checkpoint_identity(ck.path)
     hub = hub_source(ck.path)  # the repo and resolved commit; the key keeps the content fingerprint
-    return {"path": str(ck.path), "source": source_label(ck.path), **({"hub": hub} if hub else {}),
+    return {"path": recorded_path(ck.path), "source": source_label(ck.path), **({"hub": hub} if hub else {}),
             "architecture": ck.model.architecture,
             "parameters": ck.model.num_parameters(), "fingerprint": ident.short, "files": ident.files,
             "dtype": ck.dtype, **({"compiled": True} if ck.model.compiled else {}),
