@@ -524,6 +524,16 @@ def test_a_result_names_an_embedded_model_by_name_and_any_other_by_its_path(tmp_
     assert recorded_path(copy) == str(copy)
 
 
+def test_the_shipped_cells_name_their_embedded_model_not_a_machines_path():
+    """Every committed cell (the gates' baselines, the shipped sweeps) names its model as any machine would.
+    (results/exit-models keep the path they were fitted from: each learned cell's key holds the file's sha256.)"""
+    found, _ = cells.scan((REPO / "results").rglob("*.json"))
+    assert len(found) > 900
+    for path, cell in found:
+        model = cell["model"]
+        assert model["source"] == f"embedded:{model['path']}", (path, model["path"])
+
+
 def _git(repo: Path, *args: str) -> str:
     import subprocess
 
