@@ -143,8 +143,8 @@ BAD_COMMANDS = {
     "run the default second_order on two loops": (lambda t: ["run", "-c", str(FIXTURES / "nanbeige-tiny"), "--tasks",
                                                              "chains", "--limit", "2", "--out", str(t / "o")],
                                                    ["second_order can first exit at iteration 3", "--max-steps 4"]),
-    "trace the default second_order on two cycles": (lambda t: ["trace", "a b c", "-c", str(FIXTURES / "hrm-text-tiny")],
-                                                     ["second_order can first exit at iteration 3"]),
+    "trace the default second_order on two cycles": (
+        lambda t: ["trace", "a b c", "-c", str(FIXTURES / "hrm-text-tiny")], ["second_order can first exit at iteration 3"]),
     "calibrate at a τ that cannot exit": (lambda t: ["calibrate", "-p", "argmax_stability", "--thresholds", "3,15",
                                                      "--programs", "8", "--out", str(t / "c.json")],
                                           ["calibrate: argmax_stability at τ=15", "iteration 16", "at most 14"]),

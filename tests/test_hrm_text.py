@@ -172,7 +172,8 @@ def test_causal_prompt_is_lm_evals_hf_model_on_the_same_weights(tmp_path):
     requests = [("Natalia sold clips", " to her friends"), ("the cat sat", " on the mat"), ("", "hello there")]
     asked = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=0, metadata=("hrm", i, 1))
              for i, r in enumerate(requests)]
-    want = HFLM(pretrained=str(path), device="cpu", dtype="float32", batch_size=1, logits_cache=False).loglikelihood(asked)
+    hf = HFLM(pretrained=str(path), device="cpu", dtype="float32", batch_size=1, logits_cache=False)
+    want = hf.loglikelihood(asked)
     for causal in (True, False):
         got = ExitbenchLM(checkpoint=str(path), policy="fixed", batch_size=2, device="cpu",
                           causal_prompt=causal).loglikelihood(asked)

@@ -316,11 +316,14 @@ def _most_favourable(policy, K: int) -> np.ndarray:
 RULES = [p for p in ALL_POLICIES if p not in ("fixed", "oracle")]
 
 
-@pytest.mark.parametrize("policy,knobs", [(p, k) for p in RULES for k in ({}, {"patience": 3}, {"min_steps": 5})]
-                         + [("argmax_stability", {"threshold": 4}), ("argmax_stability", {"threshold": 2, "patience": 2}),
-                            ("all_of", {"rules": [{"policy": "argmax_stability", "patience": 2},
-                                                  {"policy": "second_order"}], "threshold": 3, "patience": 2}),
-                            ("all_of", {"rules": [{"policy": "kl", "min_steps": 6}, {"policy": "margin"}]})])
+REACH_CASES = [(p, k) for p in RULES for k in ({}, {"patience": 3}, {"min_steps": 5})] + [
+    ("argmax_stability", {"threshold": 4}), ("argmax_stability", {"threshold": 2, "patience": 2}),
+    ("all_of", {"rules": [{"policy": "argmax_stability", "patience": 2}, {"policy": "second_order"}], "threshold": 3,
+                "patience": 2}),
+    ("all_of", {"rules": [{"policy": "kl", "min_steps": 6}, {"policy": "margin"}]})]
+
+
+@pytest.mark.parametrize("policy,knobs", REACH_CASES)
 def test_earliest_exit_is_where_the_rule_first_exits_on_its_most_favourable_signal(policy, knobs):
     from helpers.engine import knobs_for
 
