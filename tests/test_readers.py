@@ -187,6 +187,10 @@ def _exit_mode(cell):
     cell["policy"]["exit_mode"] = "frozen"
 
 
+def _late(cell):
+    cell["policy"]["late_exit"] = "yes"
+
+
 # A conjunction's rules are read by every label (its series name): a malformed list is refused with the rest of the
 # schema, at the door, by every reader alike.
 MALFORMED_POLICY = {
@@ -196,6 +200,7 @@ MALFORMED_POLICY = {
                                     "policy.rules.0.threshold"),
     "one rule": (_rules([{"policy": "margin"}]), "policy.rules"),
     "an unknown exit mode": (_exit_mode, "policy.exit_mode"),
+    "a late mark not a boolean": (_late, "policy.late_exit"),
 }
 WHOLE_READERS = {**READERS, "export": lambda d, t: ["export", str(d)],
                  "check as the baseline": lambda d, t: ["check", str(BASELINE), "--baseline", str(d), "--present-only"]}

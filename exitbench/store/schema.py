@@ -74,6 +74,10 @@ class PolicyPart(_Part):
     baseline: bool = False
     rules: Optional[list[RulePart]] = Field(default=None, min_length=2)  # all_of: at least two members
     vary: Optional[str] = None
+    # How early the rule can exit by its definition (ExitPolicy.exit_reach); absent from fixed depths and from
+    # cells written before it. late_exit: only at the last iteration or two before full depth.
+    earliest_exit: Optional[int] = None
+    late_exit: bool = False
 
 
 class IterationsPart(_Part):
