@@ -171,3 +171,16 @@ def test_the_quickstarts_trace_shows_an_answer_not_only_misses():
     assert res.exit_code == 0, res.output
     rows = [r for r in res.output.splitlines() if r.startswith("│ d=c")]
     assert len(rows) == 2 and all("│ 7 " in r and "│ yes " in r for r in rows), res.output
+
+
+def test_a_rule_that_can_exit_only_late_is_marked_in_every_table():
+    """A rule whose definition leaves it only the last iteration or two (contraction on three passes) is run and
+    tabled, marked †, with the iteration it can first exit at."""
+    cell_list = copy.deepcopy(ACC)
+    so = next(c for c in cell_list if c["policy"]["policy"] == "second_order" and c["policy"]["threshold"] == 0.1)
+    so["policy"].update(late_exit=True, earliest_exit=15)
+    run_text = rendered([tables.summary_table(summary_rows(cell_list), "cells")], width=160)
+    assert re.search(r"│ second_order † +│ +0\.1 │", run_text), run_text
+    assert "† the rule's definition lets it exit no earlier than iteration 15" in " ".join(run_text.split())
+    pareto_text = " ".join(rendered(tables.pareto_tables(frontier.report(cell_list), "matched"), width=160).split())
+    assert "second_order † │ 0.1" in pareto_text and "no earlier than iteration 15" in pareto_text

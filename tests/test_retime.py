@@ -210,6 +210,8 @@ def test_on_a_task_ordered_easy_first_the_timed_flops_are_the_cells(tmp_path):
         assert rep["whole_flops_ratio"] == pytest.approx(whole, rel=1e-6)  # generation stops at the same tokens
         assert len(rep["documents"]) == 6 and rep["of_documents"] == 48 and rep["documents"] != list(range(6))
         assert rep["representative"] is True and rep["corrected_ratio"] is None
+        # (and each cell records where its rule's definition lets it exit first: from iteration 1 here)
+        assert cell["policy"]["earliest_exit"] == 1 and "late_exit" not in cell["policy"]
 
 
 def test_a_sweep_of_a_task_too_small_to_retime_says_so_once_and_keeps_its_cells(tmp_path):

@@ -200,6 +200,13 @@ def reference_depths(points: list[Point]) -> dict[str, Any]:
     return out
 
 
+def late(cell: dict[str, Any]) -> dict[str, Any]:
+    """A row's mark for a rule whose definition lets it exit only in the last iteration or two before full depth
+    (`policy.late_exit`), with that earliest iteration; nothing for others."""
+    p = cell["policy"]
+    return {"late_exit": True, "earliest_exit": p.get("earliest_exit")} if p.get("late_exit") else {}
+
+
 def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
     """Quality no worse than the reference by more than eps (relative), in the metric's direction."""
     slack = eps * abs(reference)
@@ -227,7 +234,7 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
             speed = estimate(best.cell, ref.cell)
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
-                "mode": best.mode, "cell_id": best.cell["cell_id"],
+                "mode": best.mode, "cell_id": best.cell["cell_id"], **late(best.cell),
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
                 # The speed-up shown (full depth's time ÷ the cell's), as `run` shows it: its paired repeats'
                 # where the cell was retimed beside this full depth (harness/retime.py), with their range, its
@@ -314,7 +321,7 @@ def report(cell_list: list[dict[str, Any]]) -> dict[str, Any]:
         entry = {"title": titles[key], "higher_is_better": higher, "frontiers": {}, "policy_frontiers": {},
                  "matched_quality": matched_quality(points), **reference_depths(points)}
         as_rows = lambda pts, axis: [{"policy": p.policy, "threshold": p.threshold, "quality": p.quality,  # noqa: E731
-                                      "cost": p.cost(axis), "mode": p.mode,
+                                      "cost": p.cost(axis), "mode": p.mode, **late(p.cell),
                                       **(p.speed.to_dict() if axis == "wall_clock" and p.speed else {})}
                                      for p in pts]
         by_policy: dict[str, list[Point]] = {}

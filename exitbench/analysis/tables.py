@@ -65,7 +65,7 @@ def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
 def timing_caption(rows: list[dict[str, Any]]) -> str | None:
     """What a table's timing columns rest on: the speed-ups' bases and flags, replay's estimated clock, and
     overheads from the cells' own timings. None when there is nothing to say."""
-    lines = []
+    lines = [note for note in [late_note(rows)] if note]
     said = legend([(config_label(r["policy"], r["threshold"]), r["speedup"]) for r in rows if r.get("speedup")])
     if said:
         lines.append(said)
@@ -83,7 +83,7 @@ def _summary_row(r: dict[str, Any]) -> list[str]:
         iters += " (" + " + ".join(f"{m:.1f}" for m in r["per_group"]) + ")"
     quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
     ms = ("≈" if r.get("clock_basis") else "") + f"{r['ms_per_token']:.3f}"
-    return [r["policy"], setting(r["policy"], r["threshold"]), quality, iters, ms,
+    return [_marked({**r, "mode": None}), setting(r["policy"], r["threshold"]), quality, iters, ms,
             _speedup_cell(r), overhead(r.get("overhead"), r.get("overhead_timing")),
             f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
 
@@ -172,6 +172,7 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
         f.add_column(col, justify="left" if col == "policy" else "right")
     for p in entry["frontiers"]["iterations"]:
         f.add_row(_marked(p), setting(p["policy"], p["threshold"]), f"{p['quality']:.4g}", f"{p['cost']:.2f}")
+    f.caption = late_note(entry["frontiers"]["iterations"])
     return f
 
 
@@ -195,8 +196,18 @@ def _wall_clock_table(group: str, entry: dict[str, Any]) -> Table:
 
 
 def _marked(row: dict[str, Any]) -> str:
-    """A policy name, with a mark when its number comes from a replay cell rather than an exact run."""
-    return row["policy"] + (" ᴿ" if row.get("mode") == "replay" else "")
+    """A policy name, with a mark when its number comes from a replay cell rather than an exact run, and one when
+    its rule can exit only in the last iteration or two before full depth."""
+    return row["policy"] + (" ᴿ" if row.get("mode") == "replay" else "") + (" †" if row.get("late_exit") else "")
+
+
+def late_note(rows: list[dict[str, Any]]) -> str | None:
+    """What a table's † says, with the earliest iterations its marked rows can exit at."""
+    first = sorted({r["earliest_exit"] for r in rows if r.get("late_exit") and r.get("earliest_exit")})
+    if not first:
+        return None
+    return (f"† the rule's definition lets it exit no earlier than iteration {' or '.join(map(str, first))}: only "
+            "the last iteration or two before full depth are left to save")
 
 
 def check_table(table: str | None) -> None:

@@ -32,6 +32,7 @@ from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
+from ..models.embedded import recorded_path
 from ..models.hub import hub_source
 from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
@@ -125,6 +126,9 @@ class ExitbenchLM(LM):
         self._prefix_text = self.tok.decode([self.prefix_token_id], skip_special_tokens=False)
         bos = self.tok.bos_token_id
         self._bos_text = None if bos is None else self.tok.token(bos)
+        never = exit_config.never_exits_early(ck.model.loop_groups())
+        if never:  # lm-eval's model args reach here without a sweep's planning, which refuses the same
+            raise ExitbenchError(never)
         self.exit_config = exit_config
         self.engine = ExitEngine(ck.model, exit_config, schedule)
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
@@ -387,7 +391,7 @@ class ExitbenchLM(LM):
     # ---- reporting ---------------------------------------------------------------------------------
     def get_model_info(self) -> dict[str, Any]:
         hub = hub_source(self.ck.path)
-        return {"exitbench": {"checkpoint": str(self.ck.path), **({"hub": hub} if hub else {}),
+        return {"exitbench": {"checkpoint": recorded_path(self.ck.path), **({"hub": hub} if hub else {}),
                               "architecture": self.ck.model.architecture,
                               "exit": self.exit_config.to_dict(), "batch_size": self.batch_size,
                               "add_bos_token": self.add_bos_token}}

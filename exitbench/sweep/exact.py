@@ -119,6 +119,9 @@ def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
     return {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
             "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
             "needs_logits": policy.needs_logits,
+            # the first iteration its definition lets it exit at, and whether that leaves it only the last one or
+            # two before full depth (policies/base.py `exit_reach`): the tables mark such rows
+            **policy.exit_reach(),
             **({"exit_model_sha256": policy.model.digest} if policy.needs_exit_model else {})}
 
 

@@ -150,6 +150,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      "time_spread": (c["wall_clock"].get("repeats") or {}).get("spread"),
                      "speedup": estimate(c, full.get(c["cell_id"])), "clock_basis": clock_basis(c),
                      "reference_depth": (full.get(c["cell_id"]) or {}).get("policy", {}).get("threshold"),
+                     "late_exit": bool(p.get("late_exit")), "earliest_exit": p.get("earliest_exit"),
                      **overhead_fields(c, full.get(c["cell_id"])),
                      "warnings": retime.warnings(c)})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))
