@@ -97,8 +97,8 @@ class RunOptions:
         "torch CPU threads for the model (default: torch's, one per core; on a busy machine fewer threads time "
         "more steadily); recorded in each result.", "--threads"))
     timing_repeats: int = field(default=retime.DEFAULT_REPEATS, metadata=option(
-        "After each cell, time its first requests again this often beside full depth, alternately: a paired "
-        "time ratio with its spread (0: none; replay cells never).", "--timing-repeats"))
+        "After each cell, time documents drawn across each task again this often beside full depth, "
+        "alternately: a paired speed-up with its range (0: none; replay cells never).", "--timing-repeats"))
     memory_check: bool = field(default=True, metadata=option(
         "Refuse, before the first cell, a sweep whose memory plan exceeds the device's free memory.",
         "--memory-check/--no-memory-check"))
