@@ -95,7 +95,9 @@ def _speedup_cell(row: dict[str, Any]) -> str:
     shown = speedup_text(est)
     if est.flagged:
         return f"[red]{escape(shown)}[/red]"
-    return f"[red]{escape(shown)} ![/red]" if row.get("warnings") and est.value is not None else escape(shown)
+    # (full depth's own row is the reference, whatever its self-paired repeats spread: the warning names it)
+    unreliable = row.get("warnings") and est.value is not None and est.basis != "reference"
+    return f"[red]{escape(shown)} ![/red]" if unreliable else escape(shown)
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
