@@ -81,14 +81,23 @@ def _threshold(model, requests, policy: str) -> dict:
     return {"threshold": spread_threshold(probe, policy, K, 1, patience)}
 
 
-def _same(a, b) -> None:
+# Rules whose signal is a gap of log-probabilities (the conjunction's members include margin).
+GAP_SIGNALS = ("margin", "all_of")
+
+
+def _same(a, b, gaps: bool = False) -> None:
     assert exit_steps(a) == exit_steps(b)
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and x.greedy == y.greedy
         np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=LOGP_RTOL, atol=LOGP_TOL)
+        # A signal that is a difference of log-probabilities (margin's gap between the first and second choice)
+        # keeps their absolute rounding, not a share of itself: near a tie it is a few hundredths, while each
+        # log-probability may differ by LOGP_TOL + LOGP_RTOL · |log p| between the schedules. On an AMD EPYC
+        # tiny-raven's margin of 0.0131 came out 1.6e-5 apart with log-probabilities near −13.
+        gap = 2 * (LOGP_TOL + LOGP_RTOL * max((abs(v) for v in x.logprobs), default=0.0)) if gaps else 0.0
         for rx, ry in zip(x.records, y.records):
             for sx, sy in zip(rx.signals, ry.signals):
-                np.testing.assert_allclose(sx, sy, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(sx, sy, rtol=1e-4, atol=max(1e-5, gap))
 
 
 @pytest.mark.parametrize("name,policy", [
@@ -110,7 +119,7 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
     knobs = _threshold(model, requests, policy)
     token, auto = _engine(model, policy, "token_major", **knobs), _engine(model, policy, **knobs)
     for rows in (1, 3):
-        _same(token.score(requests, batch_size=rows), auto.score(requests, batch_size=rows))
+        _same(token.score(requests, batch_size=rows), auto.score(requests, batch_size=rows), policy in GAP_SIGNALS)
     # A wave steps until its deepest token exits, so the saving shrinks as exits spread: 26-37% of the
     # token-major step calls here, 54% for the learned rule's widely spread exits on the retrofitted Llama.
     assert auto.stats["steps"] < 0.6 * token.stats["steps"], (auto.stats["steps"], token.stats["steps"])

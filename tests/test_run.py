@@ -478,15 +478,15 @@ def test_looped_gpt2_perplexity_sweep_reports_iterations_per_group(tmp_path):
 
     tok = fit_tokenizer(gsm8k_texts("train", GSM8K_DIR)[:300], 400)
     model = make_gpt2(0, init="model", vocab_size=tok.vocab_size, n_embd=32, n_layer=4, n_head=2, n_positions=256,
-                      loop_groups=[[1], [2]], loop_steps=[3, 3], max_loop_steps=[6, 6],
+                      loop_groups=[[1], [2]], loop_steps=[4, 4], max_loop_steps=[6, 6],
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     save_checkpoint(model, tmp_path / "gpt2", tok)
     out = tmp_path / "out"
     run_ok("--checkpoint", str(tmp_path / "gpt2"), "--tasks", "gsm8k_text", "--data-dir", str(GSM8K_DIR),
            "--limit", "2", "--policy", "second_order", "--relative", "--thresholds", "1e9",
-           "--baselines", "1,3", "--out", str(out))
+           "--baselines", "1,3,4", "--out", str(out))
     found = by_config(load_cells(out))
-    assert set(found) == {("gsm8k_text", "fixed", 1), ("gsm8k_text", "fixed", 3),
+    assert set(found) == {("gsm8k_text", "fixed", 1), ("gsm8k_text", "fixed", 3), ("gsm8k_text", "fixed", 4),
                           ("gsm8k_text", "second_order", 1e9)}
     ppl = {k: c["quality"]["value"] for k, c in found.items()}
     for key, cell in found.items():
@@ -496,8 +496,9 @@ def test_looped_gpt2_perplexity_sweep_reports_iterations_per_group(tmp_path):
         assert len(per_group) == 2 and abs(sum(per_group) - cell["iterations"]["mean"]) < 1e-9
     assert found[("gsm8k_text", "fixed", 1)]["iterations"]["per_group_mean"] == [1.0, 1.0]
     assert found[("gsm8k_text", "fixed", 3)]["iterations"]["per_group_mean"] == [3.0, 3.0]
-    # τ = 1e9 fires as soon as the rule is defined: k = 2, then patience 2 → exit at 3 in every group,
-    # so the cell equals fixed depth 3 exactly; depth 1 reads differently.
+    # τ = 1e9 fires as soon as the rule is defined: k = 2, then patience 2 → exit at 3 in every group (one before
+    # the loops' 4: at a depth of 3 the rule could not exit early and is refused), so the cell equals fixed depth
+    # 3 exactly; depth 1 reads differently.
     assert found[("gsm8k_text", "second_order", 1e9)]["iterations"]["per_group_mean"] == [3.0, 3.0]
     assert ppl[("gsm8k_text", "second_order", 1e9)] == ppl[("gsm8k_text", "fixed", 3)]
     assert ppl[("gsm8k_text", "fixed", 1)] != ppl[("gsm8k_text", "fixed", 3)]
