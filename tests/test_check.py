@@ -44,6 +44,19 @@ def test_identical_runs_pass(tmp_path, base):
     assert "no regression" in res.stdout
 
 
+def test_a_run_that_records_where_rules_can_exit_matches_a_baseline_that_did_not(tmp_path, base):
+    """Cells now say where their rule can first exit (policy.earliest_exit, late_exit): derived from the knobs, so
+    a committed baseline written before is the same cell, not a missing one (CI's replay gate found 252 of 267
+    missing)."""
+    run = copy.deepcopy(ACC + PPL)
+    for c in run:
+        if c["policy"]["policy"] != "fixed":
+            c["policy"].update(earliest_exit=2, late_exit=True)
+    res = check(write(tmp_path / "run", run), base)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "no regression" in res.stdout and "missing" not in res.stdout
+
+
 def test_worse_quality_fails_and_names_the_cell(tmp_path, base):
     run = copy.deepcopy(ACC + PPL)
     run[2]["quality"]["value"] = 0.85  # kl τ=1e-3 on t: 0.90 → 0.85

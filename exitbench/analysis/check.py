@@ -48,7 +48,10 @@ def identity(cell: dict[str, Any]) -> tuple:
     p = cell["policy"]
     # The learned rule's exit model by its content, as the cell's key holds it: the same file at another path
     # is the same rule.
-    ignored = {"seed", "record_signals"} | ({"exit_model"} if p.get("exit_model_sha256") else set())
+    # Where the rule can first exit (`earliest_exit`, `late_exit`) follows from the knobs and is no knob: a
+    # baseline written before cells recorded it is the same cell.
+    ignored = {"seed", "record_signals", "earliest_exit", "late_exit"} | (
+        {"exit_model"} if p.get("exit_model_sha256") else set())
     # (a conjunction's rules, a list of mappings, as JSON; numbers as numbers, so 1 and 1.0 stay one threshold)
     knobs = tuple(sorted((k, json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v)
                          for k, v in p.items() if k not in ignored))
