@@ -231,7 +231,8 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
             ref_time, time = ref.cell["wall_clock"]["per_token_s"], best.cell["wall_clock"]["per_token_s"]
             paired = paired_timing(best.cell, ref.threshold)
             evaluated = ref_time / time if ref_time and time else None
-            speed = estimate(best.cell, ref.cell)
+            # (a group's points carry theirs, against this same full depth, from `groups`)
+            speed = best.speed if best.speed is not None else estimate(best.cell, ref.cell)
             rows.append({
                 "tolerance": eps, "policy": name, "threshold": best.threshold, "quality": best.quality,
                 "mode": best.mode, "cell_id": best.cell["cell_id"], **late(best.cell),

@@ -72,9 +72,8 @@ def estimate(cell: dict[str, Any], full: dict[str, Any] | None) -> SpeedUp:
         ratios = rep.get("ratios") or [rep["ratio"]]
         timed = {"documents": len(rep["documents"]) if "documents" in rep else None,
                  "of": rep.get("of_documents"), "requests": rep.get("requests"), "repeats": rep.get("repeats")}
-        value = 1 / ratio
-        return SpeedUp(value, basis, 1 / (scale * max(ratios)), 1 / (scale * min(ratios)), bound,
-                       _flag(value, bound, basis, cell, 1 / (scale * max(ratios))), timed)
+        value, low, high = 1 / ratio, 1 / (scale * max(ratios)), 1 / (scale * min(ratios))
+        return SpeedUp(value, basis, low, high, bound, _flag(value, bound, basis, cell, low), timed)
     mine, theirs = wall.get("per_token_s"), ((full or {}).get("wall_clock") or {}).get("per_token_s")
     if not (mine and theirs):
         return SpeedUp(None, bound=bound)
