@@ -55,16 +55,19 @@ class AttnContext:
         return AttnContext(self.start, self.cache, self.rows, iteration, self.positions, self.places,
                            self.cache.at_iteration(self.places, iteration, host), self.rotations)
 
-    def rotation(self, table: torch.Tensor) -> torch.Tensor:
-        """Token mode: the rows of a RoPE table (positions, pairs, 2) at the tokens' positions."""
+    def rotation(self, table: torch.Tensor, halves: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token mode: a RoPE table's rows at the tokens' positions: the (cos, signed sin) pair `spread_rope`
+        makes, (n, 1, 1, D) each, gathered once and shared by every layer and iteration of the step."""
         if torch.compiler.is_compiling():
             # Dynamo cannot carry an id()-keyed dict across the cache's graph break (and would guard on the
             # table's identity, recompiling whenever a caller passes a new view of it); compiled, the gather
             # fuses into the rotation, so sharing it buys nothing.
             return table[self.positions]
-        if id(table) not in self.rotations:
-            self.rotations[id(table)] = table[self.positions]
-        return self.rotations[id(table)]
+        key = (id(table), halves)
+        if key not in self.rotations:
+            cos, sin = spread_rope(table, halves)
+            self.rotations[key] = (cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1))
+        return self.rotations[key]
 
     @classmethod
     def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
@@ -104,12 +107,63 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(between, blended, stretched)
 
 
+def spread_rope(table: torch.Tensor, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A RoPE table (length, pairs, 2) spread over a head's D coordinates: cos (length, 1, D) and sin with the
+    sign each coordinate's rotation gives it, so that rotating x is x·cos + partner(x)·sin, three ops. Made
+    once per table object and kept on it (a model passes the same table every call)."""
+    key = "_spread_halves" if halves else "_spread_pairs"
+    spread = table.__dict__.get(key)
+    if spread is None:
+        cos, sin = table[..., 0], table[..., 1]
+        if halves:   # coordinate i pairs with i ± D/2: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin)
+            spread = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        else:        # coordinate 2i pairs with 2i + 1
+            spread = cos.repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)
+        spread = tuple(t.unsqueeze(-2).contiguous() for t in spread)
+        table.__dict__[key] = spread
+    return spread
+
+
+def partner(x: torch.Tensor, halves: bool) -> torch.Tensor:
+    """Each coordinate's RoPE partner: (x2, x1) for rotate-half pairs, (x_{2i+1}, x_{2i}) for adjacent ones."""
+    if halves:
+        return x.roll(x.shape[-1] // 2, -1)
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
-               positions: torch.Tensor | None = None, halves: bool = False) -> torch.Tensor:
+               positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+               halves: bool = False) -> torch.Tensor:
     """Rotate adjacent pairs (2i, 2i+1) of x (B, T, H, D): the GPT-J / original-LLaMA layout, in fp32; with
     `halves`, the pairs (i, i + D/2) instead: Hugging Face's rotate-half layout (Llama, Qwen2, Ouro), the same
     rotation of differently paired coordinates. Token t of row b sits at position start + t, or (one token per
-    row, T = 1) at `positions`: either its positions (b,) or the table's rows there already, (b, pairs, 2)."""
+    row, T = 1) at `positions`: either its positions (b,) or their rotation (`AttnContext.rotation`).
+
+    x·cos + partner(x)·(±sin) is the pair rotation's own arithmetic term for term (a − b·s is a + b·(−s) in
+    IEEE arithmetic), so this equals `rope_reference` bit for bit in a third of the ops
+    (tests/test_engine_ops.py)."""
+    if torch.compiler.is_compiling():
+        return rope_reference(x, table, start, positions, halves)
+    if isinstance(positions, tuple):
+        cos, sin = positions
+    else:
+        cos, sin = spread_rope(table, halves)
+        if positions is not None:
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        else:
+            T = x.shape[1]
+            if start + T > table.shape[0]:
+                raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
+            cos, sin = cos[start : start + T], sin[start : start + T]
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = (xf * cos).add_(partner(xf, halves).mul_(sin))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def rope_reference(x: torch.Tensor, table: torch.Tensor, start: int = 0,
+                   positions: torch.Tensor | None = None, halves: bool = False) -> torch.Tensor:
+    """`apply_rope` written out pair by pair, as Huginn and Hugging Face write it: the reference it is held to,
+    and the form a compiled step traces (`positions` may also be the table's rows there, (b, pairs, 2))."""
     T = x.shape[1]
     if positions is not None:
         rot = (positions if positions.dim() == 3 else table[positions]).view(-1, 1, 1, table.shape[1], 2)
@@ -132,9 +186,20 @@ def rotary_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: to
     """Heads q (B, T, H, D) and k, v (B, T, H_kv, D): RoPE on q and k (`halves`: rotate-half pairs), then
     causal attention through the cache; (B, T, H · D). The cache holds the H_kv grouped heads as they are."""
     B, T = q.shape[:2]
-    rotation = ctx.rotation(rope) if ctx.positions is not None else None
+    rotation = ctx.rotation(rope, halves) if ctx.positions is not None else None
     q = apply_rope(q, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
     k = apply_rope(k, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
+    return cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
+
+
+def rotary_attention_qk(qk: torch.Tensor, v: torch.Tensor, n_heads: int, rope: torch.Tensor, ctx: AttnContext,
+                        layer_id: int, halves: bool) -> torch.Tensor:
+    """`rotary_attention` for q and k side by side in one tensor (B, T, H + H_kv, D), as a fused projection
+    leaves them: one rotation for both instead of one each (the same arithmetic, elementwise)."""
+    B, T = qk.shape[:2]
+    rotation = ctx.rotation(rope, halves) if ctx.positions is not None else None
+    qk = apply_rope(qk, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
+    q, k = qk[:, :n_heads], qk[:, n_heads:]
     return cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
 
 

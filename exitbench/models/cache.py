@@ -78,6 +78,7 @@ class KVCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self._flats: dict[tuple[int, int], torch.Tensor] = {}
+        self._heads_first: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.ensure(capacity)
 
     def ensure(self, length: int) -> None:
@@ -94,6 +95,7 @@ class KVCache:
                 store[layer] = grown
         self.capacity = new_cap
         self._flats.clear()
+        self._heads_first.clear()
 
     def shape_of(self, layer: int) -> tuple[int, int]:
         """(heads, head_dim) of a layer's entries."""
@@ -111,14 +113,26 @@ class KVCache:
         end = start + k.shape[2]
         self.ensure(end)
         slot = self.slot(iteration)
-        K, V = self.k[layer][slot], self.v[layer][slot]
         if rows is None:
-            K[:, start:end] = k.transpose(1, 2)
-            V[:, start:end] = v.transpose(1, 2)
-            return K[:, :end].transpose(1, 2), V[:, :end].transpose(1, 2)
+            # every row: through the slot's (batch, H, capacity, D) views, made once, so a step's write and
+            # read are three slices and a copy per store (a lockstep step's whole cache traffic)
+            K, V = self.heads_first(layer, slot)
+            K[:, :, start:end] = k
+            V[:, :, start:end] = v
+            return K[:, :, :end], V[:, :, :end]
+        K, V = self.k[layer][slot], self.v[layer][slot]
         K[rows, start:end] = k.transpose(1, 2)
         V[rows, start:end] = v.transpose(1, 2)
         return K[rows, :end].transpose(1, 2), V[rows, :end].transpose(1, 2)
+
+    def heads_first(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's keys and values as (batch, heads, capacity, head_dim) views, made once per store: the views
+        are kept with the stores they view, so a store replaced from outside (a copied cache) gets new ones."""
+        K, V = self.k[layer], self.v[layer]
+        held = self._heads_first.get((layer, slot))
+        if held is None or held[0] is not K or held[1] is not V:
+            held = self._heads_first[(layer, slot)] = (K, V, K[slot].transpose(1, 2), V[slot].transpose(1, 2))
+        return held[2], held[3]
 
     def _flat(self, rows: torch.Tensor, positions: torch.Tensor | int, iterations: torch.Tensor | int) -> torch.Tensor:
         """Rows of a layer's flat (slots·batch·capacity) view: each token's entry of its iteration."""

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttnContext, rotary_attention
+from ..attention import AttnContext, rotary_attention, rotary_attention_qk
+from ..linear import FlatLinear
 
 if TYPE_CHECKING:
     from .config import RavenConfig
@@ -32,9 +33,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        if x.dtype != torch.float32:
+            xf = x.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return normed.to(x.dtype) * self.weight
+        # The same arithmetic in seven ops instead of twenty: a loop step runs five of these, and on a small
+        # model each op's dispatch costs more than its arithmetic. mean is sum ÷ n, and a Python scalar (n,
+        # eps) is wrapped into a tensor on every call, so both are kept as tensors; the casts above are no-ops
+        # here. Bit for bit the branch above (tests/test_engine_ops.py).
+        n, eps = self._constants(x)
+        return x * x.mul(x).sum(-1, keepdim=True).div_(n).add_(eps).rsqrt_() * self.weight
+
+    def _constants(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self.__dict__.get("_consts")
+        if got is None or got[0].device != x.device:
+            got = (torch.tensor(float(x.shape[-1]), device=x.device), torch.tensor(self.eps, device=x.device))
+            self.__dict__["_consts"] = got
+        return got
 
 
 class CausalSelfAttention(nn.Module):
@@ -50,15 +65,25 @@ class CausalSelfAttention(nn.Module):
         self.n_kv = n_kv_heads or n_heads
         self.head_dim = head_dim or n_embd // n_heads
         self.split = [n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
-        self.Wqkv = nn.Linear(n_embd, sum(self.split), bias=False)
+        self.Wqkv = FlatLinear(n_embd, sum(self.split), bias=False)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, n_heads, self.head_dim)) if qk_bias else None
         # Identity when absent: no parameters, so no keys, and no branch in forward.
         self.q_norm = RMSNorm(self.split[0], qk_norm_eps) if qk_norm_eps is not None else nn.Identity()
         self.k_norm = RMSNorm(self.split[1], qk_norm_eps) if qk_norm_eps is not None else nn.Identity()
-        self.proj = nn.Linear(self.split[0], n_embd, bias=False)
+        self.proj = FlatLinear(self.split[0], n_embd, bias=False)
+        # q and k rotated as one tensor, straight from the fused projection (the same arithmetic, half the
+        # rotation's ops), unless a norm sits between them or a per-head bias differs in width between them.
+        self.fused_qk = qk_norm_eps is None and (not qk_bias or self.n_kv == n_heads)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = x.shape
+        if self.fused_qk:
+            qkv = self.Wqkv(x)
+            qk = qkv[..., : self.split[0] + self.split[1]].view(B, T, self.n_heads + self.n_kv, self.head_dim)
+            if self.qk_bias is not None:
+                qk = qk + self.qk_bias.view(1, 1, 2 * self.n_heads, self.head_dim)
+            v = qkv[..., self.split[0] + self.split[1]:].view(B, T, self.n_kv, self.head_dim)
+            return self.proj(rotary_attention_qk(qk, v, self.n_heads, rope, ctx, self.layer_id, self.rotate_half))
         q, k, v = self.Wqkv(x).split(self.split, dim=-1)
         q = self.q_norm(q).view(B, T, self.n_heads, self.head_dim)
         k = self.k_norm(k).view(B, T, self.n_kv, self.head_dim)
@@ -74,12 +99,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, n_embd: int, intermediate_size: int):
         super().__init__()
-        self.fc = nn.Linear(n_embd, 2 * intermediate_size, bias=False)
-        self.proj = nn.Linear(intermediate_size, n_embd, bias=False)
+        self.fc = FlatLinear(n_embd, 2 * intermediate_size, bias=False)
+        self.proj = FlatLinear(intermediate_size, n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(F.silu(gate) * up)
+        both = self.fc(x)
+        half = both.shape[-1] // 2  # two slices: chunk's split dispatches twice the ops for the same views
+        return self.proj(F.silu(both[..., :half]) * both[..., half:])
 
 
 def attention(c: "RavenConfig", layer_id: int, rotate_half: bool, qk_norm: bool = False) -> CausalSelfAttention:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ...errors import CheckpointError
 from ..attention import AttnContext, rope_table
+from ..linear import FlatLinear
 from ..looped import LoopedLM, LoopGroup, Stage, frozen_layers, on_rows, trunc_normal_
 from .blocks import RMSNorm
 from .config import RavenConfig
@@ -62,7 +63,7 @@ class Raven(LoopedLM):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(c.padded_vocab_size, c.n_embd),
             prelude=blocks(0, n_pre),
-            adapter=nn.Linear(2 * c.n_embd, c.n_embd, bias=False),
+            adapter=FlatLinear(2 * c.n_embd, c.n_embd, bias=False),
             core_block=blocks(n_pre, n_core),
             coda=blocks(n_pre + n_core, c.n_layers_in_coda),
             ln_f=RMSNorm(c.n_embd, c.norm_eps),
@@ -103,7 +104,13 @@ class Raven(LoopedLM):
     # ---- the stage view the engine uses ----------------------------------------------------------
     @property
     def rope(self) -> torch.Tensor:
-        return self.freqs_cis[0, :, 0]
+        # One view object per table: attention keeps the table's spread form on it (attention.spread_rope).
+        table = self.freqs_cis
+        held = self.__dict__.get("_rope_view")
+        if held is None or held[0] is not table:
+            held = (table, table[0, :, 0])
+            self.__dict__["_rope_view"] = held
+        return held[1]
 
     def _run_layers(self, layers: nn.ModuleList, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         rope = self.rope
