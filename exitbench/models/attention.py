@@ -124,11 +124,26 @@ def spread_rope(table: torch.Tensor, halves: bool) -> tuple[torch.Tensor, torch.
     return spread
 
 
+def rope_rows(table: torch.Tensor, halves: bool, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spread cos and sin rows of positions start … start + T − 1, (T, 1, D) each. Views, kept per (start,
+    T) beside the spread table: a decoding step asks for the same one-position rows at every iteration."""
+    if start + T > table.shape[0]:
+        raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
+    key = "_rows_halves" if halves else "_rows_pairs"
+    rows = table.__dict__.setdefault(key, {})
+    got = rows.get((start, T))
+    if got is None:
+        cos, sin = spread_rope(table, halves)
+        got = rows[(start, T)] = (cos[start : start + T], sin[start : start + T])
+    return got
+
+
 def partner(x: torch.Tensor, halves: bool) -> torch.Tensor:
     """Each coordinate's RoPE partner: (x2, x1) for rotate-half pairs, (x_{2i+1}, x_{2i}) for adjacent ones."""
-    if halves:
-        return x.roll(x.shape[-1] // 2, -1)
-    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    # a flip of the last axis split in two (halves) or in pairs: splitting an axis is always a view, and the
+    # flip's fresh output always views back (roll and unflatten/flatten dispatch twice the ops)
+    split = (2, -1) if halves else (-1, 2)
+    return x.view(*x.shape[:-1], *split).flip(-2 if halves else -1).view(x.shape)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
@@ -147,14 +162,11 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, start: int = 0,
     if isinstance(positions, tuple):
         cos, sin = positions
     else:
-        cos, sin = spread_rope(table, halves)
         if positions is not None:
+            cos, sin = spread_rope(table, halves)
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         else:
-            T = x.shape[1]
-            if start + T > table.shape[0]:
-                raise ValueError(f"position {start + T} exceeds the model's context of {table.shape[0]} tokens")
-            cos, sin = cos[start : start + T], sin[start : start + T]
+            cos, sin = rope_rows(table, halves, start, x.shape[1])
     xf = x if x.dtype == torch.float32 else x.float()
     out = (xf * cos).add_(partner(xf, halves).mul_(sin))
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -200,7 +212,10 @@ def rotary_attention_qk(qk: torch.Tensor, v: torch.Tensor, n_heads: int, rope: t
     rotation = ctx.rotation(rope, halves) if ctx.positions is not None else None
     qk = apply_rope(qk, rope, ctx.start, rotation, halves=halves).transpose(1, 2)
     q, k = qk[:, :n_heads], qk[:, n_heads:]
-    return cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id).transpose(1, 2).reshape(B, T, -1)
+    out = cached_causal_attention(q, k, v.transpose(1, 2), ctx, layer_id)
+    if T == 1 and out.is_contiguous():  # (B, H, 1, D) is (B, 1, H, D) in memory: one view, no transpose
+        return out.view(B, 1, -1)
+    return out.transpose(1, 2).reshape(B, T, -1)
 
 
 def prefix_mask(prefix: torch.Tensor | int, start: int, T: int, L: int, device: torch.device) -> torch.Tensor:

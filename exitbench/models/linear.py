@@ -24,4 +24,6 @@ class FlatLinear(nn.Linear):
         if held is None or held[0] != w.data_ptr() or held[1].dtype != w.dtype:
             held = (w.data_ptr(), w.detach().t())
             self.__dict__["_transposed"] = held
-        return torch.mm(x.reshape(-1, x.shape[-1]), held[1]).view(*x.shape[:-1], w.shape[0])
+        # view, not reshape, where it can: reshape dispatches a view of its own inside
+        flat = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
+        return torch.mm(flat, held[1]).view(*x.shape[:-1], w.shape[0])

@@ -78,11 +78,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, _ = x.shape
         if self.fused_qk:
-            qkv = self.Wqkv(x)
-            qk = qkv[..., : self.split[0] + self.split[1]].view(B, T, self.n_heads + self.n_kv, self.head_dim)
+            heads = self.Wqkv(x).view(B, T, -1, self.head_dim)  # q, k and v heads side by side
+            qk, v = heads[:, :, : self.n_heads + self.n_kv], heads[:, :, self.n_heads + self.n_kv:]
             if self.qk_bias is not None:
-                qk = qk + self.qk_bias.view(1, 1, 2 * self.n_heads, self.head_dim)
-            v = qkv[..., self.split[0] + self.split[1]:].view(B, T, self.n_kv, self.head_dim)
+                qk = qk + self._fused_bias()
             return self.proj(rotary_attention_qk(qk, v, self.n_heads, rope, ctx, self.layer_id, self.rotate_half))
         q, k, v = self.Wqkv(x).split(self.split, dim=-1)
         q = self.q_norm(q).view(B, T, self.n_heads, self.head_dim)
@@ -92,6 +91,18 @@ class CausalSelfAttention(nn.Module):
             q = q + self.qk_bias[0]
             k = k + self.qk_bias[1]
         return self.proj(rotary_attention(q, k, v, rope, ctx, self.layer_id, self.rotate_half))
+
+
+    def _fused_bias(self) -> torch.Tensor:
+        """The q and k biases as one (1, 1, H + H_kv, D) view, kept while the parameter stays the same tensor."""
+        bias = self.qk_bias
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # a kept view would not carry gradients
+            return bias.view(1, 1, 2 * self.n_heads, self.head_dim)
+        held = self.__dict__.get("_fused_bias_view")
+        if held is None or held[0] is not bias or held[1] != bias.data_ptr():
+            held = (bias, bias.data_ptr(), bias.view(1, 1, 2 * self.n_heads, self.head_dim))
+            self.__dict__["_fused_bias_view"] = held
+        return held[2]
 
 
 class GatedMLP(nn.Module):
