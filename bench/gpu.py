@@ -20,6 +20,17 @@ once its experts are dequantised to bf16, so a GPU of 80 GB or more), its three 
 Without --checkpoint: Huginn-0125's published shape (shared/reference/huginn-0125.md §1.1) with random
 weights at its init scales, built on the device in bf16 (7.1 GB; no files are written). Without a CUDA device
 `--device cuda` (the default) ends with one line, as every exitbench command does.
+
+`--decode N` adds the engine's greedy decoding of N new tokens at batch sizes 1 and 16 against the memory
+floor, and the scoring rules against the fixed-depth time line (issue 57's table, docs/engine.md):
+- floor: a decoding step must read the weights it uses once (the embedding row aside): prelude, coda, norm and
+  head once per token, the core block once per iteration; at batch 16 once per batched step for all rows. The
+  device's read rate is measured in the same run (an on-device copy of a buffer far larger than its caches:
+  bytes read ÷ time), so floor = bytes ÷ rate, and the table prints measured ÷ floor;
+- time line: fixed depths r = K/8, K/4, K/2, K scored at batch 16 give a + b·r (least squares); each rule's
+  time over the line's value at its own mean iterations is what its exits cost beyond their arithmetic.
+    python bench/gpu.py --decode 32 --json bench/gpu-results.json     # on a GPU: about 5 minutes on one H200
+    python bench/gpu.py --device cpu --checkpoint tiny-raven --decode 8 --tokens 16   # a dry run
 """
 from __future__ import annotations
 
@@ -110,6 +121,108 @@ def measure(model, device: str, tokens: int, repeats: int, max_steps: int | None
     return figures
 
 
+def read_rate(device: str, gib: float = 2.0, repeats: int = 5) -> float:
+    """Bytes per second the device reads, from an on-device copy of a buffer far larger than its caches (a
+    copy reads each byte once and writes it once: bytes read = the buffer's size; the fastest of `repeats`)."""
+    n = int(gib * 2**30) // 4 if device.startswith("cuda") else 2**26  # 256 MiB on a CPU: past its caches
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return n * 4 / best
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes read once per token, bytes read once per core iteration) of a Raven: every stage's weights but
+    the embedding table, of which a token reads one row (a tied head reads it whole, once per token)."""
+    t = model.transformer
+    per_iteration = sum(p.numel() * p.element_size() for m in (t.adapter, t.core_block) for p in m.parameters())
+    once = sum(p.numel() * p.element_size() for m in (t.prelude, t.coda, t.ln_f, model.lm_head)
+               for p in m.parameters())
+    return once, per_iteration
+
+
+def decode(model, device: str, new_tokens: int, repeats: int, max_steps: int | None, seed: int = 1) -> dict:
+    """Greedy decoding at batch sizes 1 and 16: ms per new token (per row: a batch's step serves every row)
+    beside the memory floor of the weights the tokens' iterations read."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in range(max(BATCHES))]
+    rate = read_rate(device)
+    once, per_iteration = weight_bytes(model)
+    figures = {}
+    for name, policy, tau in VARIANTS:
+        knobs = {} if max_steps is None or policy == "fixed" else {"max_steps": max_steps}
+        engine = ExitEngine(model, ExitConfig(policy, threshold=max_steps if policy == "fixed" else tau, **knobs))
+        for batch in BATCHES:
+            rows = prompts[:batch]
+            engine.generate(rows, max_new_tokens=2, batch_size=batch)  # warm-up
+
+            def timed(count: int):
+                sync(device)
+                t0 = time.perf_counter()
+                results = engine.generate(rows, max_new_tokens=count, batch_size=batch)
+                sync(device)
+                return time.perf_counter() - t0, results
+            # the prefill and first token cancel out of the difference of a long and a one-token run
+            times = []
+            for _ in range(repeats):
+                long_s, results = timed(new_tokens + 1)
+                times.append(long_s - timed(1)[0])
+            its = [i for r in results for i in r.iterations[1:]]
+            n = len(its)  # new tokens past the first, over the rows
+            mean = sum(its) / n
+            # a batch reads the weights once per batched step: per row, the bytes of its tokens ÷ the batch
+            floor_s = n * (once + mean * per_iteration) / batch / rate
+            ms = 1000 * statistics.median(times) / n
+            figures[f"decode_{name}_bs{batch}"] = {
+                "ms_per_token": ms, "tokens": n, "batch_size": batch, "mean_iterations": mean,
+                "max_steps": engine.policies[0].max_steps, "threshold": engine.policies[0].threshold,
+                "seconds": times, "floor_ms": 1000 * floor_s / n, "over_floor": ms / (1000 * floor_s / n),
+                "read_rate_gb_s": rate / 1e9, "weight_bytes_once": once, "weight_bytes_per_iteration": per_iteration}
+    return figures
+
+
+def against_line(model, device: str, tokens: int, repeats: int, max_steps: int | None, measured: dict) -> dict:
+    """Fixed depths K/8 … K scored at batch 16: the time line a + b·r, and each rule at batch 16 over the
+    line at its own mean iterations."""
+    K = max_steps or model.config.mean_recurrence
+    depths = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.config.vocab_size, (tokens + 1,), generator=g).tolist() for _ in range(16)]
+    requests = [(s, 1) for s in seqs]
+    points = []
+    for r in depths:
+        engine = ExitEngine(model, ExitConfig("fixed", threshold=r))
+        engine.score(requests, batch_size=16)
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            engine.score(requests, batch_size=16)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        points.append((r, 1000 * statistics.median(times) / (16 * tokens)))
+    n = len(points)
+    mean_r, mean_t = sum(r for r, _ in points) / n, sum(t for _, t in points) / n
+    b = sum((r - mean_r) * (t - mean_t) for r, t in points) / sum((r - mean_r) ** 2 for r, _ in points)
+    a = mean_t - b * mean_r
+    figures = {f"line_fixed_r{r}_bs16": {"ms_per_token": t, "mean_iterations": float(r), "batch_size": 16,
+                                         "line_ms": a + b * r, "over_line": t / (a + b * r)} for r, t in points}
+    for name, _, _ in VARIANTS[1:]:
+        got = measured.get(f"{name}_bs16")
+        if got:
+            on_line = a + b * got["mean_iterations"]
+            figures[f"line_{name}_bs16"] = {**got, "line_ms": on_line, "over_line": got["ms_per_token"] / on_line}
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda).")
@@ -121,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the loop step (exitbench --compile).")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own).")
+    ap.add_argument("--decode", type=int, default=0, help="Also decode this many new tokens per prompt, against "
+                    "the memory floor, and score the rules against the fixed-depth time line (0: not).")
     ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
     args = ap.parse_args(argv)
     try:
@@ -138,12 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         model.compile_loops()
     tag = "_compiled" if args.compile else ""
+    measured = measure(model, device, args.tokens, args.repeats, args.max_steps)
+    if args.decode:
+        measured.update(against_line(model, device, args.tokens, args.repeats, args.max_steps, measured))
+        measured.update(decode(model, device, args.decode, args.repeats, args.max_steps))
     figures = {f"{device.split(':')[0]}{tag}_{key}": {**value, "device": torch.cuda.get_device_name(device)
                                                       if device.startswith("cuda") else "cpu",
                                                       "compile": args.compile, "dtype": str(model.dtype)}
-               for key, value in measure(model, device, args.tokens, args.repeats, args.max_steps).items()}
+               for key, value in measured.items()}
     for key, value in figures.items():
-        print(f"{key:36s} {value['ms_per_token']:9.3f} ms/token  mean iterations {value['mean_iterations']:.2f}")
+        extra = "".join(f"  {name} {value[name]:.2f}" for name in ("floor_ms", "over_floor", "over_line")
+                        if name in value)
+        print(f"{key:36s} {value['ms_per_token']:9.3f} ms/token  mean iterations {value['mean_iterations']:.2f}"
+              f"{extra}")
     if args.json:
         earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
         args.json.write_text(json.dumps({**earlier, **figures}, indent=2) + "\n")
