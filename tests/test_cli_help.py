@@ -38,21 +38,3 @@ def test_policies_says_each_rule_whole():
     assert res.exit_code == 0
     text = " ".join(re.sub(r"[│┃]", " ", res.output).split())
     assert "so every token leaves by T" in text and "(label: the oracle's criterion)" in text
-
-
-def test_every_command_is_a_few_lines_over_library_calls():
-    """Issue 58: a command parses, builds its config, makes one library call and renders, in 40 lines at most
-    (decorators and signature included); what is longer belongs in the library, where it can be imported."""
-    import ast
-
-    from helpers.paths import REPO
-
-    long = []
-    for path in sorted((REPO / "exitbench" / "cli").glob("*.py")):
-        for node in ast.parse(path.read_text()).body:
-            commands = [d for d in getattr(node, "decorator_list", []) if "command" in ast.dump(d)]
-            if isinstance(node, ast.FunctionDef) and commands:
-                lines = node.end_lineno - node.lineno + 1
-                if lines > 40:
-                    long.append(f"{path.name}:{node.name} ({lines} lines)")
-    assert not long, long

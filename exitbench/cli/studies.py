@@ -175,9 +175,15 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..runtime.devices import use_threads
     from ..store.disk import writable_output
     from ..studies.calibrate import calibrate as run_calibration
-    from ..studies.calibrate import calibration_grid, check_calibratable, check_grid_option, write_report
+    from ..studies.calibrate import check_calibratable, grid_for, write_report
+    from ..sweep.config import parse_thresholds
+    from ..sweep.config import parse_quantiles
 
-    check_grid_option(thresholds)
+    if parse_quantiles(thresholds):
+        # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.
+        raise ExitbenchError(f"calibrate --thresholds {thresholds.strip()}: the guarantee needs a grid chosen "
+                             "before the documents are read; take the values a run derived (`exitbench run "
+                             "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     use_threads(threads)
     # an unknown policy or bad knob fails before the checkpoint loads
     config = exit_config_from(ctx, knobs, exit_config, seed=seed)
@@ -185,7 +191,8 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    grid = calibration_grid(thresholds, ck.model, config)  # a conjunction's: its varied member's
+    # a conjunction calibrates its varied member's threshold, over that one's grid
+    grid = parse_thresholds(thresholds) or grid_for(ck.model, config)
     check_fitted_for(ck, config.fitted_exit_model)
     path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
@@ -236,10 +243,14 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
     from ..analysis.tables import exit_model_tables
     from ..models.checkpoint import open_checkpoint
     from ..store.disk import writable_output
-    from ..studies.fit_exit import (check_fit_options, fit_depths, fit_knobs, fit_learned, fitting_documents,
-                                    provenance, write_exit_model)
+    from ..studies.fit_exit import (check_fit_options, fit_depths, fit_learned, fitting_documents, provenance,
+                                    write_exit_model)
 
-    knobs = fit_knobs({**knobs, "seed": seed}, exit_config, given_on_command_line(ctx))
+    # the learned rule's file is what this writes, so the knobs are read as a dict, not a config of that rule
+    knobs = {**knobs, "seed": seed}
+    if exit_config is not None:
+        typed = {k: v for k, v in knobs.items() if k in given_on_command_line(ctx)}
+        knobs = {**knobs, **ExitConfig.file_knobs(exit_config, typed), **typed}
     seed = knobs["seed"]
     check_fit_options(limit, batch_size, seed)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name

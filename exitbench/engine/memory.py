@@ -138,26 +138,3 @@ def wave(model: LoopedLM, dtype: torch.dtype, batch: int, context: int) -> dict[
     block = min(block_positions(model, batch, context, dtype), context)
     return {"block_positions": block, "tokens": batch * block,
             "gather_bytes": block * gather_bytes(model, batch, context, dtype)}
-
-
-# The most --memory-gb a plan takes: inf (1e400 reads as inf) and 1e300 (inf once in bytes) have no byte count;
-# an exabyte is plenty.
-MAX_MEMORY_GB = 1e9
-
-
-def device_plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int, max_steps: int | None,
-                kv_window: int | None, memory_gb: float | None, device: str | None) -> dict[str, Any]:
-    """`exitbench info --plan`: `plan` beside the memory there is, given (`memory_gb`, with the largest batch
-    that fits it) or the device's (`device`, resolved as a run resolves it)."""
-    from ..runtime.devices import available_memory, resolve_device
-
-    out = plan(model, dtype, batch, context, max_steps, kv_window)
-    if memory_gb is None:
-        where = resolve_device(device)
-        return {**out, "device": where, "available": available_memory(where)}
-    if not 0 < memory_gb <= MAX_MEMORY_GB:
-        raise ExitbenchError(f"--memory-gb must be a number of GB > 0 and at most {MAX_MEMORY_GB:g}, got "
-                             f"{memory_gb:g}")
-    available = int(memory_gb * 1e9)
-    return {**out, "device": f"{memory_gb:g} GB (--memory-gb)", "available": available,
-            "largest_batch": largest_batch(model, dtype, context, max_steps, kv_window, available)}

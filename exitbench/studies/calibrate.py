@@ -224,26 +224,6 @@ def _check_request(config: ExitConfig, thresholds: Sequence[float], epsilon: flo
             raise ExitbenchError(f"calibrate: {why}")
 
 
-def check_grid_option(thresholds: str | None) -> None:
-    """`--thresholds` as calibrate reads it, checked before anything loads: numbers, never quantiles:N
-    (learn-then-test holds only for hypotheses fixed before the calibration documents are read)."""
-    from ..sweep.config import parse_quantiles, parse_thresholds
-
-    if parse_quantiles(thresholds):
-        raise ExitbenchError(f"calibrate --thresholds {thresholds.strip()}: the guarantee needs a grid chosen "
-                             "before the documents are read; take the values a run derived (`exitbench run "
-                             "--thresholds quantiles:N` records them in each cell's run.thresholds)")
-    parse_thresholds(thresholds)
-
-
-def calibration_grid(thresholds: str | None, model, config: ExitConfig) -> list[float]:
-    """The thresholds calibrate chooses from: `--thresholds`, else the rule's own grid (`grid_for`)."""
-    from ..sweep.config import parse_thresholds
-
-    check_grid_option(thresholds)
-    return parse_thresholds(thresholds) or grid_for(model, config)
-
-
 def grid_for(model, config: ExitConfig) -> list[float]:
     """The thresholds calibrate chooses from by default: the model's grid for the rule (a conjunction's varied
     member's), less those at which it could never exit before full depth (a τ that counts iterations)."""

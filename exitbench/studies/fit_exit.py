@@ -314,17 +314,6 @@ def fit(model, docs: Sequence[list[int]], *, kind: str = "logistic", seed: int =
 FITTERS = {"logistic": fit_logistic, "mlp": fit_mlp}
 
 
-def fit_knobs(knobs: dict, exit_config, given: set) -> dict:
-    """The exit knobs fit-exit labels with: the command line's over an exit-config file's over the defaults.
-    The learned rule's file is what fit-exit writes, so they are read as a dict, not a config of that rule."""
-    if exit_config is None:
-        return knobs
-    from ..engine.config import ExitConfig
-
-    typed = {k: v for k, v in knobs.items() if k in given}
-    return {**knobs, **ExitConfig.file_knobs(exit_config, typed), **typed}
-
-
 def check_fit_options(limit: int, batch_size: int, seed: int) -> None:
     """fit-exit's counts, refused before a checkpoint loads."""
     from ..runtime.validation import at_least
