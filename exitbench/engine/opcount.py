@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from . import loop as loop_module
