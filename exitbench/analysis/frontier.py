@@ -19,7 +19,6 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 from .labels import metric_name
-from .serving import serving_fields
 from .speedup import estimate
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
@@ -246,8 +245,6 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,
                 **overhead_fields(best.cell, ref.cell),
-                # what its exits would buy a server at this batch size (analysis/serving.py)
-                **serving_fields(best.cell),
                 "iterations_over_oracle": (best.cost("iterations") / oracle[0].cost("iterations")
                                            if oracle and oracle[0].cost("iterations") else None),
                 # A speed-up is a ratio of two cells' timings: only comparable when one run measured both.

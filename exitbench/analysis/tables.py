@@ -152,7 +152,7 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
 def _matched_table(group: str, entry: dict[str, Any]) -> Table:
     t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth "
                     f"{depth_said(entry)}; {direction(entry['higher_is_better'])})", caption_justify="left")
-    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "serving", "iters / oracle"):
+    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
         # a speed-up and its range stay on one line: a narrow terminal folds the headings instead
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
     rows = collapse_tolerances(entry["matched_quality"])
@@ -162,13 +162,9 @@ def _matched_table(group: str, entry: dict[str, Any]) -> Table:
         t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
                   f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": SpeedUp.from_row(r)}),
                   overhead(r.get("overhead"), r.get("overhead_timing")),
-                  "-" if r.get("serving_continuous") is None else f"{r['serving_continuous']:.2f}×",
                   "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
-    serving = ("serving: projected decode throughput over full depth at the cell's batch size under continuous "
-               "batching, from its recorded exits (exitbench serve-sim)") \
-        if any(r.get("serving_continuous") is not None for r in rows) else None
     t.caption = "\n".join(c for c in (deeper_said(entry), timing_caption([{**r, "speedup": SpeedUp.from_row(r)}
-                                                                          for r in rows]), serving) if c) or None
+                                                                          for r in rows])) if c) or None
     return t
 
 
@@ -476,21 +472,3 @@ def presets_markdown(presets: list) -> str:
     from tabulate import tabulate
 
     return tabulate([preset_fields(p) for p in presets], headers="keys", tablefmt="github")
-
-
-def serving_table(rows: list[dict[str, Any]], cost_source: str) -> Table:
-    """`exitbench serve-sim`: per cell and batch size, throughput relative to full depth under each scheduler,
-    the ideal (the iteration ratio) and continuous batching's share of it."""
-    table = Table(title="projected decode throughput, relative to full depth on the same requests",
-                  caption=f"static: a batch step waits for its slowest token; continuous: a row takes its next "
-                          f"token when its token exits; ideal: the iteration ratio. Cost model: {cost_source}",
-                  caption_justify="left")
-    for name in ("task", "policy", "τ", "mean iters", "batch", "full", "static", "continuous", "ideal",
-                 "share"):
-        table.add_column(name, justify="left" if name in ("task", "policy") else "right")
-    for r in rows:
-        table.add_row(r["task"], r["policy"], f"{r['threshold']:g}" if r["threshold"] is not None else "",
-                      f"{r['mean_iterations']:.2f}", str(r["batch_size"]),
-                      *(f"{r[f'throughput_{s}']:.2f}×" for s in ("full", "static", "continuous")),
-                      f"{r['ideal']:.2f}×", f"{100 * r['share_of_ideal']:.0f}%")
-    return table

@@ -163,36 +163,3 @@ def export(directories: list[Path] = DirectoriesArg, fmt: str = ExportFormatOpt,
         return
     atomic_write(out, lambda f: f.write(text))
     say(f"wrote {out}")
-
-
-BatchSizesOpt = typer.Option("1,8,64", "--batch-size", help="Batch sizes to project, comma-separated.")
-ServingCostOpt = typer.Option(None, "--cost", help="A cost file (python bench/serving_cost.py --out FILE) "
-                              "[the packaged one, measured on tiny-raven on a 2-core CPU].")
-ServeFormatOpt = typer.Option("rich", "--format", help="rich or json.")
-
-
-@app.command("serve-sim")
-@one_line_errors
-def serve_sim(directories: list[Path] = DirectoriesArg, batch_sizes: str = BatchSizesOpt,
-              cost_file: Optional[Path] = ServingCostOpt, fmt: str = ServeFormatOpt, model: Optional[str] = ModelOpt):
-    """Decode throughput each cell's rule would buy a server, from its recorded exits: full depth, static and
-    continuous batching, relative to full depth, beside the ideal (the iteration ratio)."""
-    import json
-
-    from ..analysis.serving import Cost, parse_batch_sizes
-    from ..analysis.serving import serve_sim as project
-    from ..analysis.tables import serving_table
-    from ..store.loading import load
-
-    if fmt not in ("rich", "json"):
-        raise ExitbenchError(f"--format must be rich or json, got {fmt!r}")
-    sizes = parse_batch_sizes(batch_sizes)
-    cost = Cost.read(cost_file)
-    rows, skipped = project(load(directories, on_skip=skip_note, model=model), sizes, cost)
-    for name in skipped:
-        say(f"note: {name}: no recorded exit schedule (a cell written before schedules were, or a replay cell), "
-            "skipped")
-    if fmt == "json":
-        print(json.dumps({"cost": cost.to_dict(), "rows": rows}, indent=1))
-    else:
-        console.print(serving_table(rows, cost.source))

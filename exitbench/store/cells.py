@@ -164,8 +164,6 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
     core_probe = phase["core"] + phase["probe"]
     return {
         "tokens": len(records),
-        # where its first exited token sits: every position before it ran as the request's prefill
-        "first_position": records[0].position if records else None,
         # each token's context length summed: what its cost at any other depth follows (FlopModel's a + b · context)
         "context_sum": sum(r.position + 1 for r in records),
         "exit_steps": [r.exit_steps for r in records],
@@ -261,17 +259,7 @@ def build(key: dict[str, Any], model: dict[str, Any], task: dict[str, Any], poli
         "quality": {"metric": primary, "value": task["metrics"][primary], "stderr": task["stderr"].get(primary),
                     "higher_is_better": task["higher_is_better"][primary]},
         "policy": policy, **summarize(stats), "samples": samples, "run": run,
-        "exits": exit_schedule(stats),
     }
-
-
-def exit_schedule(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """A cell's exit schedule, request by request in lm-eval's order: where its exited tokens start (the
-    positions before them are its prefill) and each token's iterations, summed over loop groups. What
-    `exitbench serve-sim` replays; a few bytes per token (a 600-document chains cell: 12 kB)."""
-    return {"kind": next((s["kind"] for s in stats if "kind" in s), None),
-            "first": [s.get("first_position") for s in stats],
-            "iterations": [s["iterations"] for s in stats]}
 
 
 def strict(value: Any) -> Any:

@@ -135,14 +135,6 @@ class EnginePart(_Part):
     schedule: Optional[str] = None  # cells written before depth-major scoring existed say nothing
 
 
-class ExitsPart(_Part):
-    """A cell's exit schedule (`cells.exit_schedule`): per request, its first exited token's position and each
-    token's iterations. Cells written before it say nothing, nor do replay cells."""
-    kind: Optional[str] = None
-    first: list[Optional[int]] = []
-    iterations: list[list[int]] = []
-
-
 class RunPart(_Part):
     started: str
 
@@ -160,7 +152,6 @@ class Cell(_Part):
     run: RunPart
     numerics: NumericsPart = NumericsPart()
     engine: EnginePart = EnginePart()
-    exits: Optional[ExitsPart] = None
     samples: bool = False
     mode: Literal["exact", "replay"] = "exact"
     replay: dict = {}

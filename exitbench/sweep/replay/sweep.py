@@ -168,9 +168,6 @@ class ReplaySweep:
             name = cell["task"]["name"]
             cell["mode"] = "replay"
             cell["wall_clock"]["estimated"] = True
-            # no schedule to project a server's throughput from: a replayed generation's tokens are the
-            # recording's, not what the rule would have generated, and its prompts are not the cell's
-            cell.pop("exits", None)
             cell["replay"] = {
                 "recording_depth": self.depth, "record_s": self.record_s, "cost_model_s": self.costs_s,
                 "costs": self.costs.to_dict(), "generation": lm.generation.get(name),
