@@ -78,7 +78,8 @@ class AttnContext:
         rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
         length = max(positions) + 1
         places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1,
-                                   by_row=(list(rows), list(positions)) if by_row else None)
+                                   by_row=(list(rows), list(positions)) if by_row else None,
+                                   dense=not by_row and list(rows) == list(range(cache.batch)))
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if iteration is None else ctx.at_iteration(iteration)
 

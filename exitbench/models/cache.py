@@ -28,7 +28,7 @@ always name loop iterations (0-based); the cache maps them to slots.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,20 @@ class TokenIndex:
     # row instead of a gather per token; and the slot each row reads at this iteration.
     by_row: list[tuple[torch.Tensor, int, int, torch.Tensor | None, int]] | None = None
     row_slots: list[int] | None = None
+    # One token per batch row, every row in order (`dense`), all at one slot (`slot`, set per step): each token's
+    # keys are then its row's first `length` entries at that slot, one slice of the store, no gather.
+    dense: bool = False
+    slot: int | None = None
+    positions: torch.Tensor | None = None  # dense: each row's position, where its write goes
+    # dense: the positions as scatter indices, per (heads, head_dim) of a layer's entries, made once per index
+    scatters: dict = field(default_factory=dict)
+
+    def scatter_index(self, heads: int, dim: int) -> torch.Tensor:
+        """(n, heads, 1, dim) indices of each row's position along a heads-first store's position axis."""
+        got = self.scatters.get((heads, dim))
+        if got is None:
+            got = self.scatters[(heads, dim)] = self.positions.view(-1, 1, 1, 1).expand(-1, heads, 1, dim)
+        return got
 
 
 class KVCache:
@@ -146,7 +160,7 @@ class KVCache:
         return self._flats[key]
 
     def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool,
-                    by_row: tuple[list[int], list[int]] | None = None) -> TokenIndex:
+                    by_row: tuple[list[int], list[int]] | None = None, dense: bool = False) -> TokenIndex:
         """The `TokenIndex` at iteration 0 of one token per entry of `rows` at `positions`, each reading its row's
         keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it.
         `by_row` (the rows and positions as host lists): tokens of one row read their row's keys as one slice
@@ -173,7 +187,7 @@ class KVCache:
             hidden = torch.arange(length, device=self.device) > positions.unsqueeze(1)
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
             mask = mask.view(len(positions), 1, 1, length)
-        return TokenIndex(base + positions, read, length, mask)
+        return TokenIndex(base + positions, read, length, mask, dense=dense, positions=positions if dense else None)
 
     def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int, host: list[int] | None = None
                      ) -> TokenIndex:
@@ -187,6 +201,8 @@ class KVCache:
                 slots = [self.slot(host[first]) for *_, first in index.by_row]
             return TokenIndex(index.write + offset, None, index.length, None, index.by_row, slots)
         if isinstance(offset, int):
+            if index.dense:  # writes and reads go through the slot's heads-first view: no flat offsets
+                return replace(index, write=None, read=None, slot=self.slot(iterations))
             if offset == 0:
                 return index
             return TokenIndex(index.write + offset, index.read + offset, index.length, index.mask)
@@ -198,6 +214,12 @@ class KVCache:
         """Write k, v (n, H, 1, D), one token each, where `index` says; return each token's keys and values,
         (n, H, length, D). The caller masks what lies past a token's position (index.mask)."""
         n, H, _, D = k.shape
+        if index.slot is not None:  # every row in order at one slot: a scatter along positions, a slice
+            K, V = self.heads_first(layer, index.slot)
+            at = index.scatter_index(H, D)
+            K.scatter_(2, at, k)
+            V.scatter_(2, at, v)
+            return K[:, :, :index.length], V[:, :, :index.length]
         out = []
         for store, new in ((self.k, k), (self.v, v)):
             flat = self.flat(store, layer)
