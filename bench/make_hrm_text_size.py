@@ -16,7 +16,7 @@ points exitbench at, minus the training.
 
 Weights N(0, 0.02), z_L_init N(0, 1). 1,182,795,264 parameters, 2.37 GB in bfloat16; one tensor in memory at a
 time beside the file being written. Why here and not in the package: no user needs a random HRM-Text. It is the
-fixture of the slow full-size test (tests/test_hrm_text_full_size.py).
+fixture of the slow full-size test (tests/test_full_size.py, its hrm_text row).
 """
 from __future__ import annotations
 

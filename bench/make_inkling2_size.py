@@ -20,7 +20,7 @@ Weights N(0, 0.02), norms and clip scales 1, depth queries N(0, 1). With the def
 (the experts 1.15B of them), 3.63 GB on disk and 5.15 GB in bf16 once dequantised; writing it peaks at 6.7 GB
 (the embedding and head shard in float32 before its conversion) and took 3 minutes on 2 busy cores. Why here and
 not in the package: no user needs a random Inkling. It is the fixture of the slow real-width test
-(tests/test_inkling2_full_size.py).
+(tests/test_full_size.py, its inkling2 row).
 """
 from __future__ import annotations
 

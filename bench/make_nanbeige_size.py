@@ -15,7 +15,7 @@ points exitbench at, minus the training.
 
 Weights N(0, 0.02), norms 1. 4,169,800,704 parameters, 8.34 GB in bfloat16; one tensor in memory at a time
 beside the file being written. Why here and not in the package: no user needs a random Nanbeige. It is the
-fixture of the slow full-size test (tests/test_nanbeige_full_size.py).
+fixture of the slow full-size test (tests/test_full_size.py, its nanbeige row).
 """
 from __future__ import annotations
 

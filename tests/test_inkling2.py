@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,8 @@ from exitbench.errors import CheckpointError
 from exitbench.models.checkpoint import inspect_checkpoint, load_checkpoint
 from exitbench.models.inkling2 import Inkling2
 from exitbench.models.shards import QuantizedEntry
+
+from helpers.files import fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 1.2e-5 from its float64 ones after 3 passes (magnitudes up to 2.5): that
@@ -99,8 +100,7 @@ def test_a_batch_gives_each_row_what_it_gives_alone(ck, ref):
 def release(tmp_path: Path, **text_fields) -> Path:
     """The fixture as the multimodal release packs it: model_type inkling2_loop, the text config under text_config
     with its loop under loop_config, a vision tower beside the text model's weights."""
-    path = tmp_path / "release"
-    shutil.copytree(FIXTURES / "inkling2-tiny", path)
+    path = fixture_copy(tmp_path, "inkling2-tiny")
     text = json.loads((path / "config.json").read_text())
     loop = {"core_start": text.pop("loop_layer_index_start"), "core_end": text.pop("loop_layer_index_end"),
             "num_passes": text.pop("loop_num_passes"), "gate_rank": text.pop("loop_gate_rank")}

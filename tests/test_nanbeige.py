@@ -13,8 +13,6 @@ exitbench never does).
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,8 @@ from exitbench.errors import CheckpointError
 from exitbench.models import Nanbeige
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.models.nanbeige import REFUSED
+
+from helpers.files import fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # MLX sums in its own order (its fused RMSNorm, RoPE and attention kernels): the float32 logits here (up to 3.5 in
@@ -46,12 +46,8 @@ def ref():
 
 
 def variant(tmp_path: Path, **fields) -> Path:
-    """The fixture with config fields changed."""
-    path = tmp_path / "nanbeige"
-    shutil.copytree(FIXTURES / "nanbeige-tiny", path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
-    return path
+    """The fixture with config fields changed (None removes one)."""
+    return fixture_copy(tmp_path, "nanbeige-tiny", **fields)
 
 
 def test_the_published_layout_loads_with_its_key_names(ck):
