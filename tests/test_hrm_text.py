@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.models import HrmText
 from exitbench.models.checkpoint import load_checkpoint
 
-from helpers.files import fixture_copy
+from helpers.files import fixture_and_reference, fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 8.8e-7 from its float64 ones at 2 cycles (magnitudes up to 2.7): that is
@@ -34,14 +33,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "hrm-text-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "hrm-text-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("hrm-text-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def variant(tmp_path: Path, **fields) -> Path:

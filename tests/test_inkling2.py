@@ -28,7 +28,7 @@ from exitbench.models.checkpoint import inspect_checkpoint, load_checkpoint
 from exitbench.models.inkling2 import Inkling2
 from exitbench.models.shards import QuantizedEntry
 
-from helpers.files import fixture_copy
+from helpers.files import fixture_and_reference, fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 1.2e-5 from its float64 ones after 3 passes (magnitudes up to 2.5): that
@@ -38,14 +38,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "inkling2-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "inkling2-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("inkling2-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def test_the_release_layout_loads_with_its_names_and_quantised_experts(ck):

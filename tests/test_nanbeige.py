@@ -25,7 +25,7 @@ from exitbench.models import Nanbeige
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.models.nanbeige import REFUSED
 
-from helpers.files import fixture_copy
+from helpers.files import fixture_and_reference, fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # MLX sums in its own order (its fused RMSNorm, RoPE and attention kernels): the float32 logits here (up to 3.5 in
@@ -35,14 +35,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "nanbeige-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "nanbeige-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("nanbeige-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def variant(tmp_path: Path, **fields) -> Path:

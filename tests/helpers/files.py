@@ -35,3 +35,22 @@ def fixture_copy(tmp_path: Path, name: str, **config) -> Path:
     fields = {**json.loads((path / "config.json").read_text()), **config}
     (path / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
     return path
+
+
+def fixture_and_reference(name: str):
+    """The module fixtures `ck` and `ref` of a family's parity tests: tests/fixtures/NAME loaded, and the reference
+    outputs its public implementation computed on it (tests/fixtures/NAME-reference.safetensors)."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from exitbench.models.checkpoint import load_checkpoint
+
+    @pytest.fixture(scope="module")
+    def ck():
+        return load_checkpoint(FIXTURES / name)
+
+    @pytest.fixture(scope="module")
+    def ref():
+        return load_file(str(FIXTURES / f"{name}-reference.safetensors"))
+
+    return ck, ref
