@@ -143,6 +143,16 @@ def exit_config_from(ctx: typer.Context, knobs: dict, exit_config: Path | None, 
                                 defaults={k: v for k, v in values.items() if k not in typed})
 
 
+def knobs_from(ctx: typer.Context, knobs: dict, exit_config: Path | None, **own) -> dict:
+    """The knobs as a dict, for a command that writes a rule's file rather than running one (fit-exit): those typed,
+    then the file's (a knob set in both refused, `ExitConfig.file_knobs`), the command's defaults for the rest."""
+    values = {**knobs, **own}
+    if exit_config is None:
+        return values
+    typed = {k: v for k, v in values.items() if k in given_on_command_line(ctx)}
+    return {**values, **ExitConfig.file_knobs(exit_config, typed), **typed}
+
+
 def skip_note(skipped: list[Path]) -> None:
     say(f"note: skipped {len(skipped)} JSON file(s) that are not result cells (e.g. {skipped[0]})")
 
