@@ -65,6 +65,7 @@ class HrmTextConfig(HFNamedConfig):
     family = "HRM-Text"
     hf_class = "HrmTextForCausalLM"
     loop_positive = ("num_layers_per_stack", "H_cycles", "L_cycles", "max_H_cycles")
+    depth_field, max_depth_field = "H_cycles", "max_H_cycles"
 
     def __post_init__(self):
         if self.num_layers_per_stack is None:
@@ -78,8 +79,7 @@ class HrmTextConfig(HFNamedConfig):
             self.embedding_scale = 1.0 / self.initializer_range
         if self.rope_parameters:
             self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
-        if self.max_H_cycles is None and isinstance(self.H_cycles, int):
-            self.max_H_cycles = 2 * self.H_cycles
+        self.fill_depth()
         self.num_key_value_heads = self.num_attention_heads  # multi-head attention: the class has no such field
         self.validate()
 
@@ -89,18 +89,13 @@ class HrmTextConfig(HFNamedConfig):
         return self.num_layers_per_stack * self.H_cycles * (self.L_cycles + 1)
 
     def validate(self) -> None:
-        self.validate_common()
+        super().validate()
         if self.hidden_size % self.num_attention_heads:
             raise CheckpointError(f"config hidden_size={self.hidden_size} must be a multiple of num_attention_heads="
                                   f"{self.num_attention_heads} (the reference refuses to build it otherwise)")
         if not isinstance(self.embedding_scale, (int, float)) or isinstance(self.embedding_scale, bool):
             raise CheckpointError(f"config embedding_scale must be a number (or null with initializer_range > 0), "
                                   f"got {self.embedding_scale!r}")
-        if self.max_H_cycles < self.H_cycles:
-            raise CheckpointError(f"config max_H_cycles={self.max_H_cycles} is below the trained H_cycles="
-                                  f"{self.H_cycles}")
-        limits.loop_steps("H_cycles", self.H_cycles)
-        limits.loop_steps("max_H_cycles", self.max_H_cycles)
         limits.loop_steps("L_cycles", self.L_cycles)
 
     @classmethod

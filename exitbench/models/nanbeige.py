@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from . import limits
 from .hf_blocks import HFLoopedLM, LlamaLayer, RMSNorm
 from .hf_config import HFNamedConfig
 from .looped import LoopGroup
@@ -60,25 +59,15 @@ class NanbeigeConfig(HFNamedConfig):
     family = "Nanbeige4.2"
     hf_class = "NanbeigeForCausalLM"
     loop_positive = ("num_loops", "max_loops")
-
-    def __post_init__(self):
-        self.fill_heads()
-        if self.max_loops is None and isinstance(self.num_loops, int):
-            self.max_loops = 2 * self.loops
-        self.validate()
+    depth_field, max_depth_field = "num_loops", "max_loops"
 
     @property
-    def loops(self) -> int:
+    def trained_depth(self) -> int:
         """The trained loop count, as the reference reads it: one per per-loop loss weight plus one, when the
         checkpoint lists them, else num_loops."""
         return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
 
-    def validate(self) -> None:
-        self.validate_common()
-        if self.max_loops < self.loops:
-            raise CheckpointError(f"config max_loops={self.max_loops} is below the trained {self.loops} loops")
-        limits.loop_steps("num_loops", self.loops)
-        limits.loop_steps("max_loops", self.max_loops)
+    loops = trained_depth
 
     @classmethod
     def refuse(cls, raw: dict[str, Any]) -> None:

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from . import limits
 from .attention import AttnContext
 from .hf_blocks import HFLoopedLM, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm, normed_loop_grids
 from .hf_config import HFNamedConfig
@@ -47,20 +46,10 @@ class OuroConfig(HFNamedConfig):
     family = "Ouro"
     hf_class = "OuroForCausalLM"
     loop_positive = ("total_ut_steps", "max_ut_steps")
-
-    def __post_init__(self):
-        self.fill_heads()
-        if self.max_ut_steps is None and isinstance(self.total_ut_steps, int):
-            self.max_ut_steps = 2 * self.total_ut_steps
-        self.validate()
+    depth_field, max_depth_field = "total_ut_steps", "max_ut_steps"
 
     def validate(self) -> None:
-        self.validate_common()
-        if self.max_ut_steps < self.total_ut_steps:
-            raise CheckpointError(f"config max_ut_steps={self.max_ut_steps} is below total_ut_steps="
-                                  f"{self.total_ut_steps}")
-        limits.loop_steps("total_ut_steps", self.total_ut_steps)
-        limits.loop_steps("max_ut_steps", self.max_ut_steps)
+        super().validate()
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 raise CheckpointError(f"config layer_types lists {len(self.layer_types)} layers but "
