@@ -72,6 +72,11 @@ def one_line_errors(fn):
     return wrapper
 
 
+def command(*args, **kwargs):
+    """`app.command(*args, **kwargs)` over `one_line_errors`: how every study and results command is registered."""
+    return lambda fn: app.command(*args, **kwargs)(one_line_errors(fn))
+
+
 def options_from(cls, name: str = "options"):
     """Give a command the command-line fields of dataclass `cls` as options (help and flags from each field's
     metadata; a field whose metadata says command_line=False stays off); the command receives them as one

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..engine.config import ExitConfig
-from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, console, exit_knobs, one_line_errors, say
+from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, command, console, exit_knobs, say
 
 JsonOpt = typer.Option(False, "--json", help="Print the report as JSON.")
 DepthOpt = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r on held-out "
@@ -29,8 +29,7 @@ PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per lo
                             "depth].")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs("kv_window")
 def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
          as_json: bool = JsonOpt, depth: bool = DepthOpt, programs: int = DepthProgramsOpt, seed: int = DepthSeedOpt,
@@ -87,8 +86,7 @@ def show_info(report: dict) -> None:
         console.print(t)
 
 
-@app.command("presets")
-@one_line_errors
+@command("presets")
 def presets_command(fmt: str = typer.Option("rich", "--format", help="rich (a table per preset), md or json."),
                     as_json: bool = typer.Option(False, "--json", help="Print them as JSON (as --format json).")):
     """The published evaluation protocols `run --preset NAME` takes, with where their numbers come from."""

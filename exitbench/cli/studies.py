@@ -11,7 +11,7 @@ import typer
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from .app import (KNOBS_ON_COMMAND_LINE, CheckpointOpt, CompileOpt, DataDirOpt, DtypeOpt, NonfiniteOpt, ThreadsOpt,
-                  app, console, exit_config_from, exit_knobs, knobs_from, one_line_errors, say,
+                  command, console, exit_config_from, exit_knobs, knobs_from, say,
                   writable_targets)
 
 PromptArg = typer.Argument(..., help="Text to run; with --generate, the prompt to continue.")
@@ -27,8 +27,7 @@ TraceBosOpt = typer.Option(None, "--add-bos-token/--no-add-bos-token", help="For
                            "run's option (default: the tokenizer decides, as run does).")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs(*KNOBS_ON_COMMAND_LINE, policy="second_order")
 def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
           allow_nonfinite: bool = NonfiniteOpt, generate: int = GenerateOpt, exit_config: Optional[Path] = ExitConfigOpt,
@@ -97,8 +96,7 @@ GeometryOutOpt = typer.Option(Path("results/geometry"), "--out", "-o", help="Dir
                               "figures.")
 
 
-@app.command()
-@one_line_errors
+@command()
 def geometry(checkpoint: Optional[str] = CheckpointOpt, checkpoints: Optional[str] = CheckpointsOpt,
              task: Optional[str] = typer.Option(None, "--task", "-t", help="Measure on this lm-eval task's documents."),
              text: Optional[str] = typer.Option(None, "--text", help="Measure on this text file (blank-line "
@@ -155,8 +153,7 @@ CalibrationOutOpt = typer.Option(None, "--out", "-o", help="JSON report [results
                                  ".json].")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs(*(k for k in KNOBS_ON_COMMAND_LINE if k != "threshold"), policy="second_order")
 def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: Optional[str] = CalibrationGridOpt,
               checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
@@ -216,8 +213,7 @@ FitTextOpt = typer.Option(None, "--text", help="Fit on this text file (blank-lin
 FitOutOpt = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exit-models/<checkpoint>.json].")
 
 
-@app.command("fit-exit")
-@one_line_errors
+@command("fit-exit")
 @exit_knobs("max_steps")
 def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
              task: Optional[str] = FitTaskOpt, text: Optional[str] = FitTextOpt, data_dir: Optional[str] = DataDirOpt, limit: int = FitLimitOpt, tokens: int = FitTokensOpt,
