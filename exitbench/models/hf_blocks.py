@@ -110,15 +110,34 @@ class LlamaLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def llama_stack(c) -> dict[str, nn.Module]:
+    """`layers` (num_hidden_layers of Llama's pre-norm block) and the final `norm`: a family_modules for a Llama."""
+    return dict(layers=nn.ModuleList(LlamaLayer(c, i) for i in range(c.num_hidden_layers)),
+                norm=RMSNorm(c.hidden_size, c.rms_norm_eps))
+
+
 def count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 class HFLoopedLM(LoopedLM):
-    """A looped LM in the Hugging Face layout: `model.embed_tokens`, the family's modules under `model` (handed to
-    `build`), `lm_head`, tied when the config says, and a (positions, head_dim/2, 2) cos/sin RoPE table from
+    """A looped LM in the Hugging Face layout: `model.embed_tokens`, the family's modules under `model`
+    (`family_modules`), `lm_head`, tied when the config says, and a (positions, head_dim/2, 2) cos/sin RoPE table from
     rope_theta over head_dim, recomputed, never stored. A family says its loop as `_build_stages`; one whose loop
     is its whole `model.layers` stack, normed after every pass, uses `_layers_step` and `_frozen_layers_step`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "config_class" in cls.__dict__:  # a family's name is its config's model_type
+            cls.architecture = cls.config_class.model_type
+
+    def __init__(self, config):
+        super().__init__()
+        self.build(config, **self.family_modules(config))
+
+    def family_modules(self, config) -> dict[str, nn.Module]:
+        """The modules under `model` besides embed_tokens, in the published order (its layers, its norm, ...)."""
+        raise NotImplementedError
 
     def build(self, config, **modules: nn.Module) -> None:
         self.config = c = config

@@ -174,14 +174,15 @@ class HrmTextStack(nn.Module):
 
 
 class HrmText(HFLoopedLM):
-    architecture = HrmTextConfig.model_type
     config_class = HrmTextConfig
 
     def __init__(self, config: HrmTextConfig):
-        super().__init__()
-        self.build(config, H_module=HrmTextStack(config), L_module=HrmTextStack(config))
+        super().__init__(config)
         # Frozen in transformers, a persistent buffer in the original: a weight either way, never trained here.
         self.model.z_L_init = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
+
+    def family_modules(self, c: HrmTextConfig) -> dict[str, nn.Module]:
+        return dict(H_module=HrmTextStack(c), L_module=HrmTextStack(c))
 
     @property
     def prefix_lm(self) -> bool:

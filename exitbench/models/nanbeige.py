@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .hf_blocks import HFLoopedLM, LlamaLayer, RMSNorm
+from .hf_blocks import HFLoopedLM, llama_stack
 from .hf_config import HFNamedConfig
 from .looped import LoopGroup
 
@@ -79,16 +79,12 @@ class NanbeigeConfig(HFNamedConfig):
 
 class Nanbeige(HFLoopedLM):
     """Each layer is Llama's pre-norm block (hf_blocks.LlamaLayer)."""
-    architecture = NanbeigeConfig.model_type
     config_class = NanbeigeConfig
 
-    def __init__(self, config: NanbeigeConfig):
-        super().__init__()
-        c = config
+    def family_modules(self, c: NanbeigeConfig) -> dict[str, nn.Module]:
         # The RoPE table comes from rope_theta over head_dim; a checkpoint's rotary_emb.inv_freq, where one has it,
         # is dropped by adapt_checkpoint.
-        self.build(c, layers=nn.ModuleList(LlamaLayer(c, i) for i in range(c.num_hidden_layers)),
-                   norm=RMSNorm(c.hidden_size, c.rms_norm_eps))
+        return llama_stack(c)
 
     @classmethod
     def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

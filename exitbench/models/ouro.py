@@ -89,15 +89,12 @@ class OuroLayer(LlamaLayer):
 
 
 class Ouro(HFLoopedLM):
-    architecture = OuroConfig.model_type
     config_class = OuroConfig
     part_names = {"embed_tokens": "embedding", "early_exit_gate": "exit_gate"}
 
-    def __init__(self, config: OuroConfig):
-        super().__init__()
-        c = config
-        self.build(c, layers=nn.ModuleList(OuroLayer(c, i) for i in range(c.num_hidden_layers)),
-                   norm=RMSNorm(c.hidden_size, c.rms_norm_eps), early_exit_gate=nn.Linear(c.hidden_size, 1))
+    def family_modules(self, c: OuroConfig) -> dict[str, nn.Module]:
+        return dict(layers=nn.ModuleList(OuroLayer(c, i) for i in range(c.num_hidden_layers)),
+                    norm=RMSNorm(c.hidden_size, c.rms_norm_eps), early_exit_gate=nn.Linear(c.hidden_size, 1))
 
     def exit_grids(self) -> dict[str, tuple[float, ...]]:
         """Ouro's steps do not contract within its 4 trained steps (a third party measured ‖Δh‖/‖h‖ ≈ 0.2 at the

@@ -29,12 +29,17 @@ def model_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def fixture_copy(tmp_path: Path, name: str, **config) -> Path:
-    """tests/fixtures/NAME copied under tmp_path with these config.json fields changed (None removes one)."""
-    path = model_copy(FIXTURES / name, tmp_path / name)
+def edited_copy(src: Path, dst: Path, **config) -> Path:
+    """A checkpoint copied to `dst` with these config.json fields changed (None removes one)."""
+    path = model_copy(src, dst)
     fields = {**json.loads((path / "config.json").read_text()), **config}
     (path / "config.json").write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
     return path
+
+
+def fixture_copy(tmp_path: Path, name: str, **config) -> Path:
+    """tests/fixtures/NAME copied under tmp_path with these config.json fields changed (None removes one)."""
+    return edited_copy(FIXTURES / name, tmp_path / name, **config)
 
 
 def fixture_and_reference(name: str):
