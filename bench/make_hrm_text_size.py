@@ -16,11 +16,10 @@ points exitbench at, minus the training.
 
 Weights N(0, 0.02), z_L_init N(0, 1). 1,182,795,264 parameters, 2.37 GB in bfloat16; one tensor in memory at a
 time beside the file being written. Why here and not in the package: no user needs a random HRM-Text. It is the
-fixture of the slow full-size test (tests/test_hrm_text_full_size.py).
+fixture of the slow full-size test (tests/test_full_size.py, its hrm_text row).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from tokenizers import AddedToken
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_huginn_size import byte_level_bpe  # noqa: E402
 from make_ouro_size import write_weights  # noqa: E402
+from sizes import size_main  # noqa: E402
 
 SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12, head_dim=128, num_layers_per_stack=16,
              H_cycles=2, L_cycles=3, vocab_size=65536, max_position_embeddings=4096)
@@ -85,12 +85,7 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, getattr(torch, args.dtype), args.seed)
+    size_main(__doc__, write, argv)
 
 
 if __name__ == "__main__":

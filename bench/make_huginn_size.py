@@ -21,7 +21,6 @@ at full size (bench/RESULTS.md) and for the slow test that holds load and info t
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -33,6 +32,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizes import size_main  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, VOCAB, CONTEXT = 5280, 55, 96, 17920, 65536, 4096
 PRELUDE, CORE, CODA, MEAN_RECURRENCE = 2, 4, 2, 32
@@ -181,12 +183,7 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, getattr(torch, args.dtype), args.seed)
+    size_main(__doc__, write, argv)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,10 @@ Weights N(0, 0.02), norms and clip scales 1, depth queries N(0, 1). With the def
 (the experts 1.15B of them), 3.63 GB on disk and 5.15 GB in bf16 once dequantised; writing it peaks at 6.7 GB
 (the embedding and head shard in float32 before its conversion) and took 3 minutes on 2 busy cores. Why here and
 not in the package: no user needs a random Inkling. It is the fixture of the slow real-width test
-(tests/test_inkling2_full_size.py).
+(tests/test_full_size.py, its inkling2 row).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from make_huginn_size import byte_level_bpe  # noqa: E402
 
 from exitbench.models.quantized import quantize_mxfp8, quantize_nvfp4  # noqa: E402
+from sizes import size_main  # noqa: E402
 
 TEXT = dict(hidden_size=2304, vocab_size=201024, unpadded_vocab_size=200058, num_attention_heads=24,
             num_key_value_heads=8, head_dim=128, swa_num_attention_heads=24, swa_num_key_value_heads=8,
@@ -155,13 +155,7 @@ def write(out: Path, layers: int = 18, experts: int = 8, seed: int = 0, log=prin
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--layers", type=int, default=18, help="layers (multiples of 6, at least 18)")
-    parser.add_argument("--experts", type=int, default=8, help="routed experts per layer (at least 8)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, args.layers, args.experts, args.seed)
+    size_main(__doc__, write, argv, ("--layers", dict(type=int, default=18, help="layers (multiples of 6, at least 18)")), ("--experts", dict(type=int, default=8, help="routed experts per layer (at least 8)")), dtype=False)
 
 
 if __name__ == "__main__":

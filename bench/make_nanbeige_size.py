@@ -15,11 +15,10 @@ points exitbench at, minus the training.
 
 Weights N(0, 0.02), norms 1. 4,169,800,704 parameters, 8.34 GB in bfloat16; one tensor in memory at a time
 beside the file being written. Why here and not in the package: no user needs a random Nanbeige. It is the
-fixture of the slow full-size test (tests/test_nanbeige_full_size.py).
+fixture of the slow full-size test (tests/test_full_size.py, its nanbeige row).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from tokenizers import AddedToken
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_huginn_size import byte_level_bpe  # noqa: E402
 from make_ouro_size import write_weights  # noqa: E402
+from sizes import llama_layer_keys, size_main  # noqa: E402
 
 SHAPE = dict(hidden_size=3072, intermediate_size=10752, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=22, vocab_size=166144, max_position_embeddings=262144, rope_theta=7e7)
@@ -53,11 +53,8 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
     keys = [("model.embed_tokens.weight", (V, H))]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        keys += [(f"{p}.self_attn.q_proj.weight", (q, H)), (f"{p}.self_attn.k_proj.weight", (kv, H)),
-                 (f"{p}.self_attn.v_proj.weight", (kv, H)), (f"{p}.self_attn.o_proj.weight", (H, q)),
-                 (f"{p}.mlp.gate_proj.weight", (inter, H)), (f"{p}.mlp.up_proj.weight", (inter, H)),
-                 (f"{p}.mlp.down_proj.weight", (H, inter)),
-                 (f"{p}.input_layernorm.weight", (H,)), (f"{p}.post_attention_layernorm.weight", (H,))]
+        keys += llama_layer_keys(p, H, inter, q, kv) + [(f"{p}.input_layernorm.weight", (H,)),
+                                                        (f"{p}.post_attention_layernorm.weight", (H,))]
     return keys + [("model.norm.weight", (H,)), ("lm_head.weight", (V, H))]
 
 
@@ -87,12 +84,7 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, getattr(torch, args.dtype), args.seed)
+    size_main(__doc__, write, argv)
 
 
 if __name__ == "__main__":

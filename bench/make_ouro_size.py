@@ -24,7 +24,6 @@ for tests/fixtures/ouro-tiny, whose reference outputs tests/test_ouro.py holds e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -36,6 +35,7 @@ from tokenizers import AddedToken, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_huginn_size import byte_level_bpe  # noqa: E402
+from sizes import llama_layer_keys, size_main  # noqa: E402
 
 SIZES = {
     "1.4b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
@@ -68,10 +68,7 @@ def layout(size: str) -> list[tuple[str, tuple[int, ...]]]:
     keys = [("model.embed_tokens.weight", (V, H))]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        keys += [(f"{p}.self_attn.q_proj.weight", (q, H)), (f"{p}.self_attn.k_proj.weight", (kv, H)),
-                 (f"{p}.self_attn.v_proj.weight", (kv, H)), (f"{p}.self_attn.o_proj.weight", (H, q)),
-                 (f"{p}.mlp.gate_proj.weight", (inter, H)), (f"{p}.mlp.up_proj.weight", (inter, H)),
-                 (f"{p}.mlp.down_proj.weight", (H, inter))]
+        keys += llama_layer_keys(p, H, inter, q, kv)
         keys += [(f"{p}.{n}.weight", (H,)) for n in ("input_layernorm", "input_layernorm_2",
                                                       "post_attention_layernorm", "post_attention_layernorm_2")]
     keys += [("model.norm.weight", (H,)), ("model.early_exit_gate.weight", (1, H)),
@@ -146,14 +143,7 @@ def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, sh
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--size", default="1.4b", choices=sorted(SIZES))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, args.size, getattr(torch, args.dtype), args.shards, args.seed)
+    size_main(__doc__, write, argv, ("--size", dict(default="1.4b", choices=sorted(SIZES))), ("--shards", dict(type=int, default=2)))
 
 
 if __name__ == "__main__":

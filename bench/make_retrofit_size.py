@@ -31,7 +31,6 @@ and for tests/fixtures/retrofit-*-tiny, whose reference outputs tests/test_retro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -43,6 +42,7 @@ from tokenizers import AddedToken, processors
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_huginn_size import byte_level_bpe  # noqa: E402
 from make_ouro_size import write_weights  # noqa: E402
+from sizes import size_main  # noqa: E402
 
 LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -174,14 +174,7 @@ def write(out: Path, size: str = "tinyllama-4-8-4", dtype: torch.dtype = torch.b
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
-    parser.add_argument("--size", default="tinyllama-4-8-4", choices=sorted(SIZES))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    parser.add_argument("--shards", type=int, default=None, help="[as save_pretrained's 5 GB default splits]")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write(args.out, args.size, getattr(torch, args.dtype), args.shards, args.seed)
+    size_main(__doc__, write, argv, ("--size", dict(default="tinyllama-4-8-4", choices=sorted(SIZES))), ("--shards", dict(type=int, default=None, help="[as save_pretrained's 5 GB default splits]")))
 
 
 if __name__ == "__main__":

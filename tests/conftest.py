@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.models.tokenizer import Tokenizer
 from exitbench.store.identity import CACHE_DIR_ENV
 
+from helpers.files import model_copy
 from helpers.models import SHARD_BYTES, make_tiny_raven, make_tiny_tokenizer
 from helpers.sweeps import SharedSweep, build_once
 
@@ -83,9 +83,7 @@ def tiny_checkpoint(tmp_path, tiny_raven, tiny_tokenizer) -> Path:
 @pytest.fixture
 def raven_copy(tmp_path) -> Path:
     """A copy of the embedded tiny-raven (weights, config, tokenizer) that a test may edit."""
-    dst = tmp_path / "raven-copy"
-    shutil.copytree(EMBEDDED_DIR / "tiny-raven", dst, ignore=shutil.ignore_patterns("training"))
-    return dst
+    return model_copy(EMBEDDED_DIR / "tiny-raven", tmp_path / "raven-copy")
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +127,26 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
 # hands whole files to workers in collection order (--dist loadfile), so a long file that starts last keeps one
 # worker busy after the other has finished; longest first is the classic remedy. Order only: a stale list costs
 # balance, never a result.
-LONGEST_FIRST = ("test_full_size.py", "test_ouro_full_size.py", "test_compile.py", "test_docs.py", "test_run.py",
-                 "test_gpt2.py", "test_retrofit_full_size.py", "test_engine.py", "test_depth_major.py",
-                 "test_checkpoint_headers.py")
+LONGEST_FIRST = ("test_full_size.py", "test_compile.py", "test_docs.py", "test_run.py", "test_gpt2.py",
+                 "test_engine.py", "test_depth_major.py", "test_checkpoint_headers.py")
+# test_full_size.py is one table of families, each row minutes of writing and running: a row, not the file, is a
+# work unit, so the rows spread over the workers as the six files they replaced did (its module fixtures are per
+# row, so a row's tests still share one written checkpoint).
+SPLIT_BY_ROW = "test_full_size.py"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RowScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            row = nodeid.partition("[")[2]  # the family's id, as by_name in that file gives it
+            return f"{scope}[{row}" if scope.endswith(SPLIT_BY_ROW) else scope
+
+    return RowScheduling(config, log)
 
 
 def pytest_collection_modifyitems(session, config, items):

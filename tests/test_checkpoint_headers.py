@@ -33,6 +33,7 @@ from exitbench.cli import app
 from exitbench.models.embedded import EMBEDDED_DIR
 
 from helpers.cli import assert_one_line_error, run_cli
+from helpers.files import model_copy
 from helpers.models import HUGINN_PARAMETERS
 from helpers.paths import REPO
 
@@ -53,19 +54,14 @@ FAST = settings(max_examples=25, deadline=None, database=None,
 
 # ---- building and breaking checkpoints -------------------------------------------------------------------
 
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("training"))
-    return dst
-
-
 @pytest.fixture
 def raven(tmp_path) -> Path:
-    return copy_checkpoint(RAVEN, tmp_path / "raven")
+    return model_copy(RAVEN, tmp_path / "raven")
 
 
 @pytest.fixture
 def gpt2(tmp_path) -> Path:
-    return copy_checkpoint(GPT2, tmp_path / "gpt2")
+    return model_copy(GPT2, tmp_path / "gpt2")
 
 
 def read_safetensors(file: Path) -> tuple[dict, bytes]:
@@ -227,7 +223,7 @@ def scratch(tmp_path_factory) -> Path:
 
 
 def fresh_raven(scratch: Path) -> Path:
-    return copy_checkpoint(RAVEN, Path(tempfile.mkdtemp(dir=scratch)) / "ck")
+    return model_copy(RAVEN, Path(tempfile.mkdtemp(dir=scratch)) / "ck")
 
 
 @FAST

@@ -8,7 +8,6 @@ bad exit configs (tests/test_exit_config.py) and the cells and samples files a r
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from exitbench.models.embedded import EMBEDDED_DIR
 from exitbench.store import cells
 
 from helpers.cli import assert_one_line_error, invoke, run_cli, runner
+from helpers.files import model_copy
 from helpers.sweeps import SMALL, SMALL_LOUD
 
 EMBEDDED = EMBEDDED_DIR / "tiny-raven"
@@ -54,8 +54,7 @@ def _broken_cell_dir(tmp: Path) -> str:
 
 def _templated(tmp: Path, template) -> str:
     """tiny-raven with `template` as the chat template in its tokenizer_config.json."""
-    dst = tmp / "templated"
-    shutil.copytree(EMBEDDED, dst, ignore=shutil.ignore_patterns("training"))
+    dst = model_copy(EMBEDDED, tmp / "templated")
     (dst / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
                                                            "chat_template": template}))
     return str(dst)

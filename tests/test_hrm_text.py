@@ -13,17 +13,17 @@ transformers; exitbench never does).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.models import HrmText
 from exitbench.models.checkpoint import load_checkpoint
+
+from helpers.files import fixture_and_reference, fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 8.8e-7 from its float64 ones at 2 cycles (magnitudes up to 2.7): that is
@@ -33,24 +33,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "hrm-text-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "hrm-text-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("hrm-text-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def variant(tmp_path: Path, **fields) -> Path:
     """The fixture with config fields changed (None removes one)."""
-    path = tmp_path / "hrm"
-    shutil.copytree(FIXTURES / "hrm-text-tiny", path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(fields)
-    (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
-    return path
+    return fixture_copy(tmp_path, "hrm-text-tiny", **fields)
 
 
 def logprobs_of(logits: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
@@ -163,8 +151,7 @@ def test_causal_prompt_is_lm_evals_hf_model_on_the_same_weights(tmp_path):
 
     from exitbench.harness.model import ExitbenchLM
 
-    path = tmp_path / "hrm"
-    shutil.copytree(FIXTURES / "hrm-text-tiny", path)
+    path = fixture_copy(tmp_path, "hrm-text-tiny")
     tok = load_checkpoint(path).tokenizer
     name = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
     transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=name(tok.bos_token_id),

@@ -33,6 +33,7 @@ from exitbench.sweep.schedule import plan
 
 from helpers.cells import load_cells
 from helpers.cli import explain, invoke, runner
+from helpers.files import model_copy
 from helpers.paths import A_CELL, REPO
 from helpers.sweeps import SMALL
 
@@ -519,8 +520,7 @@ def test_a_result_names_an_embedded_model_by_name_and_any_other_by_its_path(tmp_
     record = model_record(open_checkpoint("tiny-raven"))
     assert (record["path"], record["source"]) == ("tiny-raven", "embedded:tiny-raven")
     assert recorded_path(EMBEDDED_DIR / "tiny-ouro" / "stage-1") == "tiny-ouro/stage-1"
-    copy = tmp_path / "mine"
-    shutil.copytree(EMBEDDED_DIR / "tiny-raven", copy, ignore=shutil.ignore_patterns("training"))
+    copy = model_copy(EMBEDDED_DIR / "tiny-raven", tmp_path / "mine")
     assert recorded_path(copy) == str(copy)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,8 @@ from exitbench.models.checkpoint import inspect_checkpoint, load_checkpoint
 from exitbench.models.inkling2 import Inkling2
 from exitbench.models.shards import QuantizedEntry
 
+from helpers.files import fixture_and_reference, fixture_copy
+
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference's own float32 logits sit 1.2e-5 from its float64 ones after 3 passes (magnitudes up to 2.5): that
 # is the rounding a float32 implementation may differ by. exitbench's float32 logits are 1.8e-5 from the reference's
@@ -37,14 +38,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "inkling2-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "inkling2-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("inkling2-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def test_the_release_layout_loads_with_its_names_and_quantised_experts(ck):
@@ -99,8 +93,7 @@ def test_a_batch_gives_each_row_what_it_gives_alone(ck, ref):
 def release(tmp_path: Path, **text_fields) -> Path:
     """The fixture as the multimodal release packs it: model_type inkling2_loop, the text config under text_config
     with its loop under loop_config, a vision tower beside the text model's weights."""
-    path = tmp_path / "release"
-    shutil.copytree(FIXTURES / "inkling2-tiny", path)
+    path = fixture_copy(tmp_path, "inkling2-tiny")
     text = json.loads((path / "config.json").read_text())
     loop = {"core_start": text.pop("loop_layer_index_start"), "core_end": text.pop("loop_layer_index_end"),
             "num_passes": text.pop("loop_num_passes"), "gate_rank": text.pop("loop_gate_rank")}

@@ -13,8 +13,6 @@ exitbench never does).
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,8 @@ from exitbench.models import Nanbeige
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.models.nanbeige import REFUSED
 
+from helpers.files import fixture_and_reference, fixture_copy
+
 FIXTURES = Path(__file__).parent / "fixtures"
 # MLX sums in its own order (its fused RMSNorm, RoPE and attention kernels): the float32 logits here (up to 3.5 in
 # magnitude) agree to 1.3e-6 after one loop and 2.2e-6 after four (the gap grows with depth); 1e-4 is the issue's
@@ -35,23 +35,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "nanbeige-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "nanbeige-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("nanbeige-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def variant(tmp_path: Path, **fields) -> Path:
-    """The fixture with config fields changed."""
-    path = tmp_path / "nanbeige"
-    shutil.copytree(FIXTURES / "nanbeige-tiny", path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **fields}))
-    return path
+    """The fixture with config fields changed (None removes one)."""
+    return fixture_copy(tmp_path, "nanbeige-tiny", **fields)
 
 
 def test_the_published_layout_loads_with_its_key_names(ck):

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.models import AttnContext, Ouro, OuroConfig
-from exitbench.models.checkpoint import load_checkpoint
 from exitbench.policies import REGISTRY
+
+from helpers.files import fixture_and_reference
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The reference sums in another order (eager matmul attention vs SDPA, its cat-based rotate-half): float32
@@ -31,14 +31,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ck():
-    return load_checkpoint(FIXTURES / "ouro-tiny")
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return load_file(str(FIXTURES / "ouro-tiny-reference.safetensors"))
+ck, ref = fixture_and_reference("ouro-tiny")  # module fixtures: the checkpoint and its reference outputs
 
 
 def trajectories(model: Ouro, ids: torch.Tensor, depth: int = 4) -> list[torch.Tensor]:

@@ -3,7 +3,6 @@ held to transformers' own loader op on random NVFP4 and MXFP8 expert tensors
 (tests/fixtures/quantized-experts.safetensors; tests/fixtures/make_quantized_reference.py is how)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ from exitbench.errors import CheckpointError
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.models.quantized import quantize_mxfp8, quantize_nvfp4
 from exitbench.models.shards import QuantizedEntry, group_quantized, read_header, read_tensors
+
+from helpers.files import fixture_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FILE = "quantized-experts.safetensors"
@@ -82,8 +83,7 @@ def test_inconsistent_parts_are_refused_in_one_line(tmp_path, case, named):
 
 def test_a_float8_weight_without_scales_is_refused(tmp_path):
     """Float8 values mean something only with their block scales: a bare one is not cast and used."""
-    path = tmp_path / "hrm"
-    shutil.copytree(FIXTURES / "hrm-text-tiny", path)
+    path = fixture_copy(tmp_path, "hrm-text-tiny")
     tensors = load_file(str(path / "model.safetensors"))
     tensors["model.z_L_init"] = tensors["model.z_L_init"].to(torch.float8_e4m3fn)
     save_file(tensors, str(path / "model.safetensors"))
@@ -94,8 +94,7 @@ def test_a_float8_weight_without_scales_is_refused(tmp_path):
 def test_any_checkpoint_may_store_a_weight_as_mxfp8(tmp_path):
     """The loader groups quantised parts for every family: HRM-Text's head stored as MXFP8 loads as its
     dequantised values, and the model computes with them."""
-    path = tmp_path / "hrm"
-    shutil.copytree(FIXTURES / "hrm-text-tiny", path)
+    path = fixture_copy(tmp_path, "hrm-text-tiny")
     tensors = load_file(str(path / "model.safetensors"))
     head = tensors.pop("lm_head.weight")  # (320, 64): two blocks of 32 per row
     # each block's power of two: the least that brings its largest value within float8's 448

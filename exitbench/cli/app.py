@@ -72,6 +72,11 @@ def one_line_errors(fn):
     return wrapper
 
 
+def command(*args, **kwargs):
+    """`app.command(*args, **kwargs)` over `one_line_errors`: how every study and results command is registered."""
+    return lambda fn: app.command(*args, **kwargs)(one_line_errors(fn))
+
+
 def options_from(cls, name: str = "options"):
     """Give a command the command-line fields of dataclass `cls` as options (help and flags from each field's
     metadata; a field whose metadata says command_line=False stays off); the command receives them as one
@@ -141,6 +146,16 @@ def exit_config_from(ctx: typer.Context, knobs: dict, exit_config: Path | None, 
     typed = given_on_command_line(ctx)
     return ExitConfig.with_file(exit_config, {k: v for k, v in values.items() if k in typed},
                                 defaults={k: v for k, v in values.items() if k not in typed})
+
+
+def knobs_from(ctx: typer.Context, knobs: dict, exit_config: Path | None, **own) -> dict:
+    """The knobs as a dict, for a command that writes a rule's file rather than running one (fit-exit): those typed,
+    then the file's (a knob set in both refused, `ExitConfig.file_knobs`), the command's defaults for the rest."""
+    values = {**knobs, **own}
+    if exit_config is None:
+        return values
+    typed = {k: v for k, v in values.items() if k in given_on_command_line(ctx)}
+    return {**values, **ExitConfig.file_knobs(exit_config, typed), **typed}
 
 
 def skip_note(skipped: list[Path]) -> None:

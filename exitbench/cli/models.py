@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from ..engine.config import ExitConfig
-from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, console, exit_knobs, one_line_errors, say
+from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, command, console, exit_knobs, say
 
 JsonOpt = typer.Option(False, "--json", help="Print the report as JSON.")
 DepthOpt = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r on held-out "
@@ -23,15 +23,13 @@ PlanDeviceOpt = typer.Option(None, help="--plan: the device whose free memory th
 PlanMemoryOpt = typer.Option(None, "--memory-gb", help="--plan: compare with a device of this many GB instead of "
                              "measuring --device's free memory (a GPU this machine does not have), and say how many "
                              "rows fit in it.")
-MAX_MEMORY_GB = 1e9
 PlanContextOpt = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and generated tokens "
                               "[the model's context].")
 PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per loop group [each group's default "
                             "depth].")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs("kv_window")
 def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
          as_json: bool = JsonOpt, depth: bool = DepthOpt, programs: int = DepthProgramsOpt, seed: int = DepthSeedOpt,
@@ -40,6 +38,7 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
          memory_gb: Optional[float] = PlanMemoryOpt, knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
+    from ..engine.memory import device_plan
     from ..models.checkpoint import check_dtype_name, inspect_checkpoint, open_checkpoint, parse_dtype
     from ..models.embedded import resolve
     from ..models.info import describe
@@ -50,24 +49,9 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     layout = inspect_checkpoint(resolve(checkpoint))  # headers only
     report = describe(layout, check_dtype_name(dtype))
     if memory_plan:
-        from ..engine.memory import largest_batch, plan
-        from ..errors import ExitbenchError
-        from ..runtime.devices import available_memory, resolve_device
-
-        run_dtype, length = parse_dtype(report["dtype"]), layout.model.config.block_size if context is None else context
-        report["plan"] = plan(layout.model, run_dtype, batch_size, length, max_steps, kv_window)
-        if memory_gb is not None:
-            # inf (1e400 reads as inf) and 1e300 (inf once in bytes) have no byte count; an exabyte is plenty
-            if not 0 < memory_gb <= MAX_MEMORY_GB:
-                raise ExitbenchError(f"--memory-gb must be a number of GB > 0 and at most {MAX_MEMORY_GB:g}, got "
-                                     f"{memory_gb:g}")
-            available = int(memory_gb * 1e9)
-            report["plan"].update(device=f"{memory_gb:g} GB (--memory-gb)", available=available,
-                                  largest_batch=largest_batch(layout.model, run_dtype, length, max_steps, kv_window,
-                                                              available))
-        else:
-            where = resolve_device(device)
-            report["plan"].update(device=where, available=available_memory(where))
+        length = layout.model.config.block_size if context is None else context
+        report["plan"] = device_plan(layout.model, parse_dtype(report["dtype"]), batch_size, length, max_steps,
+                                     kv_window, device, memory_gb)
     if depth:
         from ..studies.depth import depth_report
 
@@ -102,8 +86,7 @@ def show_info(report: dict) -> None:
         console.print(t)
 
 
-@app.command("presets")
-@one_line_errors
+@command("presets")
 def presets_command(fmt: str = typer.Option("rich", "--format", help="rich (a table per preset), md or json."),
                     as_json: bool = typer.Option(False, "--json", help="Print them as JSON (as --format json).")):
     """The published evaluation protocols `run --preset NAME` takes, with where their numbers come from."""

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import ExitbenchError
-from .app import ModelOpt, app, console, err_console, one_line_errors, say, skip_note
+from .app import ModelOpt, command, console, err_console, say, skip_note
 
 DirectoriesArg = typer.Argument(..., help="Result directories (searched recursively).")
 ParetoFormatOpt = typer.Option("rich", "--format", help="rich, md, csv or json.")
@@ -20,8 +20,7 @@ PlotOpt = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.p
 CostOpt = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")
 
 
-@app.command()
-@one_line_errors
+@command()
 def pareto(directories: list[Path] = DirectoriesArg, fmt: str = ParetoFormatOpt, table: Optional[str] = TableOpt,
            plot: Optional[Path] = PlotOpt, cost: str = CostOpt, model: Optional[str] = ModelOpt):
     """Pareto frontiers of quality vs cost and the matched-quality table, from result cells."""
@@ -65,8 +64,7 @@ CompareOpt = typer.Option([], "--compare", help="Another model's result director
                           "(repeatable; default: the ones RESULTS_DIR/report.yaml lists under 'compare').")
 
 
-@app.command()
-@one_line_errors
+@command()
 def report(directory: Path = ReportDirArg, out: Optional[Path] = ReportOutOpt, docs: int = DocsOpt,
            compare_with: list[Path] = CompareOpt, model: Optional[str] = ModelOpt):
     """One self-contained HTML page of a sweep: frontiers, matched quality, histograms, exit maps, provenance."""
@@ -110,8 +108,7 @@ BaselineModelOpt = typer.Option(None, "--baseline-model", help="The baseline's m
                                 "models (default: --model).")
 
 
-@app.command()
-@one_line_errors
+@command()
 @crash_is_not_a_verdict
 def check(run_dir: Path = RunArg, baseline: Path = BaselineOpt, quality_tol: float = QualityTolOpt,
           iterations_tol: float = IterationsTolOpt, wall_clock: bool = WallClockOpt, wall_tol: float = WallTolOpt,
@@ -146,8 +143,7 @@ ExportFormatOpt = typer.Option("csv", "--format", help="csv or json.")
 ExportOutOpt = typer.Option(None, "--out", "-o", help="Write to FILE [stdout].")
 
 
-@app.command()
-@one_line_errors
+@command()
 def export(directories: list[Path] = DirectoriesArg, fmt: str = ExportFormatOpt, out: Optional[Path] = ExportOutOpt):
     """Every result cell as one row of plain columns (model, task, metric, quality, policy, threshold, mean
     iterations, ms/token, …): a tidy table for pandas, R or a spreadsheet."""

@@ -11,7 +11,7 @@ import typer
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from .app import (KNOBS_ON_COMMAND_LINE, CheckpointOpt, CompileOpt, DataDirOpt, DtypeOpt, NonfiniteOpt, ThreadsOpt,
-                  app, console, exit_config_from, exit_knobs, given_on_command_line, one_line_errors, say,
+                  command, console, exit_config_from, exit_knobs, knobs_from, say,
                   writable_targets)
 
 PromptArg = typer.Argument(..., help="Text to run; with --generate, the prompt to continue.")
@@ -27,8 +27,7 @@ TraceBosOpt = typer.Option(None, "--add-bos-token/--no-add-bos-token", help="For
                            "run's option (default: the tokenizer decides, as run does).")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs(*KNOBS_ON_COMMAND_LINE, policy="second_order")
 def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
           allow_nonfinite: bool = NonfiniteOpt, generate: int = GenerateOpt, exit_config: Optional[Path] = ExitConfigOpt,
@@ -97,8 +96,7 @@ GeometryOutOpt = typer.Option(Path("results/geometry"), "--out", "-o", help="Dir
                               "figures.")
 
 
-@app.command()
-@one_line_errors
+@command()
 def geometry(checkpoint: Optional[str] = CheckpointOpt, checkpoints: Optional[str] = CheckpointsOpt,
              task: Optional[str] = typer.Option(None, "--task", "-t", help="Measure on this lm-eval task's documents."),
              text: Optional[str] = typer.Option(None, "--text", help="Measure on this text file (blank-line "
@@ -155,8 +153,7 @@ CalibrationOutOpt = typer.Option(None, "--out", "-o", help="JSON report [results
                                  ".json].")
 
 
-@app.command()
-@one_line_errors
+@command()
 @exit_knobs(*(k for k in KNOBS_ON_COMMAND_LINE if k != "threshold"), policy="second_order")
 def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: Optional[str] = CalibrationGridOpt,
               checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
@@ -171,29 +168,19 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..harness.documents import token_lists
     from ..models.checkpoint import open_checkpoint
     from ..models.embedded import recorded_path
-    from ..policies.learned import check_fitted_for
     from ..runtime.devices import use_threads
     from ..store.disk import writable_output
     from ..studies.calibrate import calibrate as run_calibration
-    from ..studies.calibrate import check_calibratable, grid_for, write_report
-    from ..sweep.config import parse_thresholds
-    from ..sweep.config import parse_quantiles
+    from ..studies.calibrate import check_calibratable, chosen_grid, write_report
 
-    if parse_quantiles(thresholds):
-        # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.
-        raise ExitbenchError(f"calibrate --thresholds {thresholds.strip()}: the guarantee needs a grid chosen "
-                             "before the documents are read; take the values a run derived (`exitbench run "
-                             "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     use_threads(threads)
     # an unknown policy or bad knob fails before the checkpoint loads
     config = exit_config_from(ctx, knobs, exit_config, seed=seed)
-    check_calibratable(config.policy, config.threshold)
+    check_calibratable(config.policy, config.threshold, thresholds)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
         writable_output(out, "--out")
     ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    # a conjunction calibrates its varied member's threshold, over that one's grid
-    grid = parse_thresholds(thresholds) or grid_for(ck.model, config)
-    check_fitted_for(ck, config.fitted_exit_model)
+    grid = chosen_grid(ck, config, thresholds)  # a conjunction calibrates its varied member's threshold
     path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
         docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
@@ -220,18 +207,16 @@ FitTokensOpt = typer.Option(65536, "--tokens", help="Cap on the tokens of those 
 DisjointOpt = typer.Option(None, "--disjoint-from", help="Drop documents that begin with an evaluation document of "
                            "these tasks (default: --task, or chains for held-out programs).")
 KindOpt = typer.Option("mlp", "--kind", help="mlp (one hidden tanh layer of 32) or logistic (regression).")
+FitTaskOpt = typer.Option(None, "--task", "-t", help="Fit on this lm-eval task's training (else validation) split, "
+                          "never the split it evaluates.")
+FitTextOpt = typer.Option(None, "--text", help="Fit on this text file (blank-line separated documents).")
 FitOutOpt = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exit-models/<checkpoint>.json].")
 
 
-@app.command("fit-exit")
-@one_line_errors
+@command("fit-exit")
 @exit_knobs("max_steps")
 def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-             task: Optional[str] = typer.Option(None, "--task", "-t", help="Fit on this lm-eval task's training "
-                                                "(else validation) split, never the split it evaluates."),
-             text: Optional[str] = typer.Option(None, "--text", help="Fit on this text file (blank-line separated "
-                                                "documents)."),
-             data_dir: Optional[str] = DataDirOpt, limit: int = FitLimitOpt, tokens: int = FitTokensOpt,
+             task: Optional[str] = FitTaskOpt, text: Optional[str] = FitTextOpt, data_dir: Optional[str] = DataDirOpt, limit: int = FitLimitOpt, tokens: int = FitTokensOpt,
              disjoint_from: Optional[str] = DisjointOpt, kind: str = KindOpt,
              batch_size: int = typer.Option(16, help="Sequences recorded together."),
              seed: int = typer.Option(0, help="Seed of the programs, the validation split and the noise."),
@@ -247,10 +232,7 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
                                     write_exit_model)
 
     # the learned rule's file is what this writes, so the knobs are read as a dict, not a config of that rule
-    knobs = {**knobs, "seed": seed}
-    if exit_config is not None:
-        typed = {k: v for k, v in knobs.items() if k in given_on_command_line(ctx)}
-        knobs = {**knobs, **ExitConfig.file_knobs(exit_config, typed), **typed}
+    knobs = knobs_from(ctx, knobs, exit_config, seed=seed)
     seed = knobs["seed"]
     check_fit_options(limit, batch_size, seed)
     if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name

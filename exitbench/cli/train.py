@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..training.config import TrainConfig
-from .app import app, console, one_line_errors, option_specs
+from .app import command, console, option_specs
 
 
 def _train_options():
@@ -12,8 +12,7 @@ def _train_options():
     return [(name, Path if name == "out" else kind, default, meta) for name, kind, default, meta in TrainConfig.options()]
 
 
-@app.command()
-@one_line_errors
+@command()
 @option_specs(_train_options(), into="given")
 def train(given: dict = None):
     """Train a looped model from scratch: Raven or Ouro on synthetic chains, or looped GPT-2 on GSM8K text

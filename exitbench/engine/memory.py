@@ -83,6 +83,28 @@ def largest_batch(model: LoopedLM, dtype: torch.dtype, context: int, max_steps: 
     return low
 
 
+MAX_MEMORY_GB = 1e9  # an exabyte: inf (1e400 reads as inf) and 1e300 (inf once in bytes) have no byte count
+
+
+def device_plan(model: LoopedLM, dtype: torch.dtype, batch: int, context: int,
+                max_steps: int | Sequence[int] | None, kv_window: int | None, device: str | None = None,
+                memory_gb: float | None = None) -> dict[str, Any]:
+    """`info --plan`: the plan beside the free memory of `device` (resolved as a run resolves it), or beside
+    `memory_gb` GB (a GPU this machine does not have) with the most rows that fit in it."""
+    from ..runtime.devices import available_memory, resolve_device
+
+    report = plan(model, dtype, batch, context, max_steps, kv_window)
+    if memory_gb is None:
+        where = resolve_device(device)
+        return {**report, "device": where, "available": available_memory(where)}
+    if not 0 < memory_gb <= MAX_MEMORY_GB:
+        raise ExitbenchError(f"--memory-gb must be a number of GB > 0 and at most {MAX_MEMORY_GB:g}, got "
+                             f"{memory_gb:g}")
+    available = int(memory_gb * 1e9)
+    return {**report, "device": f"{memory_gb:g} GB (--memory-gb)", "available": available,
+            "largest_batch": largest_batch(model, dtype, context, max_steps, kv_window, available)}
+
+
 def check_sweep_fits(model: LoopedLM, configs: Sequence[Any], batch: int, device: str) -> dict[str, Any] | None:
     """Refuse, before its first cell, a sweep that cannot fit whatever its documents: its plan at the shortest
     sequence any request has (one position per row) and its deepest exit config, against the memory the device

@@ -19,21 +19,10 @@ class HFNames:
     """The names the rest of exitbench reads from every architecture's config, for a config named the Hugging Face
     way (hidden_size, num_attention_heads, num_hidden_layers, max_position_embeddings)."""
 
-    @property
-    def n_embd(self) -> int:
-        return self.hidden_size
-
-    @property
-    def n_heads(self) -> int:
-        return self.num_attention_heads
-
-    @property
-    def n_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def block_size(self) -> int:
-        return self.max_position_embeddings
+    n_embd = property(lambda self: self.hidden_size)
+    n_heads = property(lambda self: self.num_attention_heads)
+    n_layers = property(lambda self: self.num_hidden_layers)
+    block_size = property(lambda self: self.max_position_embeddings)
 
 
 @dataclass
@@ -62,6 +51,29 @@ class HFNamedConfig(HFNames):
     hf_class: ClassVar[str]
     model_type: ClassVar[str]
     loop_positive: ClassVar[tuple[str, ...]] = ()
+    # The loop: the field of its trained depth, and exitbench's own field of the deepest a run may ask for (None in
+    # a hub config: twice the trained). A family whose trained depth is derived overrides `trained_depth`.
+    depth_field: ClassVar[str]
+    max_depth_field: ClassVar[str]
+
+    def __post_init__(self):
+        self.fill_heads()
+        self.fill_depth()
+        self.validate()
+
+    @property
+    def trained_depth(self) -> int:
+        return getattr(self, self.depth_field)
+
+    def fill_depth(self) -> None:
+        if getattr(self, self.max_depth_field) is None and isinstance(self.trained_depth, int):
+            setattr(self, self.max_depth_field, 2 * self.trained_depth)
+
+    def validate(self) -> None:
+        """The common fields' checks and the loop's depths; a family adds its own after these."""
+        self.validate_common()
+        limits.loop_depth(self.depth_field, self.trained_depth, self.max_depth_field,
+                          getattr(self, self.max_depth_field))
 
     def fill_heads(self) -> None:
         """Grouped-query and head-size defaults, as Hugging Face fills them."""

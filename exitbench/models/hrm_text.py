@@ -36,10 +36,10 @@ from torch import nn
 
 from ..errors import CheckpointError
 from . import limits
-from .attention import AttnContext, rope_table, rotary_attention
+from .attention import AttnContext, rotary_attention
+from .hf_blocks import HFLoopedLM, normed_loop_grids
 from .hf_config import HFNamedConfig
-from .looped import LoopedLM, LoopGroup
-from .ouro import normed_loop_grids
+from .looped import LoopGroup
 
 
 @dataclass
@@ -65,6 +65,7 @@ class HrmTextConfig(HFNamedConfig):
     family = "HRM-Text"
     hf_class = "HrmTextForCausalLM"
     loop_positive = ("num_layers_per_stack", "H_cycles", "L_cycles", "max_H_cycles")
+    depth_field, max_depth_field = "H_cycles", "max_H_cycles"
 
     def __post_init__(self):
         if self.num_layers_per_stack is None:
@@ -78,8 +79,7 @@ class HrmTextConfig(HFNamedConfig):
             self.embedding_scale = 1.0 / self.initializer_range
         if self.rope_parameters:
             self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
-        if self.max_H_cycles is None and isinstance(self.H_cycles, int):
-            self.max_H_cycles = 2 * self.H_cycles
+        self.fill_depth()
         self.num_key_value_heads = self.num_attention_heads  # multi-head attention: the class has no such field
         self.validate()
 
@@ -89,18 +89,13 @@ class HrmTextConfig(HFNamedConfig):
         return self.num_layers_per_stack * self.H_cycles * (self.L_cycles + 1)
 
     def validate(self) -> None:
-        self.validate_common()
+        super().validate()
         if self.hidden_size % self.num_attention_heads:
             raise CheckpointError(f"config hidden_size={self.hidden_size} must be a multiple of num_attention_heads="
                                   f"{self.num_attention_heads} (the reference refuses to build it otherwise)")
         if not isinstance(self.embedding_scale, (int, float)) or isinstance(self.embedding_scale, bool):
             raise CheckpointError(f"config embedding_scale must be a number (or null with initializer_range > 0), "
                                   f"got {self.embedding_scale!r}")
-        if self.max_H_cycles < self.H_cycles:
-            raise CheckpointError(f"config max_H_cycles={self.max_H_cycles} is below the trained H_cycles="
-                                  f"{self.H_cycles}")
-        limits.loop_steps("H_cycles", self.H_cycles)
-        limits.loop_steps("max_H_cycles", self.max_H_cycles)
         limits.loop_steps("L_cycles", self.L_cycles)
 
     @classmethod
@@ -178,44 +173,26 @@ class HrmTextStack(nn.Module):
         return rms_norm(x, self.eps)
 
 
-class HrmText(LoopedLM):
-    architecture = HrmTextConfig.model_type
+class HrmText(HFLoopedLM):
     config_class = HrmTextConfig
 
     def __init__(self, config: HrmTextConfig):
-        super().__init__()
-        self.config = c = config
-        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
-                                        H_module=HrmTextStack(c), L_module=HrmTextStack(c)))
+        super().__init__(config)
         # Frozen in transformers, a persistent buffer in the original: a weight either way, never trained here.
-        self.model.z_L_init = nn.Parameter(torch.zeros(c.hidden_size), requires_grad=False)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("rope", rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta),
-                             persistent=False)
-        self._stages = self._build_stages()
+        self.model.z_L_init = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False)
+
+    def family_modules(self, c: HrmTextConfig) -> dict[str, nn.Module]:
+        return dict(H_module=HrmTextStack(c), L_module=HrmTextStack(c))
 
     @property
     def prefix_lm(self) -> bool:
         return bool(self.config.prefix_lm)
-
-    def reset_buffers(self) -> None:
-        c = self.config
-        self.rope = rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta).to(self.lm_head.weight.device)
 
     def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
         """N(0, std) for every matrix and the embedding; z_L_init N(0, 1), as the original draws it (transformers
         zeroes it, which would hide it from a parity test)."""
         for name, p in self.named_parameters():
             nn.init.normal_(p, 0.0, 1.0 if name.endswith("z_L_init") else std, generator=generator)
-
-    @property
-    def tied_head(self) -> bool:
-        return self.config.tie_word_embeddings
-
-    def tie_head(self) -> None:
-        self.lm_head.weight = self.model.embed_tokens.weight
 
     def exit_grids(self) -> dict[str, tuple[float, ...]]:
         """The state is two normed vectors side by side: a normed loop's grids at twice the width."""
@@ -246,24 +223,10 @@ class HrmText(LoopedLM):
                           n_layers=2 * c.num_layers_per_stack, default_steps=c.H_cycles, max_steps=c.max_H_cycles,
                           modules=[m.L_module] * c.L_cycles + [m.H_module])]
 
-    def stages(self) -> list[LoopGroup]:
-        return self._stages
-
     def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.model.embed_tokens(ids) * self.config.embedding_scale
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x).float()  # z_H leaves every H stack normed
-
+    # head: HFLoopedLM's; z_H leaves every H stack normed.
     def layer_split(self) -> dict[str, int]:
         n = self.config.num_layers_per_stack
         return {"L_module": n, "H_module": n}
-
-    def parameter_breakdown(self) -> dict[str, int]:
-        m = self.model
-        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
-        parts = {"embedding": count(m.embed_tokens), "L_module": count(m.L_module), "H_module": count(m.H_module),
-                 "z_L_init": m.z_L_init.numel()}
-        if not self.config.tie_word_embeddings:
-            parts["lm_head"] = count(self.lm_head)
-        return parts

@@ -22,6 +22,15 @@ def loop_steps(name: str, value: Any) -> None:
                               f"iterations (a KV slot per iteration per loop layer); give at most {MAX_LOOP_STEPS}")
 
 
+def loop_depth(trained_name: str, trained: Any, deepest_name: str, deepest: Any) -> None:
+    """A family's trained depth and the deepest a run may ask for (exitbench's own field, by default twice the
+    trained): each within MAX_LOOP_STEPS, the deepest not below the trained."""
+    if deepest < trained:
+        raise CheckpointError(f"config {deepest_name}={deepest} is below the trained {trained_name}={trained}")
+    loop_steps(trained_name, trained)
+    loop_steps(deepest_name, deepest)
+
+
 def rope_base(name: str, value: Any) -> None:
     """RoPE's base: its log divides the frequencies, so 0 or a negative base turns every rotation into NaN."""
     if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)

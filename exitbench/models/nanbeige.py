@@ -25,12 +25,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from . import limits
-from .attention import AttnContext, rope_table
+from .hf_blocks import HFLoopedLM, llama_stack
 from .hf_config import HFNamedConfig
-from .looped import LoopedLM, LoopGroup, frozen_layers, on_rows
-from .ouro import OuroAttention, OuroMLP, normed_loop_grids
-from .raven import RMSNorm
+from .looped import LoopGroup
 
 # Reference options a loader must not ignore: (field, the value that is off, what it would change).
 REFUSED = (
@@ -62,25 +59,15 @@ class NanbeigeConfig(HFNamedConfig):
     family = "Nanbeige4.2"
     hf_class = "NanbeigeForCausalLM"
     loop_positive = ("num_loops", "max_loops")
-
-    def __post_init__(self):
-        self.fill_heads()
-        if self.max_loops is None and isinstance(self.num_loops, int):
-            self.max_loops = 2 * self.loops
-        self.validate()
+    depth_field, max_depth_field = "num_loops", "max_loops"
 
     @property
-    def loops(self) -> int:
+    def trained_depth(self) -> int:
         """The trained loop count, as the reference reads it: one per per-loop loss weight plus one, when the
         checkpoint lists them, else num_loops."""
         return len(self.loop_loss_weights) + 1 if self.loop_loss_weights else self.num_loops
 
-    def validate(self) -> None:
-        self.validate_common()
-        if self.max_loops < self.loops:
-            raise CheckpointError(f"config max_loops={self.max_loops} is below the trained {self.loops} loops")
-        limits.loop_steps("num_loops", self.loops)
-        limits.loop_steps("max_loops", self.max_loops)
+    loops = trained_depth
 
     @classmethod
     def refuse(cls, raw: dict[str, Any]) -> None:
@@ -90,88 +77,24 @@ class NanbeigeConfig(HFNamedConfig):
                                       f"the released Nanbeige4.2 checkpoints set {name}={off!r}")
 
 
-class NanbeigeLayer(nn.Module):
-    """Llama's pre-norm block: h = x + Attn(N_in x); y = h + MLP(N_post h). (Ouro's attention and MLP modules
-    are Qwen2's without biases, which is Llama's with the same key names.)"""
-
-    def __init__(self, c: NanbeigeConfig, layer_id: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = OuroAttention(c, layer_id)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = OuroMLP(c)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        return self.feed(self.attend(x, rope, ctx))
-
-    # The attention sublayer, then the MLP sublayer: exit mode freeze runs them apart (looped.frozen_layers).
-    def attend(self, x: torch.Tensor, rope: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), rope, ctx)
-
-    def feed(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Nanbeige(LoopedLM):
-    architecture = NanbeigeConfig.model_type
+class Nanbeige(HFLoopedLM):
+    """Each layer is Llama's pre-norm block (hf_blocks.LlamaLayer)."""
     config_class = NanbeigeConfig
 
-    def __init__(self, config: NanbeigeConfig):
-        super().__init__()
-        self.config = c = config
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(c.vocab_size, c.hidden_size),
-            layers=nn.ModuleList(NanbeigeLayer(c, i) for i in range(c.num_hidden_layers)),
-            norm=RMSNorm(c.hidden_size, c.rms_norm_eps),
-        ))
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # (positions, head_dim/2, 2) cos/sin, in float32 from rope_theta over head_dim, never stored (a checkpoint's
-        # rotary_emb.inv_freq, where one has it, is dropped by adapt_checkpoint).
-        self.register_buffer("rope", rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta),
-                             persistent=False)
-        self._stages = self._build_stages()
+    def family_modules(self, c: NanbeigeConfig) -> dict[str, nn.Module]:
+        # The RoPE table comes from rope_theta over head_dim; a checkpoint's rotary_emb.inv_freq, where one has it,
+        # is dropped by adapt_checkpoint.
+        return llama_stack(c)
 
     @classmethod
     def adapt_checkpoint(cls, tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         return {k: v for k, v in tensors.items() if not k.endswith("self_attn.rotary_emb.inv_freq")}
 
-    def reset_buffers(self) -> None:
-        c = self.config
-        self.rope = rope_table(c.head_dim, c.max_position_embeddings, c.rope_theta).to(self.lm_head.weight.device)
-
-    def init_weights(self, generator: torch.Generator | None = None, std: float = 0.02) -> None:
-        """Llama's init: N(0, std) for every matrix and the embedding, unit norms."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, 0.0, std, generator=generator)
-
-    @property
-    def tied_head(self) -> bool:
-        return self.config.tie_word_embeddings
-
-    def tie_head(self) -> None:
-        self.lm_head.weight = self.model.embed_tokens.weight
-
-    def exit_grids(self) -> dict[str, tuple[float, ...]]:
-        """Its loop ends in its norm, as Ouro's does: the same grids."""
-        return normed_loop_grids(self.config.hidden_size)
+    # Its loop ends in its norm, as Ouro's does: HFLoopedLM's grids (normed_loop_grids).
 
     # ---- the stage view the engine uses ----------------------------------------------------------
     def _loop_norm(self, s: torch.Tensor) -> torch.Tensor:
         return s if self.config.skip_loop_final_norm else self.model.norm(s)
-
-    def _step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        for layer in self.model.layers:
-            s = layer(s, self.rope, ctx)
-        return self._loop_norm(s)
-
-    def _frozen_step(self, s: torch.Tensor, x: torch.Tensor, ctx: AttnContext, keep: torch.Tensor) -> torch.Tensor:
-        out = frozen_layers(self.model.layers, s, s, keep, lambda layer, h: layer.attend(h, self.rope, ctx))
-        return on_rows(s, keep, self._loop_norm, out)  # a pinned state is not normed again
 
     def _finish(self, s: torch.Tensor) -> torch.Tensor:
         # Normed after every loop already, unless the loops chain unnormed and one norm ends the last.
@@ -179,27 +102,7 @@ class Nanbeige(LoopedLM):
 
     def _build_stages(self) -> list[LoopGroup]:
         c, m = self.config, self.model
-        return [LoopGroup("loops", init=lambda x, noise: x, step=self._step, finish=self._finish,
+        return [LoopGroup("loops", init=lambda x, noise: x, step=self._layers_step, finish=self._finish,
                           attn_layers=list(range(c.num_hidden_layers)), n_layers=c.num_hidden_layers,
                           default_steps=c.loops, max_steps=c.max_loops, modules=[m.layers, m.norm],
-                          frozen_step=self._frozen_step)]
-
-    def stages(self) -> list[LoopGroup]:
-        return self._stages
-
-    def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.embed_tokens(ids)  # positions enter through RoPE, in attention
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(x).float()  # the state is normed (the loop's last norm, or the finish's)
-
-    def layer_split(self) -> dict[str, int]:
-        return {"loop": self.config.num_hidden_layers}
-
-    def parameter_breakdown(self) -> dict[str, int]:
-        m = self.model
-        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
-        parts = {"embedding": count(m.embed_tokens), "layers": count(m.layers), "norm": count(m.norm)}
-        if not self.config.tie_word_embeddings:
-            parts["lm_head"] = count(self.lm_head)
-        return parts
+                          frozen_step=self._frozen_layers_step)]

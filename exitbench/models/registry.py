@@ -28,6 +28,13 @@ _HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadMode
                    "Inkling2LoopForConditionalGeneration": Inkling2.architecture}
 
 
+def register(model_class: type[LoopedLM]) -> None:
+    """Make a family known by its config's model_type and Hugging Face class name: the one line a new family's
+    module adds here (docs/adding-a-family.md)."""
+    ARCHITECTURES[model_class.architecture] = model_class
+    _HF_CLASS_NAMES[model_class.config_class.hf_class] = model_class.architecture
+
+
 def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
     name = config.get("model_type")
     if name is None:

@@ -152,7 +152,16 @@ def split(docs: Sequence[list[int]], test_fraction: float, seed: int) -> tuple[l
 
 
 # ---- the procedure ---------------------------------------------------------------------------------------
-def check_calibratable(policy: str, threshold: float | None = None) -> None:
+def check_calibratable(policy: str, threshold: float | None = None, grid: str | None = None) -> None:
+    """Refused before the checkpoint loads: a rule with no threshold to choose, a threshold already chosen, or a
+    grid of quantiles (`grid`, calibrate's --thresholds)."""
+    from ..sweep.config import parse_quantiles
+
+    if grid is not None and parse_quantiles(grid):
+        # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.
+        raise ExitbenchError(f"calibrate --thresholds {grid.strip()}: the guarantee needs a grid chosen "
+                             "before the documents are read; take the values a run derived (`exitbench run "
+                             "--thresholds quantiles:N` records them in each cell's run.thresholds)")
     if policy in UNCALIBRATABLE:
         raise ExitbenchError(f"calibrate: policy {policy!r} cannot be calibrated: {UNCALIBRATABLE[policy]}; "
                              f"pick a threshold rule such as second_order or kl")
@@ -222,6 +231,16 @@ def _check_request(config: ExitConfig, thresholds: Sequence[float], epsilon: flo
         why = _at_threshold(config, tau).never_exits_early(groups)
         if why is not None:
             raise ExitbenchError(f"calibrate: {why}")
+
+
+def chosen_grid(ck, config: ExitConfig, grid: str | None) -> list[float]:
+    """The thresholds to choose from: `grid` (calibrate's --thresholds) or the model's (`grid_for`), once the
+    checkpoint is loaded and a learned rule's file is known to be fitted to it."""
+    from ..policies.learned import check_fitted_for
+    from ..sweep.config import parse_thresholds
+
+    check_fitted_for(ck, config.fitted_exit_model)
+    return parse_thresholds(grid) or grid_for(ck.model, config)
 
 
 def grid_for(model, config: ExitConfig) -> list[float]:

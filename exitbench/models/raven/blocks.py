@@ -18,38 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttnContext, rotary_attention, rotary_attention_qk
+from ..hf_blocks import RMSNorm  # one RMSNorm for every family (Huginn's arithmetic)
 from ..linear import FlatLinear
 
 if TYPE_CHECKING:
     from .config import RavenConfig
-
-
-class RMSNorm(nn.Module):
-    """Learned RMSNorm computed in fp32; Huginn casts back to the input dtype *before* the weight."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            xf = x.float()
-            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return normed.to(x.dtype) * self.weight
-        # The same arithmetic in seven ops instead of twenty: a loop step runs five of these, and on a small
-        # model each op's dispatch costs more than its arithmetic. mean is sum ÷ n, and a Python scalar (n,
-        # eps) is wrapped into a tensor on every call, so both are kept as tensors; the casts above are no-ops
-        # here. Bit for bit the branch above (tests/test_engine_ops.py).
-        n, eps = self._constants(x)
-        return x * x.mul(x).sum(-1, keepdim=True).div_(n).add_(eps).rsqrt_() * self.weight
-
-    def _constants(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        got = self.__dict__.get("_consts")
-        if got is None or got[0].device != x.device:
-            got = (torch.tensor(float(x.shape[-1]), device=x.device), torch.tensor(self.eps, device=x.device))
-            self.__dict__["_consts"] = got
-        return got
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,0 +1,34 @@
+"""What the make_*_size.py scripts share: their command line (a new directory, the script's own options, the
+dtype, a seed) and the key names of a Llama-style layer, so each script says only its family's layout."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+DTYPES = ["bfloat16", "float32", "float16"]
+
+
+def size_main(doc: str, write, argv: list[str] | None = None, *options: tuple[str, dict], dtype: bool = True) -> None:
+    """Parse `out`, each (flag, argparse keywords) of `options`, --dtype (where the script takes one) and --seed,
+    and call write(out=…, <option>=…, dtype=torch.<dtype>, seed=…)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("out", type=Path, help="new directory for the checkpoint")
+    for flag, keywords in options:
+        parser.add_argument(flag, **keywords)
+    if dtype:
+        parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--seed", type=int, default=0)
+    args = vars(parser.parse_args(argv))
+    if dtype:
+        args["dtype"] = getattr(torch, args["dtype"])
+    write(**args)
+
+
+def llama_layer_keys(prefix: str, hidden: int, inter: int, q: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama-style layer's attention and MLP matrices (no norms): q is the query width, kv each of k's and v's."""
+    return [(f"{prefix}.self_attn.q_proj.weight", (q, hidden)), (f"{prefix}.self_attn.k_proj.weight", (kv, hidden)),
+            (f"{prefix}.self_attn.v_proj.weight", (kv, hidden)), (f"{prefix}.self_attn.o_proj.weight", (hidden, q)),
+            (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)), (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
+            (f"{prefix}.mlp.down_proj.weight", (hidden, inter))]
