@@ -1,5 +1,5 @@
 """Reading result cells: `pareto` (frontiers and matched quality), `report` (one HTML page), `check` (the
-regression gate) and `export` (a tidy table)."""
+regression gate), `serve-sim` (projected serving throughput) and `export` (a tidy table)."""
 from __future__ import annotations
 
 import functools
@@ -140,6 +140,36 @@ def check(run_dir: Path = RunArg, baseline: Path = BaselineOpt, quality_tol: flo
         raise typer.Exit(1)
     console.print(f"no regression: {run_dir} matches {baseline} within the tolerances; {verdict.summary()}",
                   highlight=False)
+
+
+BatchesOpt = typer.Option("1,8,64", "--batch-size", help="Rows of the simulated server, comma-separated.")
+CostFileOpt = typer.Option(None, "--cost", help="A cost file from bench/serving_cost.py [the one fitted on the "
+                           "project's CPU machine].")
+SimFormatOpt = typer.Option("rich", "--format", help="rich or json.")
+
+
+@app.command("serve-sim")
+@one_line_errors
+def serve_sim(directories: list[Path] = DirectoriesArg, batch_size: str = BatchesOpt,
+              cost_file: Optional[Path] = CostFileOpt, fmt: str = SimFormatOpt, model: Optional[str] = ModelOpt):
+    """Decode throughput relative to full depth under static and continuous depth batching, simulated from each
+    cell's recorded exit schedule."""
+    from ..analysis import serving
+    from ..store.loading import load_paths
+
+    if fmt not in ("rich", "json"):
+        raise ExitbenchError(f"--format must be rich or json, got {fmt!r}")
+    batches, cost = serving.parse_batches(batch_size), serving.load_cost(cost_file)
+    rows, skipped = serving.project_cells(load_paths(directories, on_skip=skip_note, model=model), batches, cost)
+    for note in skipped:
+        say(f"skipped {note}")
+    if not rows:
+        raise ExitbenchError(f"no cell under {', '.join(map(str, directories))} has per-token exits recorded; "
+                             "rerun the sweep into a new --out")
+    if fmt == "json":
+        print(serving.as_json(rows))
+    else:
+        console.print(serving.table(rows, cost))
 
 
 ExportFormatOpt = typer.Option("csv", "--format", help="csv or json.")
