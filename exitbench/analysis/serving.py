@@ -13,8 +13,9 @@ under three schedulers:
 In all three a finished request frees its row for the next request at once (request-level continuous batching),
 so the schedulers differ only in what they do with a token's early exit, and at full depth all three are equal.
 
-A loop step costs `fixed_s + row_s × rows in it` (a step's launch and host work, and each row's arithmetic), and
-admitting a request costs `prefill_s`: the `CostModel`, fitted from the engine's own timings by
+A loop step costs `fixed_s + row_s × rows in it` (a step's launch and host work, and each row's arithmetic), a
+token `token_s` once (its readout, sampling, joining and leaving the loop) and admitting a request `prefill_s`:
+the `CostModel`, fitted from the engine's own timings by
 bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
 on how many requests it had; the ideal is the iteration ratio (full depth ÷ mean iterations), what a step whose
 cost were all per row would give.
@@ -38,19 +39,22 @@ COST_SCHEMA = "exitbench.serving-cost"
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`) and per request admitted (`prefill_s`)."""
+    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`) and per request
+    admitted (`prefill_s`)."""
 
     fixed_s: float
     row_s: float
+    token_s: float
     prefill_s: float
     source: str = "given"  # where the figures come from: what the output states
 
     def seconds(self, counts: "Counts") -> float:
-        return self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.prefill_s * counts.requests
+        return (self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.token_s * counts.tokens
+                + self.prefill_s * counts.requests)
 
     def describe(self) -> str:
         return (f"cost model {self.source}: a loop step {1e6 * self.fixed_s:.1f} µs + {1e6 * self.row_s:.2f} µs "
-                f"per row, {1e6 * self.prefill_s:.0f} µs per request admitted")
+                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.prefill_s:.0f} µs per request admitted")
 
 
 def load_cost(path: Path | str | None = None) -> CostModel:
@@ -66,7 +70,7 @@ def load_cost(path: Path | str | None = None) -> CostModel:
         raise ExitbenchError(f"--cost {path} is not a serving cost file (schema {COST_SCHEMA!r} expected); write "
                              "one with `python bench/serving_cost.py --out FILE`")
     figures = {}
-    for name in ("fixed_s", "row_s", "prefill_s"):
+    for name in ("fixed_s", "row_s", "token_s", "prefill_s"):
         value = data.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ExitbenchError(f"--cost {path}: {name} must be a finite number of seconds ≥ 0, got {value!r}")
@@ -87,10 +91,11 @@ def save_cost(path: Path, cost: CostModel, **provenance: Any) -> None:
 
 @dataclass(frozen=True)
 class Counts:
-    """What a simulated run did: loop steps, rows charged summed over steps, requests admitted."""
+    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, requests admitted."""
 
     steps: int
     row_steps: int
+    tokens: int
     requests: int
 
 
@@ -135,7 +140,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
             if row is not None:
                 kept.append(row)
         rows = kept
-    return Counts(steps, row_steps, admitted)
+    return Counts(steps, row_steps, sum(len(r) for r in requests), admitted)
 
 
 def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] | None:
