@@ -4,14 +4,15 @@
     python bench/serving_cost.py --out my-cost.json --device cuda --checkpoint /path/to/huginn-0125
 
 1. Fit. The engine generates `--tokens` tokens for each of `--requests` chains prompts at fixed depths r (4, 16)
-   and batch sizes (1, 4, 16, 64), every combination timed `--repeats` times (median; the combinations take
-   turns within a repeat, so a drift in the machine's speed hits them alike). For each run the simulation
-   (exitbench/analysis/serving.py) counts the loop steps, rows × steps, tokens and requests it makes of the
-   engine's recorded per-token iterations; a least-squares fit of the measured seconds on those four counts gives
-   the per-step, per-row, per-token and per-request costs (`--out`, what `exitbench serve-sim --cost` reads).
+   and batch sizes (1, 4, 16, 64), and under two exit rules (second_order τ=1, kl τ=0.01) at batch sizes 16 and
+   64, every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
+   machine's speed hits them alike). For each run the simulation (exitbench/analysis/serving.py) counts, from
+   the engine's recorded per-token iterations, the loop steps, rows × steps, tokens, rows regrouped and requests
+   of continuous depth batching (the engine's own scheduler); a non-negative least-squares fit of the measured
+   seconds on those five counts gives the cost model (`--out`, what `exitbench serve-sim --cost` reads).
    Generation stops after exactly `--tokens` tokens (no stop token), so the counts are the run's own.
-2. Check. Held out from the fit: exit rules (second_order, first_order, kl) at batch size 16 on the same prompts,
-   timed beside full depth in the same repeats. Their simulated times under static and continuous depth
+2. Check. Held out from the fit: two other rules (second_order τ=0.1, first_order τ=0.01) at batch size 16 on
+   the same prompts, timed in the same repeats. Their simulated times under static and continuous depth
    batching, from the engine's own per-token exits of that run, against the engine's measured time; and the
    engine's own speed-up over full depth as a share of the ideal (the iteration ratio).
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -42,7 +44,9 @@ from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 
 DEPTHS = (4, 16)
 BATCHES = (1, 4, 16, 64)
-CHECKS = [("second_order", 1.0), ("second_order", 0.1), ("first_order", 0.01), ("kl", 0.01)]
+FIT_RULES = [("second_order", 1.0), ("kl", 0.01)]
+FIT_RULE_BATCHES = (16, 64)
+CHECKS = [("second_order", 0.1), ("first_order", 0.01)]
 CHECK_BATCH = 16
 
 
@@ -62,7 +66,7 @@ def timed(engine: ExitEngine, ids, tokens: int, batch: int, device: str):
 
 
 def counts_row(c: serving.Counts) -> list[float]:
-    return [c.steps, c.row_steps, c.tokens, c.requests]
+    return [c.steps, c.row_steps, c.tokens, c.regroup_rows, c.requests]
 
 
 def main() -> None:
@@ -81,8 +85,10 @@ def main() -> None:
     ids = prompts(ck.tokenizer, args.requests)
     full = ck.model.config.mean_recurrence if hasattr(ck.model.config, "mean_recurrence") else max(DEPTHS)
     engines = {("fixed", r): ExitEngine(ck.model, ExitConfig(policy="fixed", threshold=r)) for r in DEPTHS}
-    engines.update({(p, t): ExitEngine(ck.model, ExitConfig(policy=p, threshold=t)) for p, t in CHECKS})
-    runs = [(("fixed", r), b) for r in DEPTHS for b in BATCHES] + [(k, CHECK_BATCH) for k in CHECKS]
+    engines.update({(p, t): ExitEngine(ck.model, ExitConfig(policy=p, threshold=t)) for p, t in FIT_RULES + CHECKS})
+    fit_runs = [(("fixed", r), b) for r in DEPTHS for b in BATCHES] + [(k, b) for k in FIT_RULES
+                                                                        for b in FIT_RULE_BATCHES]
+    runs = fit_runs + [(k, CHECK_BATCH) for k in CHECKS]
     timed(engines[("fixed", 4)], ids[:4], 2, 4, args.device)  # warm-up: first-call allocations, lazy imports
     seconds: dict = {run: [] for run in runs}
     schedules: dict = {}
@@ -95,11 +101,11 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     measured = {run: statistics.median(v) for run, v in seconds.items()}
 
-    fit_runs = [run for run in runs if run[0][0] == "fixed"]
     X = np.array([counts_row(serving.simulate(schedules[run], run[1], "continuous")) for run in fit_runs])
     y = np.array([measured[run] for run in fit_runs])
-    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-    coef = np.clip(coef, 0.0, None)  # a cost below zero is the fit's noise, not a saving
+    # relative least squares (each run weighed by 1/its time, so the short runs count as much as the long ones),
+    # non-negative: a cost below zero would be the fit's noise, not a saving
+    coef, _ = nnls(X / y[:, None], np.ones_like(y))
     cost = serving.CostModel(*map(float, coef), source=str(args.out))
     fit_error = [float(cost.seconds(serving.simulate(schedules[run], run[1], "continuous")) / measured[run] - 1)
                  for run in fit_runs]
@@ -127,10 +133,10 @@ def main() -> None:
     provenance = {"device": args.device, "model": args.checkpoint or "tiny-raven", "date": date, "command": command,
                   "machine": f"{platform.machine()} {os.cpu_count()} cores, {args.threads} torch thread(s)",
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,
-                  "fit_relative_error": {f"r={run[0][1]} batch={run[1]}": round(e, 4)
+                  "fit_relative_error": {f"{run[0][0]} {run[0][1]} batch={run[1]}": round(e, 4)
                                          for run, e in zip(fit_runs, fit_error)}}
     serving.save_cost(args.out, cost, **provenance)
-    figures = {**provenance, "cost": {k: getattr(cost, k) for k in ("fixed_s", "row_s", "token_s", "prefill_s")},
+    figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS},
                "full_depth_s": full_s, "checks": checks}
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
 

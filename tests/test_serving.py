@@ -16,23 +16,28 @@ from exitbench.store import cells
 
 from helpers.cells import baseline_cells, copy_cells
 
-COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, prefill_s=1e-3)
+COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=5e-5, prefill_s=1e-3)
+STEPS_ONLY = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=0.0, prefill_s=1e-3)
 
 
 def test_counts_by_hand():
     # rows: A = tokens of 2 and 4 iterations, B = one token of 3. Continuous: 2 steps with both rows, then B's
     # last step beside A's second token, then A alone for 3. Static: max(2, 3) steps with both, then A's 4 alone.
-    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, requests=2)
-    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, requests=2)
+    # Regroups: continuous changes its tokens three times (2 rows, 2 rows, then A alone), static twice.
+    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, regroup_rows=5,
+                                                              requests=2)
+    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, regroup_rows=3,
+                                                          requests=2)
     # full depth: every token at 16, the rows in lockstep (16 + 16 steps for A, B alongside for the first 16)
-    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, requests=2)
+    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, regroup_rows=3,
+                                                            requests=2)
 
 
 def test_a_freed_row_takes_the_next_request_at_once():
     # one row: requests run back to back, so steps are the tokens' iterations summed, whatever the scheduler
     reqs = [[3, 1], [5], [], [2, 2, 2]]
     for s in ("static", "continuous"):
-        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, requests=4)
+        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, regroup_rows=6, requests=4)
     # two rows: the empty request costs its admission only and the row goes straight on to the next one
     assert simulate([[4], [], [1], [1]], 2, "continuous").steps == 4
 
@@ -44,20 +49,24 @@ def random_schedules(seed: int, requests: int = 60) -> list[list[int]]:
 
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
 def test_full_depth_is_one_and_exits_are_bounded(batch):
+    # Without a regroup cost continuous batching never loses to static; with one it may (it regroups its rows
+    # at every exit, static once per batch step): what the engine's measured cost says decides.
     for seed in range(5):
         reqs = random_schedules(seed)
-        throughput, ideal = serving.project(reqs, 16, batch, COST)
+        throughput, ideal = serving.project(reqs, 16, batch, STEPS_ONLY)
         assert throughput["full"] == 1.0
         assert throughput["continuous"] >= throughput["static"] >= 1.0
         if batch == 1:  # one row: static is continuous, and per-token and per-request costs keep it below ideal
             assert throughput["continuous"] == throughput["static"] < ideal
         at_full, _ = serving.project([[16] * len(r) for r in reqs], 16, batch, COST)
+        regrouped, _ = serving.project(reqs, 16, batch, COST)
+        assert regrouped["continuous"] < throughput["continuous"]
         assert at_full == {"full": 1.0, "static": 1.0, "continuous": 1.0}
 
 
 def test_all_cost_per_row_reaches_the_iteration_ratio_at_batch_one():
     reqs = random_schedules(7)
-    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0))
+    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0))
     assert throughput["continuous"] == pytest.approx(ideal, rel=1e-12)  # float rounding only
 
 
@@ -65,13 +74,14 @@ def test_cost_file_round_trip_and_refusals(tmp_path):
     good = tmp_path / "cost.json"
     serving.save_cost(good, COST, device="cpu", model="tiny-raven", date="2026-12-05")
     loaded = serving.load_cost(good)
-    assert (loaded.fixed_s, loaded.row_s, loaded.token_s, loaded.prefill_s) == (3e-4, 2e-5, 1e-4, 1e-3)
+    assert (loaded.fixed_s, loaded.row_s, loaded.token_s, loaded.regroup_s, loaded.prefill_s) == \
+        (3e-4, 2e-5, 1e-4, 5e-5, 1e-3)
     assert "tiny-raven" in loaded.source
     assert serving.load_cost().fixed_s > 0  # the shipped default reads
     bad = tmp_path / "bad.json"
     for text, says in [("{", "not a readable cost file"), ('{"schema": "x"}', "not a serving cost file"),
                        (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": -1, "row_s": 0, "token_s": 0,
-                                    "prefill_s": 0}), "fixed_s must be")]:
+                                    "regroup_s": 0, "prefill_s": 0}), "fixed_s must be")]:
         bad.write_text(text)
         with pytest.raises(ExitbenchError, match=says):
             serving.load_cost(bad)
@@ -109,7 +119,10 @@ def test_serve_sim_command(tmp_path):
     paths = baseline_cells("chains_mc", ("fixed", "kl"))
     d = copy_cells(tmp_path / "run", paths[:-1], change=with_schedule)
     copy_cells(d, paths[-1:])  # one cell as written before schedules: skipped with a note
-    res = CliRunner().invoke(app, ["serve-sim", str(d), "--batch-size", "1,16", "--format", "json"])
+    cost = tmp_path / "cost.json"
+    serving.save_cost(cost, STEPS_ONLY, device="cpu", model="tiny-raven", date="2026-12-05")
+    res = CliRunner().invoke(app, ["serve-sim", str(d), "--batch-size", "1,16", "--format", "json", "--cost",
+                                   str(cost)])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout[res.stdout.index("["):])
     assert len(rows) == 2 * (len(paths) - 1)

@@ -14,8 +14,9 @@ In all three a finished request frees its row for the next request at once (requ
 so the schedulers differ only in what they do with a token's early exit, and at full depth all three are equal.
 
 A loop step costs `fixed_s + row_s × rows in it` (a step's launch and host work, and each row's arithmetic), a
-token `token_s` once (its readout, sampling, joining and leaving the loop) and admitting a request `prefill_s`:
-the `CostModel`, fitted from the engine's own timings by
+token `token_s` once (its readout, sampling, joining and leaving the loop), each change of the tokens in flight
+`regroup_s` per row in flight (where each token reads its keys is worked out again: exits change it every few
+steps, full depth once per token) and admitting a request `prefill_s`: the `CostModel`, fitted from the engine's own timings by
 bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
 on how many requests it had; the ideal is the iteration ratio (full depth ÷ mean iterations), what a step whose
 cost were all per row would give.
@@ -35,26 +36,29 @@ from ..store.disk import samples_path
 SCHEDULERS = ("full", "static", "continuous")
 DEFAULT_COST = Path(__file__).with_name("serving_cost.json")
 COST_SCHEMA = "exitbench.serving-cost"
+COST_FIELDS = ("fixed_s", "row_s", "token_s", "regroup_s", "prefill_s")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`) and per request
-    admitted (`prefill_s`)."""
+    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`), per row in flight
+    when the tokens in flight change (`regroup_s`) and per request admitted (`prefill_s`)."""
 
     fixed_s: float
     row_s: float
     token_s: float
+    regroup_s: float
     prefill_s: float
     source: str = "given"  # where the figures come from: what the output states
 
     def seconds(self, counts: "Counts") -> float:
         return (self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.token_s * counts.tokens
-                + self.prefill_s * counts.requests)
+                + self.regroup_s * counts.regroup_rows + self.prefill_s * counts.requests)
 
     def describe(self) -> str:
         return (f"cost model {self.source}: a loop step {1e6 * self.fixed_s:.1f} µs + {1e6 * self.row_s:.2f} µs "
-                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.prefill_s:.0f} µs per request admitted")
+                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.regroup_s:.0f} µs per row when the "
+                f"tokens in flight change, {1e6 * self.prefill_s:.0f} µs per request admitted")
 
 
 def load_cost(path: Path | str | None = None) -> CostModel:
@@ -70,7 +74,7 @@ def load_cost(path: Path | str | None = None) -> CostModel:
         raise ExitbenchError(f"--cost {path} is not a serving cost file (schema {COST_SCHEMA!r} expected); write "
                              "one with `python bench/serving_cost.py --out FILE`")
     figures = {}
-    for name in ("fixed_s", "row_s", "token_s", "prefill_s"):
+    for name in COST_FIELDS:
         value = data.get(name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ExitbenchError(f"--cost {path}: {name} must be a finite number of seconds ≥ 0, got {value!r}")
@@ -91,11 +95,13 @@ def save_cost(path: Path, cost: CostModel, **provenance: Any) -> None:
 
 @dataclass(frozen=True)
 class Counts:
-    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, requests admitted."""
+    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, rows in flight summed
+    over the changes of the tokens in flight, requests admitted."""
 
     steps: int
     row_steps: int
     tokens: int
+    regroup_rows: int
     requests: int
 
 
@@ -111,7 +117,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         raise ValueError("the full-depth scheduler needs the depth")
     lockstep = scheduler == "static"
     queue = iter([[depth if depth is not None else k for k in r] for r in requests])
-    steps = row_steps = admitted = 0
+    steps = row_steps = regroup_rows = admitted = 0
     rows: list[list[int]] = []  # each row: its request's remaining tokens' iterations, the current one first
 
     def admit() -> list[int] | None:
@@ -129,6 +135,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         rows.append(row)
     while rows:
         n = max(r[0] for r in rows) if lockstep else min(r[0] for r in rows)
+        regroup_rows += len(rows)  # the tokens in flight are new since the last segment: where each reads
         steps += n
         row_steps += n * len(rows)
         kept = []
@@ -140,7 +147,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
             if row is not None:
                 kept.append(row)
         rows = kept
-    return Counts(steps, row_steps, sum(len(r) for r in requests), admitted)
+    return Counts(steps, row_steps, sum(len(r) for r in requests), regroup_rows, admitted)
 
 
 def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] | None:
@@ -177,6 +184,8 @@ class Projection:
     batch_size: int
     throughput: dict[str, float]
     ideal: float
+    quality: float | None = None
+    ms_per_token: float | None = None  # the cell's measured wall-clock, for the tables that put them side by side
 
     @property
     def share(self) -> float:
@@ -218,8 +227,10 @@ def project_cells(found: Iterable[tuple[Path, dict[str, Any]]], batches: Sequenc
         depth = depths[cell["task"]["name"]]
         for b in batches:
             throughput, ideal = project(requests, depth, b, cost)
+            per_token = cell["wall_clock"].get("per_token_s")
             rows.append(Projection(cell["task"]["name"], cellmod.series(cell["policy"]), cell["policy"]["threshold"],
-                                   cell["iterations"]["mean"], b, throughput, ideal))
+                                   cell["iterations"]["mean"], b, throughput, ideal, cell["quality"]["value"],
+                                   None if per_token is None else 1e3 * per_token))
     rows.sort(key=lambda p: (p.task, p.batch_size, p.policy != "fixed", p.policy,
                              -math.inf if p.threshold is None else p.threshold))
     return rows, skipped
@@ -260,4 +271,45 @@ def table(rows: Sequence[Projection], cost: CostModel):
         tau = "" if p.threshold is None else (f"r = {p.threshold:g}" if p.policy == "fixed" else f"{p.threshold:g}")
         t.add_row(p.task, p.policy, tau, f"{p.mean_iterations:.2f}", str(p.batch_size),
                   *(f"{p.throughput[s]:.2f}×" for s in SCHEDULERS), f"{p.ideal:.2f}×", f"{p.share:.0%}")
+    return t
+
+
+REPORT_BATCHES = (1, 16, 64)
+
+
+def wide(rows: Sequence[Projection]) -> tuple[list[str], list[list[Any]]]:
+    """One row per cell: quality, mean iterations and measured ms/token beside the projected throughput under
+    continuous depth batching at each batch size and the ideal (what `pareto --cost serving` and the report
+    show)."""
+    batches = sorted({p.batch_size for p in rows})
+    by_cell: dict[tuple, dict[int, Projection]] = {}
+    for p in rows:
+        by_cell.setdefault((p.task, p.policy, p.threshold), {})[p.batch_size] = p
+    headers = ["task", "policy", "τ", "quality", "mean iters", "ms/token",
+               *(f"batch {b}" for b in batches), "ideal"]
+    body = []
+    for (task, policy, threshold), at in by_cell.items():
+        first = next(iter(at.values()))
+        body.append([task, policy, threshold, first.quality, first.mean_iterations, first.ms_per_token,
+                     *(at[b].throughput["continuous"] if b in at else None for b in batches), first.ideal])
+    return headers, body
+
+
+def projected_table(cell_list: Sequence[dict[str, Any]]):
+    """`wide` as a rich table, at the report's batch sizes under the default cost model."""
+    from rich.table import Table
+
+    cost = load_cost()
+    rows, skipped = project_cells([(None, c) for c in cell_list], REPORT_BATCHES, cost)
+    if not rows:
+        return f"no cell has per-token exits recorded ({len(skipped)} written before schedules): no serving projection"
+    headers, body = wide(rows)
+    t = Table(title="projected decode throughput under continuous depth batching, relative to full depth",
+              caption=f"{cost.describe()}; `exitbench serve-sim` gives static batching and the share of the ideal",
+              caption_justify="left")
+    for i, h in enumerate(headers):
+        t.add_column(h, justify="left" if i < 2 else "right")
+    for row in body:
+        t.add_row(*("" if v is None else f"{v:.2f}×" if i >= 6 else f"{v:.4g}" if isinstance(v, float) else str(v)
+                    for i, v in enumerate(row)))
     return t

@@ -17,7 +17,8 @@ ParetoFormatOpt = typer.Option("rich", "--format", help="rich, md, csv or json."
 TableOpt = typer.Option(None, "--table", help="frontier or matched: one table only (csv always prints one; default "
                         "frontier).")
 PlotOpt = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.png|svg.")
-CostOpt = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")
+CostOpt = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops; or serving: "
+                       "also the decode throughput projected from each cell's exit schedule (serve-sim).")
 
 
 @app.command()
@@ -46,6 +47,9 @@ def pareto(directories: list[Path] = DirectoriesArg, fmt: str = ParetoFormatOpt,
         console.print(t)
     for note in notes.notes(cell_list, rep, notes.PARETO):
         say(str(note))
+    if cost == "serving":  # beside iterations and wall-clock: what the frontier's points buy a server
+        from ..analysis.serving import projected_table
+        console.print(projected_table(cell_list))
     published = published_rows(cell_list)
     if published and fmt == "rich":
         console.print(tables.published_table(published))

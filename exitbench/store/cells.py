@@ -12,7 +12,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
                summed over loop groups), per_group_mean [one mean per loop group]; attention_token_steps and
                mlp_token_steps: the iterations each token's attention layers and its MLPs ran, summed over
                tokens and loop groups (IBM vLLM-Hook's cost axes; they differ under exit mode freeze; absent
-               from cells written before them)
+               from cells written before them); schedule: per request, in the order the run took them, each token's
+               iterations (what serve-sim replays; absent from cells written before it)
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
