@@ -7,7 +7,7 @@
    and batch sizes (1, 4, 16, 64), and under two exit rules (second_order τ=1, kl τ=0.01) at batch sizes 16 and
    64, every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
    machine's speed hits them alike). For each run the simulation (exitbench/analysis/serving.py) counts, from
-   the engine's recorded per-token iterations, the loop steps, rows × steps, tokens, rows regrouped and requests
+   the engine's recorded per-token iterations, the loop steps, rows × steps, tokens, changes of the tokens in flight and requests
    of continuous depth batching (the engine's own scheduler); a non-negative least-squares fit of the measured
    seconds on those five counts gives the cost model (`--out`, what `exitbench serve-sim --cost` reads).
    Generation stops after exactly `--tokens` tokens (no stop token), so the counts are the run's own.
@@ -66,7 +66,7 @@ def timed(engine: ExitEngine, ids, tokens: int, batch: int, device: str):
 
 
 def counts_row(c: serving.Counts) -> list[float]:
-    return [c.steps, c.row_steps, c.tokens, c.regroup_rows, c.requests]
+    return [c.steps, c.row_steps, c.tokens, c.regroups, c.requests]
 
 
 def main() -> None:
@@ -136,7 +136,9 @@ def main() -> None:
                   "fit_relative_error": {f"{run[0][0]} {run[0][1]} batch={run[1]}": round(e, 4)
                                          for run, e in zip(fit_runs, fit_error)}}
     serving.save_cost(args.out, cost, **provenance)
-    figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS},
+    raw = [{"run": f"{run[0][0]} {run[0][1]} batch={run[1]}", "seconds": seconds[run],
+            "counts": counts_row(serving.simulate(schedules[run], run[1], "continuous"))} for run in runs]
+    figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS}, "runs": raw,
                "full_depth_s": full_s, "checks": checks}
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -23,13 +23,13 @@ STEPS_ONLY = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=0.0, pr
 def test_counts_by_hand():
     # rows: A = tokens of 2 and 4 iterations, B = one token of 3. Continuous: 2 steps with both rows, then B's
     # last step beside A's second token, then A alone for 3. Static: max(2, 3) steps with both, then A's 4 alone.
-    # Regroups: continuous changes its tokens three times (2 rows, 2 rows, then A alone), static twice.
-    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, regroup_rows=5,
+    # Regroups: continuous changes its tokens in flight three times, static twice.
+    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, regroups=3,
                                                               requests=2)
-    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, regroup_rows=3,
+    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, regroups=2,
                                                           requests=2)
     # full depth: every token at 16, the rows in lockstep (16 + 16 steps for A, B alongside for the first 16)
-    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, regroup_rows=3,
+    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, regroups=2,
                                                             requests=2)
 
 
@@ -37,7 +37,7 @@ def test_a_freed_row_takes_the_next_request_at_once():
     # one row: requests run back to back, so steps are the tokens' iterations summed, whatever the scheduler
     reqs = [[3, 1], [5], [], [2, 2, 2]]
     for s in ("static", "continuous"):
-        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, regroup_rows=6, requests=4)
+        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, regroups=6, requests=4)
     # two rows: the empty request costs its admission only and the row goes straight on to the next one
     assert simulate([[4], [], [1], [1]], 2, "continuous").steps == 4
 

@@ -15,8 +15,8 @@ so the schedulers differ only in what they do with a token's early exit, and at 
 
 A loop step costs `fixed_s + row_s × rows in it` (a step's launch and host work, and each row's arithmetic), a
 token `token_s` once (its readout, sampling, joining and leaving the loop), each change of the tokens in flight
-`regroup_s` per row in flight (where each token reads its keys is worked out again: exits change it every few
-steps, full depth once per token) and admitting a request `prefill_s`: the `CostModel`, fitted from the engine's own timings by
+`regroup_s` (where each token reads its keys is worked out again: exits change it every few steps, full depth
+once per token) and admitting a request `prefill_s`: the `CostModel`, fitted from the engine's own timings by
 bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
 on how many requests it had; the ideal is the iteration ratio (full depth ÷ mean iterations), what a step whose
 cost were all per row would give.
@@ -41,8 +41,8 @@ COST_FIELDS = ("fixed_s", "row_s", "token_s", "regroup_s", "prefill_s")
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`), per row in flight
-    when the tokens in flight change (`regroup_s`) and per request admitted (`prefill_s`)."""
+    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`), per change of the
+    tokens in flight (`regroup_s`) and per request admitted (`prefill_s`)."""
 
     fixed_s: float
     row_s: float
@@ -53,11 +53,11 @@ class CostModel:
 
     def seconds(self, counts: "Counts") -> float:
         return (self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.token_s * counts.tokens
-                + self.regroup_s * counts.regroup_rows + self.prefill_s * counts.requests)
+                + self.regroup_s * counts.regroups + self.prefill_s * counts.requests)
 
     def describe(self) -> str:
         return (f"cost model {self.source}: a loop step {1e6 * self.fixed_s:.1f} µs + {1e6 * self.row_s:.2f} µs "
-                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.regroup_s:.0f} µs per row when the "
+                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.regroup_s:.0f} µs each time the "
                 f"tokens in flight change, {1e6 * self.prefill_s:.0f} µs per request admitted")
 
 
@@ -95,13 +95,13 @@ def save_cost(path: Path, cost: CostModel, **provenance: Any) -> None:
 
 @dataclass(frozen=True)
 class Counts:
-    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, rows in flight summed
-    over the changes of the tokens in flight, requests admitted."""
+    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, changes of the tokens in
+    flight, requests admitted."""
 
     steps: int
     row_steps: int
     tokens: int
-    regroup_rows: int
+    regroups: int
     requests: int
 
 
@@ -117,7 +117,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         raise ValueError("the full-depth scheduler needs the depth")
     lockstep = scheduler == "static"
     queue = iter([[depth if depth is not None else k for k in r] for r in requests])
-    steps = row_steps = regroup_rows = admitted = 0
+    steps = row_steps = regroups = admitted = 0
     rows: list[list[int]] = []  # each row: its request's remaining tokens' iterations, the current one first
 
     def admit() -> list[int] | None:
@@ -135,7 +135,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         rows.append(row)
     while rows:
         n = max(r[0] for r in rows) if lockstep else min(r[0] for r in rows)
-        regroup_rows += len(rows)  # the tokens in flight are new since the last segment: where each reads
+        regroups += 1  # the tokens in flight changed since the last segment: where each reads is worked out
         steps += n
         row_steps += n * len(rows)
         kept = []
@@ -147,7 +147,7 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
             if row is not None:
                 kept.append(row)
         rows = kept
-    return Counts(steps, row_steps, sum(len(r) for r in requests), regroup_rows, admitted)
+    return Counts(steps, row_steps, sum(len(r) for r in requests), regroups, admitted)
 
 
 def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] | None:
