@@ -104,7 +104,9 @@ def test_a_cell_records_its_schedule_in_request_order():
     def request(*steps):
         return cells.request_stats([TokenRecord(i, [k], {"core": 1e-3, "probe": 0.0}, {"total": 1.0, "probe": 0.0})
                                     for i, k in enumerate(steps)], 0.01)
-    assert cells.summarize([request(3, 5), request(16)])["iterations"]["schedule"] == [[3, 5], [16]]
+    cell = {"iterations": cells.summarize([request(3, 5), request(16)])["iterations"]}
+    assert cell["iterations"]["schedule"] == "3,5;16"
+    assert serving.schedule(cell) == [[3, 5], [16]]
 
 
 def with_schedule(cell):
@@ -112,7 +114,7 @@ def with_schedule(cell):
     its = [int(k) for k, n in sorted(cell["iterations"]["histogram"].items(), key=lambda kv: int(kv[0]))
            for _ in range(n)]
     random.Random(0).shuffle(its)
-    cell["iterations"]["schedule"] = [its[i:i + 2] for i in range(0, len(its), 2)]
+    cell["iterations"]["schedule"] = ";".join(",".join(map(str, its[i:i + 2])) for i in range(0, len(its), 2))
 
 
 def test_serve_sim_command(tmp_path):

@@ -154,8 +154,8 @@ def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] 
     """The cell's per-request token iterations: the cell's own record, else its samples file's exit steps (each
     token's steps summed over loop groups), else None."""
     recorded = cell["iterations"].get("schedule")
-    if recorded is not None:
-        return recorded
+    if recorded is not None:  # "5,6;16,3": requests by ";", tokens by "," (store/cells.py)
+        return [[int(k) for k in r.split(",") if k] for r in recorded.split(";")] if recorded else []
     if path is None or not cell.get("samples") or not samples_path(path).exists():
         return None
     out = []

@@ -13,7 +13,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
                mlp_token_steps: the iterations each token's attention layers and its MLPs ran, summed over
                tokens and loop groups (IBM vLLM-Hook's cost axes; they differ under exit mode freeze; absent
                from cells written before them); schedule: per request, in the order the run took them, each token's
-               iterations (what serve-sim replays; absent from cells written before it)
+               iterations, as text: requests by ";", tokens by "," (what serve-sim replays; absent from cells
+               written before it)
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
@@ -207,8 +208,9 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
             "tokens": tokens, "requests": len(stats), "per_group_mean": per_group,
             **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")},
-            # each request's tokens' iterations, in order: what a serving simulation replays (analysis/serving.py)
-            "schedule": [list(s["iterations"]) for s in stats]},
+            # each request's tokens' iterations, in order: what a serving simulation replays (analysis/serving.py);
+            # as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists indents to a line a token
+            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in stats)},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,
