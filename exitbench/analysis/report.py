@@ -342,6 +342,7 @@ def build(directory: Path, docs: int = 3, on_skip: Callable[[list[Path]], None] 
         sections.append(("published", "Published vs measured", published_parts(published)))
     sections.append(("frontiers", "Frontiers", frontier_parts(cell_list, grouped)))
     sections.append(("matched", "Matched quality", matched_parts(rep)))
+    sections.append(("serving", "Projected serving throughput", serving_parts(found)))
     hists, maps = per_task_parts(grouped, names, rep, paths, docs)
     sections.append(("histograms", "Iterations per token", [
         f"<p>Each policy at its operating point: its cheapest cell within {100 * MATCHED_TOLERANCE:g}% of full "
@@ -408,6 +409,25 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
               + (f'<p class="note">{html.escape(deeper_said(entry))}</p>' if deeper_said(entry) else "")
               + matched_table(entry) for group, entry in rep.items()]
     return [intro, *tables]
+
+
+def serving_parts(found: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """Each cell's decode throughput under continuous depth batching, replayed from its exit schedule
+    (analysis/serving.py), beside its iterations and wall-clock; a line saying why where no cell has one."""
+    from . import serving
+
+    cost = serving.load_cost()
+    rows, _ = serving.project_cells(found, serving.REPORT_BATCHES, cost)
+    if not rows:
+        return ['<p class="note">No cell here recorded its per-token exit schedule (cells written before '
+                "serve-sim); rerun the sweep into a new --out to project its serving throughput.</p>"]
+    headers, body = serving.wide(rows)
+    intro = ("<p>Decode throughput relative to full depth when a server runs these requests with continuous depth "
+             "batching (a row whose token exits moves to its next token at once), simulated from each cell's "
+             "recorded per-token exits at each batch size; the ideal is the iteration ratio. "
+             f"{html.escape(cost.describe())}. <code>exitbench serve-sim</code> adds static batching.</p>")
+    speed = {i: (lambda v: f"{v:.2f}×") for i in range(6, len(headers))}
+    return [intro, table(headers, body, numeric=set(range(2, len(headers))), shown=speed)]
 
 
 def per_task_parts(grouped: list[tuple[frontier.Group, list[frontier.Point]]], names: dict[frontier.Group, str],

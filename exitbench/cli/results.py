@@ -1,5 +1,5 @@
 """Reading result cells: `pareto` (frontiers and matched quality), `report` (one HTML page), `check` (the
-regression gate) and `export` (a tidy table)."""
+regression gate), `serve-sim` (projected serving throughput) and `export` (a tidy table)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,8 @@ ParetoFormatOpt = typer.Option("rich", "--format", help="rich, md, csv or json."
 TableOpt = typer.Option(None, "--table", help="frontier or matched: one table only (csv always prints one; default "
                         "frontier).")
 PlotOpt = typer.Option(None, "--plot", help="Also draw quality vs cost to FILE.png|svg.")
-CostOpt = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops.")
+CostOpt = typer.Option("iterations", help="Cost axis of the plot: iterations, wall_clock, flops; or serving: "
+                       "also the decode throughput projected from each cell's exit schedule (serve-sim).")
 
 
 @command()
@@ -45,6 +46,9 @@ def pareto(directories: list[Path] = DirectoriesArg, fmt: str = ParetoFormatOpt,
         console.print(t)
     for note in notes.notes(cell_list, rep, notes.PARETO):
         say(str(note))
+    if cost == "serving":  # beside iterations and wall-clock: what the frontier's points buy a server
+        from ..analysis.serving import projected_table
+        console.print(projected_table(cell_list))
     published = published_rows(cell_list)
     if published and fmt == "rich":
         console.print(tables.published_table(published))
@@ -137,6 +141,36 @@ def check(run_dir: Path = RunArg, baseline: Path = BaselineOpt, quality_tol: flo
         raise typer.Exit(1)
     console.print(f"no regression: {run_dir} matches {baseline} within the tolerances; {verdict.summary()}",
                   highlight=False)
+
+
+BatchesOpt = typer.Option("1,8,64", "--batch-size", help="Rows of the simulated server, comma-separated.")
+CostFileOpt = typer.Option(None, "--cost", help="A cost file from bench/serving_cost.py [the one fitted on the "
+                           "project's CPU machine].")
+SimFormatOpt = typer.Option("rich", "--format", help="rich or json.")
+
+
+@app.command("serve-sim")
+@one_line_errors
+def serve_sim(directories: list[Path] = DirectoriesArg, batch_size: str = BatchesOpt,
+              cost_file: Optional[Path] = CostFileOpt, fmt: str = SimFormatOpt, model: Optional[str] = ModelOpt):
+    """Decode throughput relative to full depth under static and continuous depth batching, simulated from each
+    cell's recorded exit schedule."""
+    from ..analysis import serving
+    from ..store.loading import load_paths
+
+    if fmt not in ("rich", "json"):
+        raise ExitbenchError(f"--format must be rich or json, got {fmt!r}")
+    batches, cost = serving.parse_batches(batch_size), serving.load_cost(cost_file)
+    rows, skipped = serving.project_cells(load_paths(directories, on_skip=skip_note, model=model), batches, cost)
+    for note in skipped:
+        say(f"skipped {note}")
+    if not rows:
+        raise ExitbenchError(f"no cell under {', '.join(map(str, directories))} has per-token exits recorded; "
+                             "rerun the sweep into a new --out")
+    if fmt == "json":
+        print(serving.as_json(rows))
+    else:
+        console.print(serving.table(rows, cost))
 
 
 ExportFormatOpt = typer.Option("csv", "--format", help="csv or json.")

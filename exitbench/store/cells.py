@@ -12,7 +12,9 @@ Schema `exitbench.cell` version 2 (documented in the README):
                summed over loop groups), per_group_mean [one mean per loop group]; attention_token_steps and
                mlp_token_steps: the iterations each token's attention layers and its MLPs ran, summed over
                tokens and loop groups (IBM vLLM-Hook's cost axes; they differ under exit mode freeze; absent
-               from cells written before them)
+               from cells written before them); schedule: per request, in the order the run took them, each token's
+               iterations, as text: requests by ";", tokens by "," (what serve-sim replays; absent from cells
+               written before it)
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
@@ -205,7 +207,10 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
             "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
             "tokens": tokens, "requests": len(stats), "per_group_mean": per_group,
-            **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")}},
+            **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")},
+            # each request's tokens' iterations, in order: what a serving simulation replays (analysis/serving.py);
+            # as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists indents to a line a token
+            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in stats)},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,
@@ -228,7 +233,8 @@ def attach_exits(samples: list[dict[str, Any]], stats: list[dict[str, Any]]) -> 
         by_doc.setdefault(s["doc_id"], []).append(s)
     for sample in samples:
         doc = by_doc.get(sample.get("doc_id"), [])
-        sample["exitbench"] = {"requests": len(doc), **summarize(doc)["iterations"],
+        its = {k: v for k, v in summarize(doc)["iterations"].items() if k != "schedule"}  # exit_steps says it
+        sample["exitbench"] = {"requests": len(doc), **its,
                                **{k: [e for s in doc for e in s.get(k, [])]
                                   for k in ("exit_steps", "token_text", "logprobs", "greedy")}}
 

@@ -91,6 +91,9 @@ class IterationsPart(_Part):
     # Cells written before the counters existed have none.
     attention_token_steps: Optional[int] = None
     mlp_token_steps: Optional[int] = None
+    # Per request, in the order the run took them, each token's iterations (summed over loop groups), as text
+    # ("5,6;16,3"): the exit schedule `serve-sim` replays. Cells written before it have none.
+    schedule: Optional[str] = None
 
 
 class RepeatsPart(_Part):

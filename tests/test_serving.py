@@ -1,0 +1,141 @@
+"""serve-sim (exitbench/analysis/serving.py): the discrete-event replay of recorded exit schedules, its cost file,
+its refusals, and the command on copies of committed cells given schedules."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from exitbench.analysis import serving
+from exitbench.analysis.serving import CostModel, Counts, simulate
+from exitbench.cli import app
+from exitbench.errors import ExitbenchError
+from exitbench.store import cells
+
+from helpers.cells import baseline_cells, copy_cells
+
+COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=5e-5, prefill_s=1e-3)
+STEPS_ONLY = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=0.0, prefill_s=1e-3)
+
+
+def test_counts_by_hand():
+    # rows: A = tokens of 2 and 4 iterations, B = one token of 3. Continuous: 2 steps with both rows, then B's
+    # last step beside A's second token, then A alone for 3. Static: max(2, 3) steps with both, then A's 4 alone.
+    # Regroups: continuous changes its tokens in flight three times, static twice.
+    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, regroups=3,
+                                                              requests=2)
+    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, regroups=2,
+                                                          requests=2)
+    # full depth: every token at 16, the rows in lockstep (16 + 16 steps for A, B alongside for the first 16)
+    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, regroups=2,
+                                                            requests=2)
+
+
+def test_a_freed_row_takes_the_next_request_at_once():
+    # one row: requests run back to back, so steps are the tokens' iterations summed, whatever the scheduler
+    reqs = [[3, 1], [5], [], [2, 2, 2]]
+    for s in ("static", "continuous"):
+        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, regroups=6, requests=4)
+    # two rows: the empty request costs its admission only and the row goes straight on to the next one
+    assert simulate([[4], [], [1], [1]], 2, "continuous").steps == 4
+
+
+def random_schedules(seed: int, requests: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(1, 16) for _ in range(rng.randint(1, 6))] for _ in range(requests)]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 64])
+def test_full_depth_is_one_and_exits_are_bounded(batch):
+    # Without a regroup cost continuous batching never loses to static; with one it may (it regroups its rows
+    # at every exit, static once per batch step): what the engine's measured cost says decides.
+    for seed in range(5):
+        reqs = random_schedules(seed)
+        throughput, ideal = serving.project(reqs, 16, batch, STEPS_ONLY)
+        assert throughput["full"] == 1.0
+        assert throughput["continuous"] >= throughput["static"] >= 1.0
+        if batch == 1:  # one row: static is continuous, and per-token and per-request costs keep it below ideal
+            assert throughput["continuous"] == throughput["static"] < ideal
+        at_full, _ = serving.project([[16] * len(r) for r in reqs], 16, batch, COST)
+        regrouped, _ = serving.project(reqs, 16, batch, COST)
+        assert regrouped["continuous"] < throughput["continuous"]
+        assert at_full == {"full": 1.0, "static": 1.0, "continuous": 1.0}
+
+
+def test_all_cost_per_row_reaches_the_iteration_ratio_at_batch_one():
+    reqs = random_schedules(7)
+    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0))
+    assert throughput["continuous"] == pytest.approx(ideal, rel=1e-12)  # float rounding only
+
+
+def test_cost_file_round_trip_and_refusals(tmp_path):
+    good = tmp_path / "cost.json"
+    serving.save_cost(good, COST, device="cpu", model="tiny-raven", date="2026-12-05")
+    loaded = serving.load_cost(good)
+    assert (loaded.fixed_s, loaded.row_s, loaded.token_s, loaded.regroup_s, loaded.prefill_s) == \
+        (3e-4, 2e-5, 1e-4, 5e-5, 1e-3)
+    assert "tiny-raven" in loaded.source
+    assert serving.load_cost().fixed_s > 0  # the shipped default reads
+    bad = tmp_path / "bad.json"
+    for text, says in [("{", "not a readable cost file"), ('{"schema": "x"}', "not a serving cost file"),
+                       (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": -1, "row_s": 0, "token_s": 0,
+                                    "regroup_s": 0, "prefill_s": 0}), "fixed_s must be")]:
+        bad.write_text(text)
+        with pytest.raises(ExitbenchError, match=says):
+            serving.load_cost(bad)
+    with pytest.raises(ExitbenchError, match="not a readable cost file"):
+        serving.load_cost(tmp_path / "missing.json")
+
+
+def test_batch_sizes_parse_or_say_what_is_wrong():
+    assert serving.parse_batches("1, 16,64") == [1, 16, 64]
+    for text, says in [("0", "≥ 1, got 0"), ("1,x", "got 'x'"), ("-3", "≥ 1")]:
+        with pytest.raises(ExitbenchError, match=says):
+            serving.parse_batches(text)
+    with pytest.raises(ExitbenchError, match="≥ 1"):
+        simulate([[1]], 0, "continuous")
+
+
+def test_a_cell_records_its_schedule_in_request_order():
+    from exitbench.engine.records import TokenRecord
+
+    def request(*steps):
+        return cells.request_stats([TokenRecord(i, [k], {"core": 1e-3, "probe": 0.0}, {"total": 1.0, "probe": 0.0})
+                                    for i, k in enumerate(steps)], 0.01)
+    cell = {"iterations": cells.summarize([request(3, 5), request(16)])["iterations"]}
+    assert cell["iterations"]["schedule"] == "3,5;16"
+    assert serving.schedule(cell) == [[3, 5], [16]]
+
+
+def with_schedule(cell):
+    """Give a committed cell a schedule that matches its histogram: its tokens' iterations, two per request."""
+    its = [int(k) for k, n in sorted(cell["iterations"]["histogram"].items(), key=lambda kv: int(kv[0]))
+           for _ in range(n)]
+    random.Random(0).shuffle(its)
+    cell["iterations"]["schedule"] = ";".join(",".join(map(str, its[i:i + 2])) for i in range(0, len(its), 2))
+
+
+def test_serve_sim_command(tmp_path):
+    paths = baseline_cells("chains_mc", ("fixed", "kl"))
+    d = copy_cells(tmp_path / "run", paths[:-1], change=with_schedule)
+    copy_cells(d, paths[-1:])  # one cell as written before schedules: skipped with a note
+    cost = tmp_path / "cost.json"
+    serving.save_cost(cost, STEPS_ONLY, device="cpu", model="tiny-raven", date="2026-12-05")
+    res = CliRunner().invoke(app, ["serve-sim", str(d), "--batch-size", "1,16", "--format", "json", "--cost",
+                                   str(cost)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout[res.stdout.index("["):])
+    assert len(rows) == 2 * (len(paths) - 1)
+    assert "skipped" in res.output and "no per-token exits recorded" in res.output
+    full = max(r["threshold"] for r in rows if r["policy"] == "fixed")
+    for r in rows:
+        t = r["throughput"]
+        if r["policy"] == "fixed" and r["threshold"] == full:
+            assert t == {"full": 1.0, "static": 1.0, "continuous": 1.0}
+        assert t["static"] <= t["continuous"] <= r["ideal"] + 1e-9
+    res = CliRunner().invoke(app, ["serve-sim", str(d), "--batch-size", "0"])
+    assert res.exit_code == 2 and "--batch-size must be ≥ 1" in res.output
+    res = CliRunner().invoke(app, ["serve-sim", str(d), "--cost", str(tmp_path / "none.json")])
+    assert res.exit_code == 2 and "not a readable cost file" in res.output
