@@ -26,16 +26,15 @@ class VllmLoopedLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         mc = vllm_config.model_config
-        raw = getattr(mc.hf_config, "exitbench_exit", None) or {"policy": "fixed"}
-        self.exit_config = ExitConfig.from_dict(dict(raw), what="hf_overrides exitbench_exit key")
         dtype = str(mc.dtype).removeprefix("torch.")
         self.looped = open_checkpoint(mc.model, dtype=dtype, device="cpu").model
-        self.run = ExitForward(self.looped, self.exit_config)
+        self.configure(getattr(mc.hf_config, "exitbench_exit", None) or {"policy": "fixed"})
         c = self.looped.config
         heads_kv, head_dim = self.looped.cache_geometry()
-        # slot n of the KV caches: (layer, iteration) pairs, every loop iteration the rule can reach
+        # slot n of the KV caches: (layer, iteration) pairs, every iteration the checkpoint allows, so that any
+        # rule (max_steps up to the checkpoint's maximum) runs on one started engine
         self.slot: dict[tuple[int, int], int] = {}
-        for layer, n in self.looped.cache_slots([self.run.K]).items():
+        for layer, n in self.looped.cache_slots().items():
             for i in range(n):
                 self.slot[(layer, i)] = len(self.slot)
         self.attention = nn.ModuleList(
@@ -44,6 +43,11 @@ class VllmLoopedLM(nn.Module):
             for n in range(len(self.slot)))
         self.bridge = Bridge(self._attend)
         self.vocab = mc.get_vocab_size()
+
+    def configure(self, exit_config: dict) -> None:
+        """The rule (ExitConfig's fields) every later forward runs; refused in one line where not servable."""
+        self.exit_config = ExitConfig.from_dict(dict(exit_config), what="exitbench_exit key")
+        self.run = ExitForward(self.looped, self.exit_config)
 
     def _attend(self, layer: int, iteration: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention[self.slot[(layer, iteration)]](q.contiguous(), k.contiguous(), v.contiguous())
