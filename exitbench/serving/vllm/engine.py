@@ -9,6 +9,7 @@ Prefix caching and chunked prefill are off: the model must see each prompt whole
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Sequence
 
 from ...engine.config import ExitConfig
@@ -44,7 +45,20 @@ def started_llm(ck: Checkpoint, rows: int):
                             max_num_batched_tokens=max(2048, ck.model.config.block_size * rows),
                             enable_prefix_caching=False, enable_chunked_prefill=False, seed=0,
                             hf_overrides={"exitbench_exit": {"policy": "fixed"}})
+        # vLLM's first request pays one-off costs (seconds on a CPU) that would land in the first cell's clock
+        _, SamplingParams = import_vllm()
+        _STARTED[key].generate([{"prompt_token_ids": [0, 0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        LEDGER.collect()
     return _STARTED[key]
+
+
+def shutdown() -> None:
+    """Stop the started vLLMs while their process group still stands (vLLM's own exit hook takes it down;
+    after exitbench's `finish_distributed` had, it would fail at exit)."""
+    import gc
+
+    _STARTED.clear()
+    gc.collect()
 
 
 class VllmEngine:
@@ -75,8 +89,18 @@ class VllmEngine:
         LEDGER.collect()  # (anything a failed earlier call left)
         for prompt, first in zip(prompts, first_exits or []):
             LEDGER.expect(prompt, first)
+        t0 = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        self.elapsed = time.perf_counter() - t0
         return outputs, LEDGER.collect()
+
+    def _timed(self, results: list[SequenceResult]) -> list[SequenceResult]:
+        """Each token's share of the call's wall-clock (phase "vllm": vLLM runs prompts, loops and probes in one
+        step, so a token's time is not split into the hf engine's phases; prefill is in it)."""
+        records = [r for res in results for r in res.records]
+        for r in records:
+            r.time_s = {"vllm": self.elapsed / len(records)}
+        return results
 
     def _record(self, trace: Trace, position: int) -> TokenRecord:
         k = trace.steps[position]
@@ -108,7 +132,7 @@ class VllmEngine:
             results.append(res)
         if on_request is not None:
             on_request(len(results))
-        return results
+        return self._timed(results)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  stop: Callable[[int, list[int]], bool] | None = None, batch_size: int | None = None,
@@ -142,5 +166,5 @@ class VllmEngine:
             results.append(res)
         if on_request is not None:
             on_request(len(results))
-        return results
+        return self._timed(results)
 

@@ -36,7 +36,8 @@ def check_servable(model: LoopedLM, config: ExitConfig) -> None:
     if len(groups) != 1 or groups[0].frozen_step is None:
         raise ExitbenchError(f"the vLLM backend serves models with one loop group that has a freeze step (Raven's "
                              f"layout: tiny-raven, Huginn-0125); this {model.architecture} model has "
-                             f"{len(groups)} loop group(s); use --backend hf")
+                             f"{len(groups)} loop group(s){'' if len(groups) != 1 else ' and no freeze step'}; "
+                             "use --backend hf")
     if config.policy != "fixed" and config.exit_mode not in SERVED_MODES:
         raise ExitbenchError(f"the vLLM backend runs per-token exits in exit mode freeze only (vLLM writes every "
                              f"scheduled token's keys at every iteration), got exit mode "
