@@ -68,3 +68,26 @@ def test_scoring_matches_engine(ck, docs, policy, threshold):
         assert g.logprobs == pytest.approx(w.logprobs, abs=LOGPROB_TOL)
     if policy != "fixed":
         assert any(r.exit_steps[0] < 16 for res in got for r in res.records)
+
+
+def test_run_backend_vllm_matches_hf_cells(tmp_path):
+    """The issue's acceptance: `exitbench run --backend vllm` writes cells keyed "backend": "vllm" whose quality
+    equals the hf backend's and whose mean iterations are within 2% of it, under --exit-mode freeze on both.
+    (Last in the module: the command shuts vLLM down as it ends, process group included, so vllm runs first:
+    the hf command's own teardown would otherwise take down the group vLLM made in this process.)"""
+    from helpers.cli import run_ok
+
+    from exitbench.store.loading import load
+
+    args = ("-c", "tiny-raven", "-p", "second_order", "--thresholds", "1", "--baselines", "16", "--tasks", "chains",
+            "--limit", "16", "--exit-mode", "freeze", "--timing-repeats", "0")
+    found = {}
+    for backend in ("vllm", "hf"):
+        run_ok(*args, "--backend", backend, "--out", str(tmp_path / backend))
+        found[backend] = {c["policy"]["policy"]: c for c in load([tmp_path / backend])}
+    assert set(found["vllm"]) == {"fixed", "second_order"}
+    for policy, cell in found["vllm"].items():
+        hf = found["hf"][policy]
+        assert cell["key"]["backend"] == "vllm" and "backend" not in hf["key"]
+        assert cell["quality"]["value"] == hf["quality"]["value"]
+        assert cell["iterations"]["mean"] == pytest.approx(hf["iterations"]["mean"], rel=0.02)

@@ -55,10 +55,9 @@ def started_llm(ck: Checkpoint, rows: int):
 def shutdown() -> None:
     """Stop the started vLLMs while their process group still stands (vLLM's own exit hook takes it down;
     after exitbench's `finish_distributed` had, it would fail at exit)."""
-    import gc
-
+    for llm in _STARTED.values():
+        llm.llm_engine.engine_core.shutdown()  # (once: it detaches vLLM's own exit hook)
     _STARTED.clear()
-    gc.collect()
 
 
 class VllmEngine:
