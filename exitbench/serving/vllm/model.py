@@ -27,7 +27,8 @@ class VllmLoopedLM(nn.Module):
         super().__init__()
         mc = vllm_config.model_config
         dtype = str(mc.dtype).removeprefix("torch.")
-        self.looped = open_checkpoint(mc.model, dtype=dtype, device="cpu").model
+        device = str(getattr(vllm_config.device_config, "device", None) or "cpu")  # where vLLM runs: cpu, cuda
+        self.looped = open_checkpoint(mc.model, dtype=dtype, device=device).model
         self.configure(getattr(mc.hf_config, "exitbench_exit", None) or {"policy": "fixed"})
         c = self.looped.config
         heads_kv, head_dim = self.looped.cache_geometry()
