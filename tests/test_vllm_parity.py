@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # SDPA and its batches have other shapes, so log-probabilities agree to float32 rounding of a 16-step loop:
 # at most 1.8e-6 apart measured (2026-12-05, fixed, second_order and kl), held to ten times that.
 LOGPROB_TOL = 2e-5
-RULES = [("fixed", 16.0), ("second_order", 1.0), ("second_order", 0.1), ("kl", 1e-3)]
+# fixed depth, the latent rules (step norms, contraction) and the decoding ones (a distribution's change, its
+# confidence and margin), each at a threshold where tiny-raven's tokens exit at many different iterations
+RULES = [("fixed", 16.0), ("second_order", 1.0), ("second_order", 0.1), ("first_order", 1e-3), ("contraction", 0.02),
+         ("kl", 1e-3), ("confidence", 0.9), ("margin", 0.125)]
 
 
 @pytest.fixture(scope="module")
