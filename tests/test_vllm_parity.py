@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 if os.environ.get("EXITBENCH_REQUIRE_VLLM"):  # CI: a missing vLLM fails, never skips
     import vllm  # noqa: F401
@@ -76,6 +77,42 @@ def test_scoring_matches_engine(ck, docs, policy, threshold):
         assert g.logprobs == pytest.approx(w.logprobs, abs=LOGPROB_TOL)
     if policy != "fixed":
         assert any(r.exit_steps[0] < 16 for res in got for r in res.records)
+
+
+@pytest.fixture(scope="module")
+def sandwich(tmp_path_factory):
+    """A random checkpoint in Huginn-0125's layout (2 prelude, 4 core, 2 coda layers, sandwich blocks, qk bias,
+    noise-initialised state), small: the plugin's prelude and coda attention, which tiny-raven has none of.
+    Head size 32: vLLM's CPU attention takes no smaller."""
+    from helpers.models import make_tiny_raven, make_tiny_tokenizer
+
+    from exitbench.models.checkpoint import save_checkpoint
+
+    path = tmp_path_factory.mktemp("vllm") / "sandwich"
+    model = make_tiny_raven(n_embd=64, n_heads=2, intermediate_size=128, init_scale=1.0, mean_recurrence=4,
+                            max_recurrence=8)
+    save_checkpoint(model, path, make_tiny_tokenizer())
+    return open_checkpoint(path, dtype="float32")
+
+
+# latent rules only: a decoding rule's probe on a model with a coda is refused (tests/test_vllm_refusals.py)
+@pytest.mark.parametrize("policy,threshold", [("fixed", 8.0), ("second_order", 3.0), ("first_order", 3.0)])
+def test_prelude_and_coda_match_engine(sandwich, policy, threshold):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    cfg = ExitConfig(policy, threshold=threshold, **({} if policy == "fixed" else {"max_steps": 8,
+                                                                                   "exit_mode": "freeze"}))
+    vllm_engine = VllmEngine(sandwich, cfg, rows=16)
+    pairs = [(ExitEngine(sandwich.model, cfg).generate(prompts, 16, batch_size=2), vllm_engine.generate(prompts, 16)),
+             (ExitEngine(sandwich.model, cfg).score([(p + p, len(p)) for p in prompts], batch_size=2),
+              vllm_engine.score([(p + p, len(p)) for p in prompts]))]
+    for want, got in pairs:
+        for w, v in zip(want, got):
+            assert v.tokens == w.tokens
+            assert [r.exit_steps for r in v.records] == [r.exit_steps for r in w.records]
+            assert v.logprobs == pytest.approx(w.logprobs, abs=LOGPROB_TOL)
+    if policy != "fixed":
+        assert len({r.exit_steps[0] for res in pairs[0][1] for r in res.records}) > 1
 
 
 def test_run_backend_vllm_matches_hf_cells(tmp_path):

@@ -60,3 +60,13 @@ def test_plugin_refuses_architectures_it_does_not_serve():
     with pytest.raises(ExitbenchError, match="vLLM backend serves models with one loop group") as err:
         check_servable(gpt2, ExitConfig("second_order", threshold=1.0, exit_mode="freeze"))
     assert "--backend hf" in str(err.value)
+
+
+def test_plugin_refuses_a_decoding_rule_whose_readout_attends():
+    from helpers.models import make_tiny_raven
+
+    huginn_layout = make_tiny_raven()  # 2 prelude, 4 core, 2 coda layers: the readout runs the coda's attention
+    check_servable(huginn_layout, ExitConfig("second_order", threshold=1.0, exit_mode="freeze"))
+    with pytest.raises(ExitbenchError, match="coda") as err:
+        check_servable(huginn_layout, ExitConfig("kl", threshold=1e-3, exit_mode="freeze"))
+    assert "\n" not in str(err.value) and "--backend hf" in str(err.value)
