@@ -45,9 +45,11 @@ def started_llm(ck: Checkpoint, rows: int):
                             max_num_batched_tokens=max(2048, ck.model.config.block_size * rows),
                             enable_prefix_caching=False, enable_chunked_prefill=False, seed=0,
                             hf_overrides={"exitbench_exit": {"policy": "fixed"}})
-        # vLLM's first request pays one-off costs (seconds on a CPU) that would land in the first cell's clock
+        # vLLM's first requests pay one-off costs (seconds on a CPU: its kernels' first calls at each shape) that
+        # would land in the first cell's clock: a full batch of long prompts first
         _, SamplingParams = import_vllm()
-        _STARTED[key].generate([{"prompt_token_ids": [0, 0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        warm = [{"prompt_token_ids": [0] * min(128, ck.model.config.block_size - 2)}] * rows
+        _STARTED[key].generate(warm, SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False)
         LEDGER.collect()
     return _STARTED[key]
 
