@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 
-COLUMNS = ["cell_id", "mode", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
+COLUMNS = ["cell_id", "mode", "backend", "model", "fingerprint", "architecture", "dtype", "task", "n_shot", "limit",
            "metric", "quality", "stderr", "higher_is_better", "policy", "series", "threshold", "exit_mode",
            "min_steps", "max_steps", "patience", "relative", "kv_window", "mean_iterations", "p90_iterations",
            "ms_per_token", "wall_clock_estimated", "wall_clock_basis", "time_ratio", "time_spread", "timing_repeats",
@@ -33,6 +33,8 @@ def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) ->
     speed = {k: v for k, v in estimate(cell, full).to_dict().items() if k != "timing_repeats"}
     return {
         "cell_id": cell["cell_id"], "mode": cell.get("mode", "exact"),
+        # the engine that ran it: hf (exitbench's own, and every cell written before vLLM's) or vllm
+        "backend": cell.get("key", {}).get("backend", "hf"),
         "model": cell["model"].get("source") or cell["model"].get("path"), "fingerprint": cell["model"]["fingerprint"],
         "architecture": cell["model"]["architecture"], "dtype": cell["model"]["dtype"],
         "task": cell["task"]["name"], "n_shot": cell["task"].get("n_shot"), "limit": cell["task"].get("limit"),

@@ -37,6 +37,10 @@ def run(options: RunOptions = None, knobs: dict = None, ctx: typer.Context = Non
         raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
     if sweep.rank0:
         show_outcome(sweep, outcome)
+    if cfg.backend == "vllm":
+        from ..serving.vllm.engine import shutdown
+
+        shutdown()
     finish_distributed()
 
 

@@ -22,6 +22,8 @@ from ..policies import REGISTRY, check_policy_name
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least
 
+BACKENDS = ("hf", "vllm")  # --backend: exitbench's own engine, or its rules inside vLLM (exitbench.serving.vllm)
+
 
 def option(help: str, *flags: str) -> dict[str, Any]:
     """A command-line option's metadata: its help and, where they differ from --field-name, its flags."""
@@ -99,6 +101,9 @@ class RunOptions:
     timing_repeats: int = field(default=retime.DEFAULT_REPEATS, metadata=option(
         "After each cell, time documents drawn across each task again this often beside full depth, "
         "alternately: a paired speed-up with its range (0: none; replay cells never).", "--timing-repeats"))
+    backend: str = field(default="hf", metadata=option(
+        "Which engine runs the cells: hf (exitbench's own) or vllm (its exit rules inside vLLM, exit mode freeze; "
+        "pip install 'exitbench[vllm]', docs/serving.md). A vllm cell says so in its key.", "--backend"))
     memory_check: bool = field(default=True, metadata=option(
         "Refuse, before the first cell, a sweep whose memory plan exceeds the device's free memory.",
         "--memory-check/--no-memory-check"))
@@ -131,6 +136,9 @@ class SweepConfig:
     # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
     # a cell's key: they add numbers to the cell and change none of its others.
     timing_repeats: int = retime.DEFAULT_REPEATS
+    # The engine the cells run on (exitbench.serving.vllm for "vllm"); in the key only when not hf, so the hf
+    # cells keep their ids.
+    backend: str = "hf"
     extra: dict[str, Any] = field(default_factory=dict)
     # Where and how the sweep runs (sweep/run.py): none of these is in a cell's key.
     checkpoint: str | None = None  # directory or embedded name; None: the embedded default
@@ -171,13 +179,19 @@ class SweepConfig:
                                       o.fewshot_as_multiturn, o.gen_kwargs),
                   timing_repeats=o.timing_repeats, checkpoint=o.checkpoint, dtype=o.dtype,
                   allow_nonfinite=o.allow_nonfinite, device=o.device, out=o.out, data_dir=o.data_dir,
-                  include_path=list(o.include_path), compile_step=o.compile_step, memory_check=o.memory_check)
+                  include_path=list(o.include_path), compile_step=o.compile_step, memory_check=o.memory_check,
+                  backend=o.backend)
         cfg.verify_cells = check_mode(cfg, o.verify, o.verify_cells)
         cfg.verify = o.verify or bool(cfg.verify_cells)
         cfg.check_counts()
         return cfg
 
     def check_counts(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ExitbenchError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "vllm" and (self.replay or self.compile_step):
+            raise ExitbenchError("--backend vllm runs cells exactly, in vLLM's own loop: drop --replay and "
+                                 "--compile, or use --backend hf")
         at_least("--batch-size", self.batch_size)
         at_least("--timing-repeats", self.timing_repeats, 0)
         if self.timing_repeats > retime.MAX_REPEATS:  # each repeat reruns an eighth of every task twice
