@@ -149,8 +149,7 @@ CostFileOpt = typer.Option(None, "--cost", help="A cost file from bench/serving_
 SimFormatOpt = typer.Option("rich", "--format", help="rich or json.")
 
 
-@app.command("serve-sim")
-@one_line_errors
+@command("serve-sim")
 def serve_sim(directories: list[Path] = DirectoriesArg, batch_size: str = BatchesOpt,
               cost_file: Optional[Path] = CostFileOpt, fmt: str = SimFormatOpt, model: Optional[str] = ModelOpt):
     """Decode throughput relative to full depth under static and continuous depth batching, simulated from each
