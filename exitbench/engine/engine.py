@@ -465,12 +465,16 @@ class Run:
             if sum(len(o.tokens) for o in self.pending) >= DEFERRED_BATCH:
                 self.finish(self.pending)
                 self.pending = []
+        elif self.teacher_forced:
+            self.finish([out])
         else:
             # Generation: a token's output is its row's next input, so its row waits until it is finished. The
             # waiting tokens are finished together once they are as many as the tokens still looping (or none
             # loops): one coda, head and next-token entry for many, instead of one per step whose exits spread
             # (at batch 16, 60% of a step's ops were those per-exit passes). The same outputs; a row waits a few
-            # steps at most (docs/engine.md, what a step costs).
+            # steps at most (docs/engine.md, what a step costs). Scoring keeps finishing at once: finished later, a
+            # decoding rule's scored log-probabilities moved (depth-major against token-major, contraction on the
+            # Ouro layout, tests/test_depth_major.py), and a scored row's next input is known in advance anyway.
             self.parked.append(out)
             if sum(len(o.tokens) for o in self.parked) >= sum(len(loop) for loop in self.loops):
                 self.finish(self.parked)
