@@ -12,7 +12,7 @@ Schema `exitbench.cell` version 2 (documented in the README):
                summed over loop groups), per_group_mean [one mean per loop group]; attention_token_steps and
                mlp_token_steps: the iterations each token's attention layers and its MLPs ran, summed over
                tokens and loop groups (IBM vLLM-Hook's cost axes; they differ under exit mode freeze; absent
-               from cells written before them); schedule: per request, in the order the run took them, each token's
+               from cells written before them); schedule: per request, in the task's order (document id, then request index), each token's
                iterations, as text: requests by ";", tokens by "," (what serve-sim replays; absent from cells
                written before it)
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
@@ -187,6 +187,12 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
     }
 
 
+def task_order(stats: dict[str, Any]) -> tuple:
+    """A request's place in its task: its document's id (numbers before names), then its own index."""
+    doc = stats.get("doc_id")
+    return (0, doc, "") if isinstance(doc, int) else (1, 0, str(doc)), stats.get("idx") or 0
+
+
 def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The iterations, wall_clock, flops and numerics sections of a cell from per-request stats."""
     its = [k for s in stats for k in s["iterations"]]
@@ -208,9 +214,11 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             "max": max(its) if its else None, "histogram": {str(k): v for k, v in sorted(Counter(its).items())},
             "tokens": tokens, "requests": len(stats), "per_group_mean": per_group,
             **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")},
-            # each request's tokens' iterations, in order: what a serving simulation replays (analysis/serving.py);
-            # as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists indents to a line a token
-            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in stats)},
+            # each request's tokens' iterations, in the task's order (its documents', then their requests'), not
+            # the order a run took them, which torchrun's ranks change: what a serving simulation replays
+            # (analysis/serving.py); as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists
+            # indents to a line a token
+            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in sorted(stats, key=task_order))},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,
