@@ -65,7 +65,7 @@ class AttnContext:
             return table[self.positions]
         key = (id(table), halves)
         if key not in self.rotations:
-            cos, sin = spread_rope(table, halves)
+            cos, sin = spread_rope(table, halves, self.places.length if self.places is not None else None)
             self.rotations[key] = (cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1))
         return self.rotations[key]
 
@@ -108,14 +108,19 @@ def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(between, blended, stretched)
 
 
-def spread_rope(table: torch.Tensor, halves: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A RoPE table (length, pairs, 2) spread over a head's D coordinates: cos (length, 1, D) and sin with the
-    sign each coordinate's rotation gives it, so that rotating x is x·cos + partner(x)·sin, three ops. Made
-    once per table object and kept on it (a model passes the same table every call)."""
+def spread_rope(table: torch.Tensor, halves: bool, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A RoPE table (length, pairs, 2) spread over a head's D coordinates: cos (rows, 1, D) and sin with the
+    sign each coordinate's rotation gives it, so that rotating x is x·cos + partner(x)·sin, three ops. Kept on the
+    table object (a model passes the same table every call), and only as many rows as asked for so far (at least
+    `length`; None: all), grown by doubling: spread over every position of a long context, the two would be
+    twice the table's bytes (Ouro-1.4B's 65,536 positions: 64 MB) for positions a run never reaches."""
     key = "_spread_halves" if halves else "_spread_pairs"
     spread = table.__dict__.get(key)
-    if spread is None:
-        cos, sin = table[..., 0], table[..., 1]
+    want = table.shape[0] if length is None else min(table.shape[0], length)
+    if spread is None or spread[0].shape[0] < want:
+        have = 0 if spread is None else spread[0].shape[0]
+        rows = min(table.shape[0], max(want, 2 * have, 256))
+        cos, sin = table[:rows, :, 0], table[:rows, :, 1]
         if halves:   # coordinate i pairs with i ± D/2: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin)
             spread = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         else:        # coordinate 2i pairs with 2i + 1
@@ -134,7 +139,7 @@ def rope_rows(table: torch.Tensor, halves: bool, start: int, T: int) -> tuple[to
     rows = table.__dict__.setdefault(key, {})
     got = rows.get((start, T))
     if got is None:
-        cos, sin = spread_rope(table, halves)
+        cos, sin = spread_rope(table, halves, start + T)
         got = rows[(start, T)] = (cos[start : start + T], sin[start : start + T])
     return got
 
