@@ -65,7 +65,9 @@ class AttnContext:
             return table[self.positions]
         key = (id(table), halves)
         if key not in self.rotations:
-            cos, sin = spread_rope(table, halves, self.places.length if self.places is not None else None)
+            # as many rows as the tokens' positions reach, where the index says (a caller's own `places`, as
+            # the vLLM bridge's, may not: then every row)
+            cos, sin = spread_rope(table, halves, getattr(self.places, "length", None))
             self.rotations[key] = (cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1))
         return self.rotations[key]
 
