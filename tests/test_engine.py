@@ -105,13 +105,13 @@ def test_batched_score_equals_batch_size_one(noisy_model, requests_16, policy, k
     _check_batched_equals_single(noisy_model, requests_16, policy, knobs)
 
 
-def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, rows=None):
+def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, rows=None, **extra):
     assert len({len(p) for p in prompts}) >= 4
     if policy == "oracle":
         knobs = dict(threshold=1e-2, **knobs)
     else:
         knobs = _batch_knobs(model, [(p + [5, 6, 7], len(p)) for p in prompts], policy, knobs, k)
-    batched = engine(model, policy, max_steps=k, **knobs).generate(prompts, max_new_tokens=4, batch_size=rows)
+    batched = engine(model, policy, max_steps=k, **knobs, **extra).generate(prompts, max_new_tokens=4, batch_size=rows)
     single = [engine(model, policy, max_steps=k, **knobs).generate([p], max_new_tokens=4)[0] for p in prompts]
     exits = [s for r in batched for s in r.iterations]
     assert len(set(exits)) >= 3, exits
@@ -139,6 +139,29 @@ def test_fewer_rows_than_requests_equals_batch_size_one(noisy_model, requests_16
     """Rows that finish a request take the next one (continuous batching): still the answers of one at a time."""
     _check_batched_equals_single(noisy_model, requests_16, policy, knobs, rows=rows)
     _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), policy, knobs, rows=rows)
+
+
+@pytest.mark.parametrize("refill", ["eager", "balanced"])
+def test_every_refill_generates_what_batch_size_one_does(noisy_model, refill):
+    """The default (wave) is checked above; the others finish exited tokens at other steps, with rows reused."""
+    _check_generate_batched_equals_single(noisy_model, mixed_prompts(8), *BATCH_CASES[1], rows=3, refill=refill)
+
+
+def test_refill_decides_how_often_exited_tokens_are_finished(noisy_model, monkeypatch):
+    """wave finishes once per token wave, eager at every step where a token exited: the knob is no name only."""
+    from exitbench.engine.engine import Run
+
+    calls = []
+    finish = Run.finish
+    monkeypatch.setattr(Run, "finish", lambda self, batches: (calls.append(len(batches)), finish(self, batches)))
+    prompts = mixed_prompts(8)
+    knobs = _batch_knobs(noisy_model, [(p + [5, 6, 7], len(p)) for p in prompts], *BATCH_CASES[1], K)
+    counts = {}
+    for refill in ("wave", "balanced", "eager"):
+        calls.clear()
+        engine(noisy_model, "second_order", max_steps=K, refill=refill, **knobs).generate(prompts, max_new_tokens=4)
+        counts[refill] = len(calls)
+    assert counts["wave"] == 4 and counts["wave"] < counts["balanced"] < counts["eager"], counts
 
 
 def test_prefill_exit_and_warm_start_with_rows_reused(noisy_model, requests_16):

@@ -48,6 +48,7 @@ def test_plugin_serves_freeze_and_fixed_depth(raven):
     (ExitConfig("second_order", threshold=1.0), ("exit mode freeze", "physical", "--exit-mode freeze")),
     (ExitConfig("second_order", threshold=1.0, exit_mode="select"), ("exit mode freeze", "select")),
     (ExitConfig("second_order", threshold=1.0, exit_mode="freeze", prefill="exit"), ("prefill",)),
+    (ExitConfig("second_order", threshold=1.0, exit_mode="freeze", refill="eager"), ("--refill",)),
 ])
 def test_plugin_refuses_what_it_cannot_run(raven, config, words):
     with pytest.raises(ExitbenchError) as err:

@@ -23,6 +23,7 @@ from ..runtime.validation import parse
 
 ROLES = ("policy", "engine", "run")
 EXIT_MODES = ("physical", "select", "weighted", "freeze")
+REFILLS = ("wave", "balanced", "eager")
 
 
 def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...] = (), swept: bool = False,
@@ -75,6 +76,12 @@ class ExitConfig:
         "Keep each loop layer's KV entries of the last C iterations only, a rolling buffer (Huginn's compress-s, "
         "C × core layers; 1 is its vLLM plugin); 0 or unset: one slot per iteration.", role="engine",
         when_set=True))
+    refill: str = field(default="wave", metadata=knob(
+        "When a generated token that exited hands its row the next token: wave (default): once every token in "
+        "flight has exited, all together (static batching: one regrouping per token); eager: at the next step "
+        "(continuous depth batching: a regrouping per exit); balanced: once the waiting tokens are as many as "
+        "those still looping. The same tokens under each; the fastest depends on what a regrouping costs against "
+        "a loop step (`exitbench serve-sim`, docs/engine.md).", role="engine", when_set=True))
     exit_mode: str | None = field(default=None, metadata=knob(
         "physical (default): an exited token stops and later tokens read its entries at its exit, so exits save "
         "compute; select: every token runs every iteration and the exit only picks which one's output is read "
@@ -100,6 +107,8 @@ class ExitConfig:
                 raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
                                      f"loop layer keeps (0: all of them), got {self.kv_window!r}")
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
+        if self.refill not in REFILLS:
+            raise ExitbenchError(f"refill must be 'wave', 'balanced' or 'eager', got {self.refill!r}")
         if self.exit_mode not in (None, *EXIT_MODES):
             raise ExitbenchError(f"exit_mode must be 'physical', 'select', 'weighted' or 'freeze', "
                                  f"got {self.exit_mode!r}")

@@ -468,17 +468,27 @@ class Run:
         elif self.teacher_forced:
             self.finish([out])
         else:
-            # Generation: a token's output is its row's next input, so its row waits until it is finished. The
-            # waiting tokens are finished together once they are as many as the tokens still looping (or none
-            # loops): one coda, head and next-token entry for many, instead of one per step whose exits spread
-            # (at batch 16, 60% of a step's ops were those per-exit passes). The same outputs; a row waits a few
-            # steps at most (docs/engine.md, what a step costs). Scoring keeps finishing at once: finished later, a
-            # decoding rule's scored log-probabilities moved (depth-major against token-major, contraction on the
-            # Ouro layout, tests/test_depth_major.py), and a scored row's next input is known in advance anyway.
+            # Generation: a token's output is its row's next input, so its row waits until it is finished.
+            # Exited tokens wait to be finished together as the `refill` knob says: one coda, head and next-token
+            # entry for many, and one regrouping of the tokens in flight, instead of one per step whose exits
+            # spread (docs/engine.md, what a step costs). The same outputs under every refill. Scoring keeps
+            # finishing at once: finished later, a decoding rule's scored log-probabilities moved (depth-major
+            # against token-major, contraction on the Ouro layout, tests/test_depth_major.py), and a scored row's
+            # next input is known in advance anyway.
             self.parked.append(out)
-            if sum(len(o.tokens) for o in self.parked) >= sum(len(loop) for loop in self.loops):
+            if self.refill_due():
                 self.finish(self.parked)
                 self.parked = []
+
+    def refill_due(self) -> bool:
+        """Whether the exited generated tokens are finished now (their rows take their next tokens)."""
+        looping = sum(len(loop) for loop in self.loops)
+        refill = self.engine.config.refill
+        if refill == "eager":
+            return True
+        if refill == "wave":
+            return looping == 0
+        return sum(len(o.tokens) for o in self.parked) >= looping
 
     def hand_over(self, g: int, out: Leaving) -> None:
         """Tokens that left loop group g: its finish and the plain stages up to the next group, into its loop."""
