@@ -5,16 +5,19 @@
 
 1. Fit. The engine generates `--tokens` tokens for each of `--requests` chains prompts at fixed depths r (4, 16)
    and batch sizes (1, 4, 16, 64), and under two exit rules (second_order τ=1, kl τ=0.01) at batch sizes 16 and
-   64, every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
-   machine's speed hits them alike). For each run the simulation (exitbench/analysis/serving.py) counts, from
-   the engine's recorded per-token iterations, the loop steps, rows × steps, tokens, changes of the tokens in flight and requests
-   of continuous depth batching (the engine's own scheduler); a non-negative least-squares fit of the measured
-   seconds on those five counts gives the cost model (`--out`, what `exitbench serve-sim --cost` reads).
-   Generation stops after exactly `--tokens` tokens (no stop token), so the counts are the run's own.
+   64 with each of two refill rules (`wave`, the default: static batching; `eager`: continuous depth batching),
+   every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the machine's
+   speed hits them alike). Each run is timed again cut to one token per request (the prompt's prefill and its
+   first token), and the difference is the decode the simulation models. For each run the simulation
+   (exitbench/analysis/serving.py) counts, from the engine's recorded per-token iterations, the loop steps,
+   rows × steps, tokens, changes of the tokens in flight and requests under the scheduler the engine ran; a
+   non-negative least-squares fit of the measured seconds on those five counts gives the cost model (`--out`,
+   what `exitbench serve-sim --cost` reads). Generation stops after exactly `--tokens` tokens (no stop token).
 2. Check. Held out from the fit: two other rules (second_order τ=0.1, first_order τ=0.01) at batch size 16 on
-   the same prompts, timed in the same repeats. Their simulated times under static and continuous depth
-   batching, from the engine's own per-token exits of that run, against the engine's measured time; and the
-   engine's own speed-up over full depth as a share of the ideal (the iteration ratio).
+   the same prompts, timed in the same repeats, each under both refill rules. Each run's simulated time under
+   its scheduler (static for `wave`, continuous for `eager`), from the engine's own per-token exits of that run,
+   against the engine's measured time; and the engine's speed-up over full depth as a share of the ideal (the
+   iteration ratio).
 
 Figures go to --json (default bench/serving-results.json). One torch thread (--threads): one core times more
 steadily on a shared machine.
@@ -48,6 +51,10 @@ FIT_RULES = [("second_order", 1.0), ("kl", 0.01)]
 FIT_RULE_BATCHES = (16, 64)
 CHECKS = [("second_order", 0.1), ("first_order", 0.01)]
 CHECK_BATCH = 16
+# The engine's refill rules and the simulated scheduler each one is: `wave` finishes a batch's exited tokens
+# together once the last has exited (static batching; the engine drops the waiting rows from its steps where the
+# simulation still charges them `row_s`), `eager` at the next step (continuous depth batching).
+REFILLS = {"wave": "static", "eager": "continuous"}
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -63,6 +70,11 @@ def timed(engine: ExitEngine, ids, tokens: int, batch: int, device: str):
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, [r.iterations for r in results]
+
+
+def name(run) -> str:
+    (policy, threshold, refill), batch = run
+    return f"{policy} {threshold:g}{'' if policy == 'fixed' else ' refill=' + refill} batch={batch}"
 
 
 def counts_row(c: serving.Counts) -> list[float]:
@@ -84,60 +96,65 @@ def main() -> None:
     ck = open_checkpoint(args.checkpoint, device=args.device)
     ids = prompts(ck.tokenizer, args.requests)
     full = ck.model.config.mean_recurrence if hasattr(ck.model.config, "mean_recurrence") else max(DEPTHS)
-    engines = {("fixed", r): ExitEngine(ck.model, ExitConfig(policy="fixed", threshold=r)) for r in DEPTHS}
-    engines.update({(p, t): ExitEngine(ck.model, ExitConfig(policy=p, threshold=t)) for p, t in FIT_RULES + CHECKS})
-    fit_runs = [(("fixed", r), b) for r in DEPTHS for b in BATCHES] + [(k, b) for k in FIT_RULES
-                                                                        for b in FIT_RULE_BATCHES]
-    runs = fit_runs + [(k, CHECK_BATCH) for k in CHECKS]
-    timed(engines[("fixed", 4)], ids[:4], 2, 4, args.device)  # warm-up: first-call allocations, lazy imports
+    # a run: ((policy, threshold, refill), batch size); fixed depth exits nowhere, so its refill is moot
+    engines = {("fixed", r, "wave"): ExitEngine(ck.model, ExitConfig(policy="fixed", threshold=r)) for r in DEPTHS}
+    engines.update({(p, t, m): ExitEngine(ck.model, ExitConfig(policy=p, threshold=t, refill=m))
+                    for p, t in FIT_RULES + CHECKS for m in REFILLS})
+    fit_runs = [(("fixed", r, "wave"), b) for r in DEPTHS for b in BATCHES] + [
+        ((p, t, m), b) for p, t in FIT_RULES for m in REFILLS for b in FIT_RULE_BATCHES]
+    runs = fit_runs + [((p, t, m), CHECK_BATCH) for p, t in CHECKS for m in REFILLS]
+    timed(engines[("fixed", 4, "wave")], ids[:4], 2, 4, args.device)  # warm-up: first-call allocations, lazy imports
     seconds: dict = {run: [] for run in runs}
     schedules: dict = {}
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for run in runs:
             s, sched = timed(engines[run[0]], ids, args.tokens, run[1], args.device)
-            seconds[run].append(s)
-            schedules[run] = sched  # exits follow from the seed: every repeat's are the same
+            # The same requests cut to their first token: the prompt's prefill and that token. The difference
+            # is the decode of the tokens after it, what the simulation models (a cell's schedule has no prompt
+            # lengths, and prefill runs at full depth under every scheduler).
+            s1, _ = timed(engines[run[0]], ids, 1, run[1], args.device)
+            seconds[run].append(s - s1)
+            schedules[run] = [r[1:] for r in sched]  # exits follow from the seed: every repeat's are the same
         loads.append(os.getloadavg()[0])
     measured = {run: statistics.median(v) for run, v in seconds.items()}
 
-    X = np.array([counts_row(serving.simulate(schedules[run], run[1], "continuous")) for run in fit_runs])
+    def counts(run) -> serving.Counts:  # what the engine did in the run: its refill rule's scheduler
+        return serving.simulate(schedules[run], run[1], REFILLS[run[0][2]])
+
+    X = np.array([counts_row(counts(run)) for run in fit_runs])
     y = np.array([measured[run] for run in fit_runs])
     # relative least squares (each run weighed by 1/its time, so the short runs count as much as the long ones),
     # non-negative: a cost below zero would be the fit's noise, not a saving
     coef, _ = nnls(X / y[:, None], np.ones_like(y))
     cost = serving.CostModel(*map(float, coef), source=str(args.out))
-    fit_error = [float(cost.seconds(serving.simulate(schedules[run], run[1], "continuous")) / measured[run] - 1)
-                 for run in fit_runs]
+    fit_error = [float(cost.seconds(counts(run)) / measured[run] - 1) for run in fit_runs]
 
-    full_s = measured[(("fixed", full), CHECK_BATCH)] if full in DEPTHS else None
+    full_s = measured[(("fixed", full, "wave"), CHECK_BATCH)] if full in DEPTHS else None
     checks = []
     for policy, threshold in CHECKS:
-        run = ((policy, threshold), CHECK_BATCH)
-        sched = schedules[run]
-        sim = {s: cost.seconds(serving.simulate(sched, CHECK_BATCH, s)) for s in ("static", "continuous")}
-        sim_full = cost.seconds(serving.simulate(sched, CHECK_BATCH, "full", full))
-        tokens = [k for r in sched for k in r]
-        ideal = full * len(tokens) / sum(tokens)
-        engine_speedup = full_s / measured[run] if full_s else None
-        checks.append({"policy": policy, "threshold": threshold, "mean_iterations": sum(tokens) / len(tokens),
-                       "engine_s": measured[run], "static_s": sim["static"], "continuous_s": sim["continuous"],
-                       "static_vs_engine": sim["static"] / measured[run] - 1,
-                       "continuous_vs_engine": sim["continuous"] / measured[run] - 1,
-                       "ideal": ideal, "engine_speedup": engine_speedup,
-                       "simulated_speedup": sim_full / sim["continuous"],
-                       "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
+        for refill, scheduler in REFILLS.items():
+            run = ((policy, threshold, refill), CHECK_BATCH)
+            sched = schedules[run]
+            sim = cost.seconds(serving.simulate(sched, CHECK_BATCH, scheduler))
+            sim_full = cost.seconds(serving.simulate(sched, CHECK_BATCH, "full", full))
+            tokens = [k for r in sched for k in r]
+            ideal = full * len(tokens) / sum(tokens)
+            engine_speedup = full_s / measured[run] if full_s else None
+            checks.append({"policy": policy, "threshold": threshold, "refill": refill, "scheduler": scheduler,
+                           "mean_iterations": sum(tokens) / len(tokens), "engine_s": measured[run],
+                           "simulated_s": sim, "simulated_vs_engine": sim / measured[run] - 1, "ideal": ideal,
+                           "engine_speedup": engine_speedup, "simulated_speedup": sim_full / sim,
+                           "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
     date = datetime.date.today().isoformat()
     command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/")[-2] + "/" + Path(sys.argv[0]).name,
                                     *sys.argv[1:]])
     provenance = {"device": args.device, "model": args.checkpoint or "tiny-raven", "date": date, "command": command,
                   "machine": f"{platform.machine()} {os.cpu_count()} cores, {args.threads} torch thread(s)",
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,
-                  "fit_relative_error": {f"{run[0][0]} {run[0][1]} batch={run[1]}": round(e, 4)
-                                         for run, e in zip(fit_runs, fit_error)}}
+                  "fit_relative_error": {name(run): round(e, 4) for run, e in zip(fit_runs, fit_error)}}
     serving.save_cost(args.out, cost, **provenance)
-    raw = [{"run": f"{run[0][0]} {run[0][1]} batch={run[1]}", "seconds": seconds[run],
-            "counts": counts_row(serving.simulate(schedules[run], run[1], "continuous"))} for run in runs]
+    raw = [{"run": name(run), "seconds": seconds[run], "counts": counts_row(counts(run))} for run in runs]
     figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS}, "runs": raw,
                "full_depth_s": full_s, "checks": checks}
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
@@ -145,11 +162,11 @@ def main() -> None:
     print(f"{cost.describe()}; fit error per run {min(fit_error):+.1%} to {max(fit_error):+.1%}")
     print(f"load average {min(loads):.2f}–{max(loads):.2f}; batch {CHECK_BATCH}, {args.requests} requests × "
           f"{args.tokens} tokens, full depth {full}: {full_s:.3f} s")
-    print(f"{'rule':<22}{'iters':>7}{'engine s':>10}{'static':>9}{'contin.':>9}{'ideal':>8}{'engine':>8}"
-          f"{'sim':>8}{'share':>7}")
+    print(f"{'rule':<20}{'engine refill':>14}{'simulated':>11}{'iters':>7}{'engine s':>10}{'sim−eng':>9}"
+          f"{'ideal':>8}{'engine':>8}{'sim':>8}{'share':>7}")
     for c in checks:
-        print(f"{c['policy'] + ' ' + format(c['threshold'], 'g'):<22}{c['mean_iterations']:>7.2f}"
-              f"{c['engine_s']:>10.3f}{c['static_vs_engine']:>+9.1%}{c['continuous_vs_engine']:>+9.1%}"
+        print(f"{c['policy'] + ' ' + format(c['threshold'], 'g'):<20}{c['refill']:>14}{c['scheduler']:>11}"
+              f"{c['mean_iterations']:>7.2f}{c['engine_s']:>10.3f}{c['simulated_vs_engine']:>+9.1%}"
               f"{c['ideal']:>7.2f}×{c['engine_speedup']:>7.2f}×{c['simulated_speedup']:>7.2f}×"
               f"{c['engine_share_of_ideal']:>7.0%}")
     print(f"wrote {args.out} and {args.json}")
