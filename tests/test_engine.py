@@ -111,7 +111,8 @@ def _check_generate_batched_equals_single(model, prompts, policy, knobs, k=K, ro
         knobs = dict(threshold=1e-2, **knobs)
     else:
         knobs = _batch_knobs(model, [(p + [5, 6, 7], len(p)) for p in prompts], policy, knobs, k)
-    batched = engine(model, policy, max_steps=k, **knobs, **extra).generate(prompts, max_new_tokens=4, batch_size=rows)
+    batched = engine(model, policy, max_steps=k, **knobs, **extra).generate(prompts, max_new_tokens=4,
+                                                                          batch_size=rows)
     single = [engine(model, policy, max_steps=k, **knobs).generate([p], max_new_tokens=4)[0] for p in prompts]
     exits = [s for r in batched for s in r.iterations]
     assert len(set(exits)) >= 3, exits

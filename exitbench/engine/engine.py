@@ -482,10 +482,10 @@ class Run:
 
     def refill_due(self) -> bool:
         """Whether the exited generated tokens are finished now (their rows take their next tokens)."""
-        looping = sum(len(loop) for loop in self.loops)
         refill = self.engine.config.refill
         if refill == "eager":
             return True
+        looping = sum(len(loop) for loop in self.loops)
         if refill == "wave":
             return looping == 0
         return sum(len(o.tokens) for o in self.parked) >= looping
