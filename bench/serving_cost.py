@@ -10,9 +10,10 @@
    speed hits them alike). Each run is timed again cut to one token per request (the prompt's prefill and its
    first token), and the difference is the decode the simulation models. For each run the simulation
    (exitbench/analysis/serving.py) counts, from the engine's recorded per-token iterations, the loop steps,
-   rows × steps, tokens, changes of the tokens in flight and requests under the scheduler the engine ran; a
-   non-negative least-squares fit of the measured seconds on those five counts gives the cost model (`--out`,
-   what `exitbench serve-sim --cost` reads). Generation stops after exactly `--tokens` tokens (no stop token).
+   rows × steps, tokens, steps with exits, entries of new tokens among those in flight, requests, (kl, which
+   decodes) rows' readouts and steps whose rows sit at different iterations, under the scheduler the engine
+   ran; a non-negative least-squares fit of the measured seconds on those eight counts gives the cost model
+   (`--out`, what `exitbench serve-sim --cost` reads). Generation stops after exactly `--tokens` tokens (no stop token).
 2. Check. Held out from the fit: two other rules (second_order τ=0.1, first_order τ=0.01) at batch size 16 on
    the same prompts, timed in the same repeats, each under both refill rules. Each run's simulated time under
    its scheduler (static for `wave`, continuous for `eager`), from the engine's own per-token exits of that run,
@@ -52,8 +53,8 @@ FIT_RULE_BATCHES = (16, 64)
 CHECKS = [("second_order", 0.1), ("first_order", 0.01)]
 CHECK_BATCH = 16
 # The engine's refill rules and the simulated scheduler each one is: `wave` finishes a batch's exited tokens
-# together once the last has exited (static batching; the engine drops the waiting rows from its steps where the
-# simulation still charges them `row_s`), `eager` at the next step (continuous depth batching).
+# together once the last has exited (static batching), `eager` at the next step (continuous depth batching).
+# Both drop an exited row from the loop steps that remain, as the simulation does.
 REFILLS = {"wave": "static", "eager": "continuous"}
 
 
@@ -78,10 +79,10 @@ def name(run) -> str:
 
 
 def counts_row(c: serving.Counts) -> list[float]:
-    return [c.steps, c.row_steps, c.tokens, c.regroups, c.requests]
+    return [c.steps, c.row_steps, c.tokens, c.leaves, c.regroups, c.requests, c.readouts, c.mixed]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default=None, help="default: the embedded tiny-raven")
     ap.add_argument("--device", default="cpu")
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=serving.DEFAULT_COST)
     ap.add_argument("--json", type=Path, default=REPO / "bench" / "serving-results.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ck = open_checkpoint(args.checkpoint, device=args.device)
     ids = prompts(ck.tokenizer, args.requests)
@@ -120,7 +121,8 @@ def main() -> None:
     measured = {run: statistics.median(v) for run, v in seconds.items()}
 
     def counts(run) -> serving.Counts:  # what the engine did in the run: its refill rule's scheduler
-        return serving.simulate(schedules[run], run[1], REFILLS[run[0][2]])
+        return serving.simulate(schedules[run], run[1], REFILLS[run[0][2]],
+                                decodes=engines[run[0]].policies[0].needs_logits)
 
     X = np.array([counts_row(counts(run)) for run in fit_runs])
     y = np.array([measured[run] for run in fit_runs])
@@ -136,7 +138,7 @@ def main() -> None:
         for refill, scheduler in REFILLS.items():
             run = ((policy, threshold, refill), CHECK_BATCH)
             sched = schedules[run]
-            sim = cost.seconds(serving.simulate(sched, CHECK_BATCH, scheduler))
+            sim = cost.seconds(counts(run))
             sim_full = cost.seconds(serving.simulate(sched, CHECK_BATCH, "full", full))
             tokens = [k for r in sched for k in r]
             ideal = full * len(tokens) / sum(tokens)
@@ -147,8 +149,7 @@ def main() -> None:
                            "engine_speedup": engine_speedup, "simulated_speedup": sim_full / sim,
                            "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
     date = datetime.date.today().isoformat()
-    command = "python " + " ".join([Path(sys.argv[0]).as_posix().split("/")[-2] + "/" + Path(sys.argv[0]).name,
-                                    *sys.argv[1:]])
+    command = " ".join(["python bench/serving_cost.py", *(sys.argv[1:] if argv is None else argv)])
     provenance = {"device": args.device, "model": args.checkpoint or "tiny-raven", "date": date, "command": command,
                   "machine": f"{platform.machine()} {os.cpu_count()} cores, {args.threads} torch thread(s)",
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,

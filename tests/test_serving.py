@@ -2,10 +2,12 @@
 its refusals, and the command on copies of committed cells given schedules."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from exitbench.analysis import serving
@@ -15,29 +17,34 @@ from exitbench.errors import ExitbenchError
 from exitbench.store import cells
 
 from helpers.cells import baseline_cells, copy_cells
+from helpers.paths import REPO
 
-COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=5e-5, prefill_s=1e-3)
-STEPS_ONLY = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, regroup_s=0.0, prefill_s=1e-3)
+COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, leave_s=2e-5, regroup_s=5e-5, prefill_s=1e-3,
+                 readout_s=1e-5, mixed_s=1e-5)
+STEPS_ONLY = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, leave_s=0.0, regroup_s=0.0, prefill_s=1e-3,
+                       readout_s=0.0, mixed_s=0.0)
 
 
 def test_counts_by_hand():
     # rows: A = tokens of 2 and 4 iterations, B = one token of 3. Continuous: 2 steps with both rows, then B's
-    # last step beside A's second token, then A alone for 3. Static: max(2, 3) steps with both, then A's 4 alone.
-    # Regroups: continuous changes its tokens in flight three times, static twice.
-    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, regroups=3,
-                                                              requests=2)
-    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=10, tokens=3, regroups=2,
+    # last step beside A's second token, then A alone for 3: three exits, each followed by new tokens (the last
+    # by none, but the segment was entered). Static: max(2, 3) steps, A leaving the steps after its 2nd (rows
+    # charged 2 + 3), then A's 4 alone: exits at three distinct steps, new tokens entering twice.
+    # A's second token runs its first step beside B's third: the one step whose rows sit at different iterations.
+    assert simulate([[2, 4], [3]], 2, "continuous") == Counts(steps=6, row_steps=9, tokens=3, leaves=3,
+                                                              regroups=3, requests=2, mixed=1)
+    assert simulate([[2, 4], [3]], 2, "static") == Counts(steps=7, row_steps=9, tokens=3, leaves=3, regroups=2,
                                                           requests=2)
     # full depth: every token at 16, the rows in lockstep (16 + 16 steps for A, B alongside for the first 16)
-    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, regroups=2,
-                                                            requests=2)
+    assert simulate([[2, 4], [3]], 2, "full", 16) == Counts(steps=32, row_steps=48, tokens=3, leaves=2,
+                                                            regroups=2, requests=2)
 
 
 def test_a_freed_row_takes_the_next_request_at_once():
     # one row: requests run back to back, so steps are the tokens' iterations summed, whatever the scheduler
     reqs = [[3, 1], [5], [], [2, 2, 2]]
     for s in ("static", "continuous"):
-        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, regroups=6, requests=4)
+        assert simulate(reqs, 1, s) == Counts(steps=15, row_steps=15, tokens=6, leaves=6, regroups=6, requests=4)
     # two rows: the empty request costs its admission only and the row goes straight on to the next one
     assert simulate([[4], [], [1], [1]], 2, "continuous").steps == 4
 
@@ -64,9 +71,21 @@ def test_full_depth_is_one_and_exits_are_bounded(batch):
         assert at_full == {"full": 1.0, "static": 1.0, "continuous": 1.0}
 
 
+def test_a_rule_that_decodes_pays_a_readout_per_row_step_and_its_baseline_none():
+    reqs = random_schedules(3)
+    for s in ("static", "continuous"):
+        plain, read = simulate(reqs, 16, s), simulate(reqs, 16, s, decodes=True)
+        assert (plain.readouts, read.readouts) == (0, read.row_steps)
+        assert read == Counts(**{**plain.__dict__, "readouts": plain.row_steps})
+    assert simulate(reqs, 16, "full", 16, decodes=True).readouts == 0  # full depth decides nothing
+    latent, _ = serving.project(reqs, 16, 16, COST)
+    decoding, _ = serving.project(reqs, 16, 16, COST, decodes=True)
+    assert decoding["full"] == 1.0 and decoding["continuous"] < latent["continuous"]
+
+
 def test_all_cost_per_row_reaches_the_iteration_ratio_at_batch_one():
     reqs = random_schedules(7)
-    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0))
+    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
     assert throughput["continuous"] == pytest.approx(ideal, rel=1e-12)  # float rounding only
 
 
@@ -74,14 +93,15 @@ def test_cost_file_round_trip_and_refusals(tmp_path):
     good = tmp_path / "cost.json"
     serving.save_cost(good, COST, device="cpu", model="tiny-raven", date="2026-12-05")
     loaded = serving.load_cost(good)
-    assert (loaded.fixed_s, loaded.row_s, loaded.token_s, loaded.regroup_s, loaded.prefill_s) == \
-        (3e-4, 2e-5, 1e-4, 5e-5, 1e-3)
+    assert [getattr(loaded, f) for f in serving.COST_FIELDS] == [3e-4, 2e-5, 1e-4, 2e-5, 5e-5, 1e-3, 1e-5, 1e-5]
     assert "tiny-raven" in loaded.source
     assert serving.load_cost().fixed_s > 0  # the shipped default reads
     bad = tmp_path / "bad.json"
     for text, says in [("{", "not a readable cost file"), ('{"schema": "x"}', "not a serving cost file"),
                        (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": -1, "row_s": 0, "token_s": 0,
-                                    "regroup_s": 0, "prefill_s": 0}), "fixed_s must be")]:
+                                    "leave_s": 0, "regroup_s": 0, "prefill_s": 0}), "fixed_s must be"),
+                       (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": 1, "row_s": 0, "token_s": 0,
+                                    "regroup_s": 0, "prefill_s": 0}), "leave_s must be")]:
         bad.write_text(text)
         with pytest.raises(ExitbenchError, match=says):
             serving.load_cost(bad)
@@ -139,3 +159,31 @@ def test_serve_sim_command(tmp_path):
     assert res.exit_code == 2 and "--batch-size must be ≥ 1" in res.output
     res = CliRunner().invoke(app, ["serve-sim", str(d), "--cost", str(tmp_path / "none.json")])
     assert res.exit_code == 2 and "not a readable cost file" in res.output
+
+
+def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
+    # bench/serving_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
+    # scheduler its refill rule is (no step at mixed iterations outside `eager`, readouts for kl only), and every
+    # held-out rule is checked under both schedulers. (No figure is asserted: 3 tokens of 4 requests time noise.)
+    spec = importlib.util.spec_from_file_location("bench_serving_cost", REPO / "bench" / "serving_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cost_file, figures_file = tmp_path / "cost.json", tmp_path / "figures.json"
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--requests", "4", "--tokens", "3", "--repeats", "1", "--out", str(cost_file),
+                    "--json", str(figures_file)])
+    finally:
+        torch.set_num_threads(threads)  # (the bench times on one thread; the worker's later tests keep theirs)
+    cost = serving.load_cost(cost_file)
+    assert cost.fixed_s + cost.row_s > 0 and "tiny-raven" in cost.source
+    figures = json.loads(figures_file.read_text())
+    for run in figures["runs"]:
+        steps, row_steps, tokens, leaves, regroups, requests, readouts, mixed = run["counts"]
+        assert (tokens, requests) == (4 * 2, 4), run["run"]  # the decode: each request's tokens after its first
+        assert (mixed > 0) <= ("refill=eager" in run["run"]), run["run"]
+        assert (readouts > 0) == run["run"].startswith("kl"), run["run"]
+        assert run["run"].startswith("fixed") <= (leaves == regroups), run["run"]
+    checks = {(c["policy"], c["scheduler"]) for c in figures["checks"]}
+    assert checks == {(p, s) for p in ("second_order", "first_order") for s in ("static", "continuous")}
+    assert all(c["simulated_s"] > 0 and c["engine_s"] > 0 for c in figures["checks"])

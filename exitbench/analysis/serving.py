@@ -6,7 +6,8 @@ under three schedulers:
 
 - `full`: every token runs the model's full depth (the baseline; what the cell's requests cost without exits);
 - `static`: a batch step advances every row by one token and lasts as long as its slowest row's token; a row
-  whose token exited early idles in the batch, still charged (the batch's shape does not shrink);
+  whose token exited early leaves the loop steps that remain and waits for the batch step's end (the engine's
+  `--refill wave`);
 - `continuous` (continuous depth batching): each row moves to its next token as soon as its token exits, and
   a loop step runs only the rows that have a token in flight.
 
@@ -14,10 +15,14 @@ In all three a finished request frees its row for the next request at once (requ
 so the schedulers differ only in what they do with a token's early exit, and at full depth all three are equal.
 
 A loop step costs `fixed_s + row_s × rows in it` (a step's launch and host work, and each row's arithmetic), a
-token `token_s` once (its readout, sampling, joining and leaving the loop), each change of the tokens in flight
-`regroup_s` (where each token reads its keys is worked out again: exits change it every few steps, full depth
-once per token) and admitting a request `prefill_s`: the `CostModel`, fitted from the engine's own timings by
-bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
+token `token_s` once (its readout, sampling, joining and leaving the loop), each step at which tokens exit
+`leave_s` (their states are taken out and the rows left are compacted), each time new tokens join the rows in
+flight `regroup_s` (their entry, and where each token reads its keys worked out again: continuous batching at
+every exit, static once per batch step, full depth once per token), admitting a request `prefill_s`, and, for
+a rule that decodes (kl, entropy, confidence...), each row's readout of the next-token distribution at every
+step `readout_s`, and each step whose rows sit at different iterations of their tokens `mixed_s` (each row's
+cache slot is looked up on its own, where rows at one iteration share one: only continuous batching has such
+steps): the `CostModel`, fitted from the engine's own timings by bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
 on how many requests it had; the ideal is the iteration ratio (full depth ÷ mean iterations), what a step whose
 cost were all per row would give.
 """
@@ -36,29 +41,38 @@ from ..store.disk import samples_path
 SCHEDULERS = ("full", "static", "continuous")
 DEFAULT_COST = Path(__file__).with_name("serving_cost.json")
 COST_SCHEMA = "exitbench.serving-cost"
-COST_FIELDS = ("fixed_s", "row_s", "token_s", "regroup_s", "prefill_s")
+COST_FIELDS = ("fixed_s", "row_s", "token_s", "leave_s", "regroup_s", "prefill_s", "readout_s", "mixed_s")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`), per change of the
-    tokens in flight (`regroup_s`) and per request admitted (`prefill_s`)."""
+    """Seconds per loop step (`fixed_s`), per row in a step (`row_s`), per token (`token_s`), per step at which
+    tokens exit (`leave_s`), per entry of new tokens among those in flight (`regroup_s`), per request admitted
+    (`prefill_s`), per row's readout in a step of a rule that decodes (`readout_s`) and per step whose rows sit at
+    different iterations (`mixed_s`)."""
 
     fixed_s: float
     row_s: float
     token_s: float
+    leave_s: float
     regroup_s: float
     prefill_s: float
+    readout_s: float
+    mixed_s: float
     source: str = "given"  # where the figures come from: what the output states
 
     def seconds(self, counts: "Counts") -> float:
         return (self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.token_s * counts.tokens
-                + self.regroup_s * counts.regroups + self.prefill_s * counts.requests)
+                + self.leave_s * counts.leaves + self.regroup_s * counts.regroups + self.prefill_s * counts.requests
+                + self.readout_s * counts.readouts + self.mixed_s * counts.mixed)
 
     def describe(self) -> str:
         return (f"cost model {self.source}: a loop step {1e6 * self.fixed_s:.1f} µs + {1e6 * self.row_s:.2f} µs "
-                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.regroup_s:.0f} µs each time the "
-                f"tokens in flight change, {1e6 * self.prefill_s:.0f} µs per request admitted")
+                f"per row, {1e6 * self.token_s:.0f} µs per token, {1e6 * self.leave_s:.0f} µs per step at which "
+                f"tokens exit, {1e6 * self.regroup_s:.0f} µs each time new tokens join those in flight, "
+                f"{1e6 * self.prefill_s:.0f} µs per request admitted, {1e6 * self.readout_s:.1f} µs per row's "
+                f"readout in a step of a rule that decodes, {1e6 * self.mixed_s:.0f} µs per step whose rows sit at "
+                f"different iterations")
 
 
 def load_cost(path: Path | str | None = None) -> CostModel:
@@ -95,20 +109,27 @@ def save_cost(path: Path, cost: CostModel, **provenance: Any) -> None:
 
 @dataclass(frozen=True)
 class Counts:
-    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, changes of the tokens in
-    flight, requests admitted."""
+    """What a simulated run did: loop steps, rows charged summed over steps, tokens run, steps at which tokens
+    exited, entries of new tokens among those in flight, requests admitted, rows' readouts (a rule that decodes
+    reads out every row at every step: its row steps; 0 for one that does not), and steps whose rows sit at
+    different iterations of their tokens (only continuous batching has them)."""
 
     steps: int
     row_steps: int
     tokens: int
+    leaves: int
     regroups: int
     requests: int
+    readouts: int = 0
+    mixed: int = 0
 
 
-def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, depth: int | None = None) -> Counts:
+def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, depth: int | None = None,
+             decodes: bool = False) -> Counts:
     """Replay `requests` (each its tokens' iterations, in order) on `batch` rows under `scheduler`; `depth`, when
-    given, runs every token at that depth instead (the full-depth baseline). Event-driven: between two tokens'
-    exits the rows in flight do not change, so the steps in between are counted at once."""
+    given, runs every token at that depth instead (the full-depth baseline, which reads nothing out); `decodes`:
+    the rule reads out every row at every step. Event-driven: between two tokens' exits the rows in flight do not
+    change, so the steps in between are counted at once."""
     if batch < 1:
         raise ExitbenchError(f"--batch-size must be ≥ 1, got {batch}")
     if scheduler not in SCHEDULERS:
@@ -117,8 +138,9 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         raise ValueError("the full-depth scheduler needs the depth")
     lockstep = scheduler == "static"
     queue = iter([[depth if depth is not None else k for k in r] for r in requests])
-    steps = row_steps = regroups = admitted = 0
+    steps = row_steps = leaves = regroups = mixed = admitted = 0
     rows: list[list[int]] = []  # each row: its request's remaining tokens' iterations, the current one first
+    ran: list[int] = []  # each row's current token: the iterations it has run
 
     def admit() -> list[int] | None:
         nonlocal admitted
@@ -133,21 +155,34 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
         if row is None:
             break
         rows.append(row)
+        ran.append(0)
     while rows:
-        n = max(r[0] for r in rows) if lockstep else min(r[0] for r in rows)
-        regroups += 1  # the tokens in flight changed since the last segment: where each reads is worked out
+        regroups += 1  # new tokens joined since the last segment: where each reads is worked out again
+        depths = [r[0] for r in rows]
+        if lockstep:  # the batch step: rows drop out of its loop steps as their tokens exit, at each distinct depth
+            n = max(depths)
+            row_steps += sum(depths)
+            leaves += len(set(depths))
+        else:  # up to the first exit, after which the exited rows take their next tokens
+            n = min(depths)
+            row_steps += n * len(rows)
+            leaves += 1
+            if len(set(ran)) > 1:  # (static's and full depth's rows always sit at one iteration)
+                mixed += n
         steps += n
-        row_steps += n * len(rows)
-        kept = []
-        for row in rows:
+        kept, kept_ran = [], []
+        for row, k in zip(rows, ran):
             row[0] -= n
+            k += n
             if row[0] <= 0:  # the token is done (static: every row's is): the row's next token, or request
                 row.pop(0)
-                row = row or admit()
+                row, k = row or admit(), 0
             if row is not None:
                 kept.append(row)
-        rows = kept
-    return Counts(steps, row_steps, sum(len(r) for r in requests), regroups, admitted)
+                kept_ran.append(k)
+        rows, ran = kept, kept_ran
+    return Counts(steps, row_steps, sum(len(r) for r in requests), leaves, regroups, admitted,
+                  row_steps if decodes and depth is None else 0, mixed)
 
 
 def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] | None:
@@ -196,10 +231,12 @@ class Projection:
         return {**asdict(self), "share_of_ideal": self.share}
 
 
-def project(requests: Sequence[Sequence[int]], depth: int, batch: int, cost: CostModel) -> tuple[dict[str, float], float]:
-    """Each scheduler's throughput relative to full depth, and the ideal (the iteration ratio)."""
+def project(requests: Sequence[Sequence[int]], depth: int, batch: int, cost: CostModel, decodes: bool = False
+            ) -> tuple[dict[str, float], float]:
+    """Each scheduler's throughput relative to full depth, and the ideal (the iteration ratio); `decodes`: the
+    rule reads out the next-token distribution at every step."""
     base = cost.seconds(simulate(requests, batch, "full", depth))
-    throughput = {s: base / cost.seconds(simulate(requests, batch, s, None if s != "full" else depth))
+    throughput = {s: base / cost.seconds(simulate(requests, batch, s, None if s != "full" else depth, decodes))
                   for s in SCHEDULERS}
     tokens = [k for r in requests for k in r]
     ideal = depth * len(tokens) / sum(tokens) if tokens and sum(tokens) else 1.0
@@ -226,7 +263,7 @@ def project_cells(found: Iterable[tuple[Path, dict[str, Any]]], batches: Sequenc
             continue
         depth = depths[cell["task"]["name"]]
         for b in batches:
-            throughput, ideal = project(requests, depth, b, cost)
+            throughput, ideal = project(requests, depth, b, cost, bool(cell["policy"].get("needs_logits")))
             per_token = cell["wall_clock"].get("per_token_s")
             rows.append(Projection(cell["task"]["name"], cellmod.series(cell["policy"]), cell["policy"]["threshold"],
                                    cell["iterations"]["mean"], b, throughput, ideal, cell["quality"]["value"],
