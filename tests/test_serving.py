@@ -83,6 +83,14 @@ def test_a_rule_that_decodes_pays_a_readout_per_row_step_and_its_baseline_none()
     assert decoding["full"] == 1.0 and decoding["continuous"] < latent["continuous"]
 
 
+def test_the_wide_table_shows_both_batchers_beyond_batch_one():
+    rows = [serving.Projection("t", "kl", 0.1, 4.0, b, {"full": 1.0, "static": 1.5 + b, "continuous": 1.2 + b}, 4.0)
+            for b in (1, 16)]
+    headers, body = serving.wide(rows)
+    assert headers[6:] == ["batch 1", "static 16", "continuous 16", "ideal"]
+    assert body == [["t", "kl", 0.1, None, 4.0, None, 2.5, 17.5, 17.2, 4.0]]
+
+
 def test_all_cost_per_row_reaches_the_iteration_ratio_at_batch_one():
     reqs = random_schedules(7)
     throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))

@@ -412,7 +412,7 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
 
 
 def serving_parts(found: list[tuple[Path, dict[str, Any]]]) -> list[str]:
-    """Each cell's decode throughput under continuous depth batching, replayed from its exit schedule
+    """Each cell's decode throughput under static and continuous depth batching, replayed from its exit schedule
     (analysis/serving.py), beside its iterations and wall-clock; a line saying why where no cell has one."""
     from . import serving
 
@@ -422,10 +422,11 @@ def serving_parts(found: list[tuple[Path, dict[str, Any]]]) -> list[str]:
         return ['<p class="note">No cell here recorded its per-token exit schedule (cells written before '
                 "serve-sim); rerun the sweep into a new --out to project its serving throughput.</p>"]
     headers, body = serving.wide(rows)
-    intro = ("<p>Decode throughput relative to full depth when a server runs these requests with continuous depth "
-             "batching (a row whose token exits moves to its next token at once), simulated from each cell's "
-             "recorded per-token exits at each batch size; the ideal is the iteration ratio. "
-             f"{html.escape(cost.describe())}. <code>exitbench serve-sim</code> adds static batching.</p>")
+    intro = ("<p>Decode throughput relative to full depth when a server runs these requests with static batching "
+             "(a batch step waits for its slowest row) or continuous depth batching (a row whose token exits moves "
+             "to its next token at once), simulated from each cell's recorded per-token exits at each batch size "
+             "(at batch 1 the two are the same); the ideal is the iteration ratio. "
+             f"{html.escape(cost.describe())}. <code>exitbench serve-sim</code> adds the share of the ideal.</p>")
     speed = {i: (lambda v: f"{v:.2f}×") for i in range(6, len(headers))}
     return [intro, table(headers, body, numeric=set(range(2, len(headers))), shown=speed)]
 
