@@ -22,9 +22,9 @@ every exit, static once per batch step, full depth once per token), admitting a 
 a rule that decodes (kl, entropy, confidence...), each row's readout of the next-token distribution at every
 step `readout_s`, and each step whose rows sit at different iterations of their tokens `mixed_s` (each row's
 cache slot is looked up on its own, where rows at one iteration share one: only continuous batching has such
-steps): the `CostModel`, fitted from the engine's own timings by bench/serving_cost.py. Throughput is relative to `full` on the same requests, so a cell's figures do not depend
-on how many requests it had; the ideal is the iteration ratio (full depth ÷ mean iterations), what a step whose
-cost were all per row would give.
+steps): the `CostModel`, fitted from the engine's own timings by bench/serving_cost.py. Throughput is relative
+to `full` on the same requests, so a cell's figures do not depend on how many requests it had; the ideal is the
+iteration ratio (full depth ÷ mean iterations), what a step whose cost were all per row would give.
 """
 from __future__ import annotations
 
