@@ -119,11 +119,20 @@ def main(argv: list[str] | None = None) -> None:
             schedules[run] = [r[1:] for r in sched]  # exits follow from the seed: every repeat's are the same
         loads.append(os.getloadavg()[0])
     measured = {run: statistics.median(v) for run, v in seconds.items()}
+    # A decode of a few tokens can time at or below its first-token run's noise (s − s1 ≤ 0); such a run says
+    # nothing about a step's cost, so it stays out of the fit and its check reads "—" (None in --json), not a ratio.
+    swamped = [run for run in runs if measured[run] <= 0]
+    if swamped:
+        print(f"{len(swamped)} run(s) timed a decode ≤ 0 s (noise above the decode; raise --tokens or --repeats): "
+              + ", ".join(name(run) for run in swamped))
 
     def counts(run) -> serving.Counts:  # what the engine did in the run: its refill rule's scheduler
         return serving.simulate(schedules[run], run[1], REFILLS[run[0][2]],
                                 decodes=engines[run[0]].policies[0].needs_logits)
 
+    fit_runs = [run for run in fit_runs if run not in swamped]
+    if not fit_runs:
+        sys.exit("error: every run's decode timed ≤ 0 s; raise --tokens or --repeats")
     X = np.array([counts_row(counts(run)) for run in fit_runs])
     y = np.array([measured[run] for run in fit_runs])
     # relative least squares (each run weighed by 1/its time, so the short runs count as much as the long ones),
@@ -142,10 +151,12 @@ def main(argv: list[str] | None = None) -> None:
             sim_full = cost.seconds(serving.simulate(sched, CHECK_BATCH, "full", full))
             tokens = [k for r in sched for k in r]
             ideal = full * len(tokens) / sum(tokens)
-            engine_speedup = full_s / measured[run] if full_s else None
+            timed_ok = measured[run] > 0
+            engine_speedup = full_s / measured[run] if full_s and full_s > 0 and timed_ok else None
             checks.append({"policy": policy, "threshold": threshold, "refill": refill, "scheduler": scheduler,
                            "mean_iterations": sum(tokens) / len(tokens), "engine_s": measured[run],
-                           "simulated_s": sim, "simulated_vs_engine": sim / measured[run] - 1, "ideal": ideal,
+                           "simulated_s": sim, "simulated_vs_engine": sim / measured[run] - 1 if timed_ok else None,
+                           "ideal": ideal,
                            "engine_speedup": engine_speedup, "simulated_speedup": sim_full / sim,
                            "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
     date = datetime.date.today().isoformat()
@@ -162,14 +173,17 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{cost.describe()}; fit error per run {min(fit_error):+.1%} to {max(fit_error):+.1%}")
     print(f"load average {min(loads):.2f}–{max(loads):.2f}; batch {CHECK_BATCH}, {args.requests} requests × "
-          f"{args.tokens} tokens, full depth {full}: {full_s:.3f} s")
+          f"{args.tokens} tokens, full depth {full}: {full_s if full_s is not None else float('nan'):.3f} s")
     print(f"{'rule':<20}{'engine refill':>14}{'simulated':>11}{'iters':>7}{'engine s':>10}{'sim−eng':>9}"
           f"{'ideal':>8}{'engine':>8}{'sim':>8}{'share':>7}")
+    def cell(value, spec: str, width: int, unit: str = "") -> str:
+        return f"{format(value, spec) + unit:>{width}}" if value is not None else f"{'—':>{width}}"
+
     for c in checks:
         print(f"{c['policy'] + ' ' + format(c['threshold'], 'g'):<20}{c['refill']:>14}{c['scheduler']:>11}"
-              f"{c['mean_iterations']:>7.2f}{c['engine_s']:>10.3f}{c['simulated_vs_engine']:>+9.1%}"
-              f"{c['ideal']:>7.2f}×{c['engine_speedup']:>7.2f}×{c['simulated_speedup']:>7.2f}×"
-              f"{c['engine_share_of_ideal']:>7.0%}")
+              f"{c['mean_iterations']:>7.2f}{c['engine_s']:>10.3f}{cell(c['simulated_vs_engine'], '+.1%', 9)}"
+              f"{c['ideal']:>7.2f}×{cell(c['engine_speedup'], '.2f', 8, '×')}{c['simulated_speedup']:>7.2f}×"
+              f"{cell(c['engine_share_of_ideal'], '.0%', 7)}")
     print(f"wrote {args.out} and {args.json}")
 
 

@@ -194,4 +194,8 @@ def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
         assert run["run"].startswith("fixed") <= (leaves == regroups), run["run"]
     checks = {(c["policy"], c["scheduler"]) for c in figures["checks"]}
     assert checks == {(p, s) for p in ("second_order", "first_order") for s in ("static", "continuous")}
-    assert all(c["simulated_s"] > 0 and c["engine_s"] > 0 for c in figures["checks"])
+    for c in figures["checks"]:
+        assert c["simulated_s"] > 0, c
+        # a decode that noise swamped (engine s ≤ 0: its first-token run timed longer) reads unmeasured, never as
+        # a ratio; CI once timed one on a loaded worker
+        assert (c["simulated_vs_engine"] is None) == (c["engine_s"] <= 0), c
