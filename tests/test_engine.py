@@ -165,6 +165,41 @@ def test_refill_decides_how_often_exited_tokens_are_finished(noisy_model, monkey
     assert counts["wave"] == 4 and counts["wave"] < counts["balanced"] < counts["eager"], counts
 
 
+@pytest.mark.parametrize("refill, window", [("wave", None), ("eager", None), ("balanced", 8)])
+def test_carries_deferred_to_the_refill_give_what_carries_at_each_exit_give(noisy_model, monkeypatch, refill,
+                                                                               window):
+    """Generation carries an exited token's deepest entry forward when its row's next token is due (once per
+    wave under `wave`), not at each step with exits: bit for bit what carrying at once gives, with rows taking
+    next requests (their prefills overwrite the old keys) and under a KV window. The check can fail: without
+    the carries the answers move."""
+    from exitbench.engine.loop import TokenLoop
+
+    prompts = mixed_prompts(8)
+    knobs = _batch_knobs(noisy_model, [(p + [5, 6, 7], len(p)) for p in prompts], *BATCH_CASES[1], K)
+    knobs.update(refill=refill, **({} if window is None else {"kv_window": window}))
+
+    def run(defer: bool | None):  # None: no carries at all
+        carries = []
+        with monkeypatch.context() as m:
+            init = TokenLoop.__init__
+            m.setattr(TokenLoop, "__init__",
+                      lambda self, *a, **kw: init(self, *a, **{**kw, "defer_carry": bool(defer)}))
+            carry = TokenLoop.carry
+            m.setattr(TokenLoop, "carry", lambda self, cache: (carries.append(len(self.carries)),
+                                                               carry(self, cache) if defer is not None
+                                                               else self.carries.clear()))
+            out = engine(noisy_model, "second_order", max_steps=K, **knobs).generate(prompts, max_new_tokens=4,
+                                                                                   batch_size=3)
+        return out, [n for n in carries if n]
+
+    (deferred, batched), (at_once, single), (none, _) = run(True), run(False), run(None)
+    assert exit_steps(deferred) == exit_steps(at_once)
+    for d, a in zip(deferred, at_once):
+        assert d.tokens == a.tokens and d.logprobs == a.logprobs
+    assert max(batched) > 1 and sum(batched) == sum(single)  # carried together, the same entries
+    assert exit_steps(none) != exit_steps(at_once) or any(n.logprobs != a.logprobs for n, a in zip(none, at_once))
+
+
 def test_prefill_exit_and_warm_start_with_rows_reused(noisy_model, requests_16):
     for prefill, warm in (("exit", False), ("full", True)):
         _check_batched_equals_single(noisy_model, requests_16, "first_order", dict(relative=True), rows=4,

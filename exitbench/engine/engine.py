@@ -277,7 +277,9 @@ class Run:
                                 readout_attends=bool(engine.readout_layers[g]),
                                 record_signals=engine.config.record_signals, batch=rows, window=window,
                                 select=engine.config.exit_mode == "select",
-                                weighted=engine.config.exit_mode == "weighted", freeze=self.freeze)
+                                weighted=engine.config.exit_mode == "weighted", freeze=self.freeze,
+                                # generation: a row's next token enters after its last one is finished
+                                defer_carry=not teacher_forced and not depth_major)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
@@ -477,6 +479,8 @@ class Run:
             # next input is known in advance anyway.
             self.parked.append(out)
             if self.refill_due():
+                for loop in self.loops:  # before the rows' next tokens (or next requests' prefills) read them
+                    loop.carry(self.cache)
                 self.finish(self.parked)
                 self.parked = []
 

@@ -38,8 +38,13 @@ class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
                  window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False,
-                 probe_cache: ProbeCache | None = None, readout_attends: bool = True):
+                 probe_cache: ProbeCache | None = None, readout_attends: bool = True, defer_carry: bool = False):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
+        # An early exit's deepest entry is carried to the later slots for the later tokens of its row. When a
+        # row has no later token in flight until the caller says so (generation: a row's next token waits for
+        # this one's output), the carries wait too and go as one (`carry`), not one per step with exits.
+        self.defer_carry = defer_carry
+        self.carries: list[tuple[int, int, int]] = []  # (row, position, last slot) not yet carried
         # Scoring, a readout that attends to other tokens reads them in the probe's own world (probe_cache.py);
         # one that attends to none (norm and head, an empty coda) needs no context, which costs a token-mode
         # index per step to build.
@@ -91,7 +96,8 @@ class TokenLoop:
         record = self.hindsight.start(tokens, s0) if self.hindsight else {}
         free = [j for j, t in enumerate(self.tokens) if t is None][: len(tokens)]
         step = self.clock.steps_so_far(self.index)
-        if len(free) == len(self.tokens):  # every place is free: start the table afresh, no scatter
+        if self.count == 0:  # every place is free: start the table afresh, no scatter (and no write into
+            # the last tensors, which the tokens that left may still hold as their states)
             self.tokens, self.k, self.streak, self.trace, self.joined, self.count = [], [], [], [], [], 0
             self.s = self.x = None
             self.memory, self.record_of = {}, {}
@@ -213,8 +219,10 @@ class TokenLoop:
         gone = [j for j, out in enumerate(leave) if out]
         tokens = [self.tokens[j] for j in gone]
         steps = [self.k[j] for j in gone]
-        states = self.s[gone]
-        exit_logits = logits[gone] if logits is not None and self.probe_is_final else None
+        every = len(gone) == len(self.tokens)  # (then the tensors as they are: no gather)
+        at = None if every else torch.as_tensor(gone, device=self.s.device)
+        states = self.s if every else self.s[at]
+        exit_logits = (logits if every else logits[at]) if logits is not None and self.probe_is_final else None
         if self.hold:
             steps, states, exit_logits = self._selected(tokens, steps, states, exit_logits)
         if self.hindsight:
@@ -237,10 +245,19 @@ class TokenLoop:
         # was written
         kept = [*self.group.attn_layers, *self.group.state_layers]  # keys and what else a position leaves
         if early and kept and not self.hold:
-            cache.carry_forward(kept, [t.row for t, _ in early], [t.position for t, _ in early],
-                                [k - 1 for _, k in early])
+            self.carries += [(t.row, t.position, k - 1) for t, k in early]
+            if not self.defer_carry:
+                self.carry(cache)
         self._where = None
         return Leaving(tokens, states, exit_logits)
+
+    def carry(self, cache: KVCache) -> None:
+        """Carry the exited tokens' deepest entries forward (`KVCache.carry_forward`), all waiting ones at once;
+        a deferring caller calls it before any of their rows' later tokens reads the loop's keys."""
+        if self.carries:
+            rows, positions, last_slots = zip(*self.carries)
+            cache.carry_forward([*self.group.attn_layers, *self.group.state_layers], rows, positions, last_slots)
+            self.carries = []
 
     def _selected(self, tokens: list[Token], steps: list[int], states: torch.Tensor,
                   logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
@@ -263,7 +280,7 @@ class TokenLoop:
     def _compact(self) -> None:
         """Drop the free places (a row with no next token left them) so steps run on tokens only."""
         keep = [j for j, t in enumerate(self.tokens) if t is not None]
-        at = torch.tensor(keep, dtype=torch.long, device=self.s.device)
+        at = torch.as_tensor(keep, dtype=torch.long, device=self.s.device)
         self.s, self.x = self.s[at], self.x[at]
         self.memory = {name: value[at] for name, value in self.memory.items()}
         self.record_of = {name: value[at] for name, value in self.record_of.items()}

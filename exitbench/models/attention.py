@@ -68,7 +68,8 @@ class AttnContext:
             # as many rows as the tokens' positions reach, where the index says (a caller's own `places`, as
             # the vLLM bridge's, may not: then every row)
             cos, sin = spread_rope(table, halves, getattr(self.places, "length", None))
-            self.rotations[key] = (cos[self.positions].unsqueeze(1), sin[self.positions].unsqueeze(1))
+            shape = (-1, 1, *cos.shape[1:])  # (a view: one op where unsqueeze is two, at every context built)
+            self.rotations[key] = (cos[self.positions].view(shape), sin[self.positions].view(shape))
         return self.rotations[key]
 
     @classmethod
@@ -77,11 +78,13 @@ class AttnContext:
         """Token mode for one token per entry of `rows` at `positions` (lists), at `iteration` (None: none yet;
         `at_iteration` gives one). `by_row`: a row's tokens read its keys as one slice (KVCache.attend_by_row),
         for sets with several tokens per row whose tokens share an iteration."""
-        rows_t, pos = torch.tensor(rows, device=cache.device), torch.tensor(positions, device=cache.device)
+        dense = not by_row and list(rows) == list(range(cache.batch))
+        # (as_tensor: a list becomes a tensor in three ops where torch.tensor takes four)
+        rows_t = cache.row_ids() if dense else torch.as_tensor(rows, device=cache.device)
+        pos = torch.as_tensor(positions, device=cache.device)
         length = max(positions) + 1
         places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1,
-                                   by_row=(list(rows), list(positions)) if by_row else None,
-                                   dense=not by_row and list(rows) == list(range(cache.batch)))
+                                   by_row=(list(rows), list(positions)) if by_row else None, dense=dense)
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if iteration is None else ctx.at_iteration(iteration)
 

@@ -93,6 +93,8 @@ class KVCache:
         self.v: dict[int, torch.Tensor] = {}
         self._flats: dict[tuple[int, int], torch.Tensor] = {}
         self._heads_first: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._steps: torch.Tensor | None = None    # key_steps' range
+        self._row_ids: torch.Tensor | None = None  # row_ids' range
         self.ensure(capacity)
 
     def ensure(self, length: int) -> None:
@@ -165,8 +167,8 @@ class KVCache:
         keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it.
         `by_row` (the rows and positions as host lists): tokens of one row read their row's keys as one slice
         (`attend_by_row`), not one gather each."""
-        base = rows * self.capacity
         if by_row:
+            base = rows * self.capacity
             groups = []
             row_list, pos_list = by_row
             places: dict[int, list[int]] = {}
@@ -181,13 +183,37 @@ class KVCache:
                 whole = len(mine) == 1
                 groups.append((torch.tensor(idx, device=self.device), row, n_keys, None if whole else sees, idx[0]))
             return TokenIndex(base + positions, None, length, None, groups)
-        read = (base.unsqueeze(1) + torch.arange(length, device=self.device)).view(-1)
+        # (a context is built at every change of the tokens in flight: each op saved here is saved that often)
+        keys = self.key_steps(length)
         mask = None
         if masked:
-            hidden = torch.arange(length, device=self.device) > positions.unsqueeze(1)
+            hidden = keys > positions.view(-1, 1)
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
             mask = mask.view(len(positions), 1, 1, length)
-        return TokenIndex(base + positions, read, length, mask, dense=dense, positions=positions if dense else None)
+        if dense:  # read through the slot's view; flat places only if the rows' slots ever differ (`at_iteration`)
+            return TokenIndex(None, None, length, mask, dense=True, positions=positions)
+        return self._flat_places(TokenIndex(None, None, length, mask), rows, positions)
+
+    def key_steps(self, length: int) -> torch.Tensor:
+        """0 … length − 1 on the cache's device: a slice of one range kept per capacity."""
+        steps = self._steps
+        if steps is None or steps.shape[0] < length:
+            steps = self._steps = torch.arange(max(length, self.capacity), device=self.device)
+        return steps[:length]
+
+    def row_ids(self) -> torch.Tensor:
+        """0 … batch − 1 on the cache's device, made once."""
+        ids = self._row_ids
+        if ids is None:
+            ids = self._row_ids = torch.arange(self.batch, device=self.device)
+        return ids
+
+    def _flat_places(self, index: TokenIndex, rows: torch.Tensor, positions: torch.Tensor) -> TokenIndex:
+        """`index` with its flat `write` and `read` rows at iteration 0 filled in."""
+        base = rows * self.capacity
+        index.write = base + positions
+        index.read = (base.view(-1, 1) + self.key_steps(index.length)).view(-1)
+        return index
 
     def at_iteration(self, index: TokenIndex, iterations: torch.Tensor | int, host: list[int] | None = None
                      ) -> TokenIndex:
@@ -206,7 +232,9 @@ class KVCache:
             if offset == 0:
                 return index
             return TokenIndex(index.write + offset, index.read + offset, index.length, index.mask)
-        read = (index.read.view(-1, index.length) + offset.unsqueeze(1)).view(-1)
+        if index.write is None:  # dense until now: its flat places, made once
+            self._flat_places(index, self.row_ids(), index.positions)
+        read = (index.read.view(-1, index.length) + offset.view(-1, 1)).view(-1)
         return TokenIndex(index.write + offset, read, index.length, index.mask)
 
     def update_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor
@@ -274,8 +302,8 @@ class KVCache:
                     for s in range(last + 1, n_slots):
                         src.append((last * self.batch + b) * self.capacity + p)
                         dst.append((s * self.batch + b) * self.capacity + p)
-                by_depth[n_slots] = (torch.tensor(src, device=self.device, dtype=torch.long),
-                                     torch.tensor(dst, device=self.device, dtype=torch.long))
+                by_depth[n_slots] = (torch.as_tensor(src, device=self.device, dtype=torch.long),
+                                     torch.as_tensor(dst, device=self.device, dtype=torch.long))
             src, dst = by_depth[n_slots]
             if dst.numel():
                 for store in (self.k, self.v):
