@@ -49,6 +49,41 @@ def test_repeats_alternate_and_pair_each_cell_timing_with_its_neighbour():
         assert lm.request_stats == [{"mine": True}] and lm.on_progress is print
 
 
+class Stepped(Timed):
+    """A Timed model with an engine counting loop steps: each pass runs `steps` of them for tokens of `iterations`
+    iterations (two per request)."""
+
+    def __init__(self, name, times, log, steps: int, iterations: tuple[int, int], prefill: str = "full"):
+        super().__init__(name, times, log)
+        self.engine = SimpleNamespace(config=SimpleNamespace(prefill=prefill), stats={"steps": 7.0})
+        self.steps, self.iterations = steps, list(iterations)
+
+    def generate_until(self, requests):
+        out = super().generate_until(requests)
+        for s in self.request_stats[-len(requests):]:
+            s["iterations"] = self.iterations
+        self.engine.stats["steps"] += self.steps
+        return out
+
+
+def test_the_repeats_split_the_overhead_into_the_batches_schedule_and_the_step():
+    """Three requests of two tokens: the cell's tokens run 3 + 5 iterations, full depth's 16 + 16, so the
+    iteration ratio is 24 / 96 = 1/4; the cell's batch ran 10 steps against full depth's 32, a steps ratio of
+    10/32, which is 1.25 × what the iterations need. The engine's counter is read before and after each pass,
+    so steps counted before the repeats stay out."""
+    log: list[str] = []
+    cell = Stepped("cell", [1.0, 1.0], log, steps=10, iterations=(3, 5))
+    full = Stepped("full", [2.0, 2.0], log, steps=32, iterations=(16, 16))
+    got = retime.retime(cell, full, [("generate_until", requests("t", 3))], 2, full_depth=16)
+    assert got["steps_ratio"] == pytest.approx(10 / 32)
+    assert got["schedule"] == pytest.approx(1.25)
+    # prefill exit loops prompt tokens whose iterations no request's stats carry: no schedule then
+    cell = Stepped("cell", [1.0], log, steps=10, iterations=(3, 5), prefill="exit")
+    full = Stepped("full", [2.0], log, steps=32, iterations=(16, 16), prefill="exit")
+    got = retime.retime(cell, full, [("generate_until", requests("t", 3))], 1, full_depth=16)
+    assert got["steps_ratio"] is None and got["schedule"] is None and got["ratio"] == 0.5
+
+
 def test_nothing_to_time_is_no_timing():
     log: list[str] = []
     assert retime.retime(Timed("c", [], log), Timed("f", [], log), [], 3, 16) is None
@@ -210,6 +245,8 @@ def test_on_a_task_ordered_easy_first_the_timed_flops_are_the_cells(tmp_path):
         assert rep["whole_flops_ratio"] == pytest.approx(whole, rel=1e-6)  # generation stops at the same tokens
         assert len(rep["documents"]) == 6 and rep["of_documents"] == 48 and rep["documents"] != list(range(6))
         assert rep["representative"] is True and rep["corrected_ratio"] is None
+        # 16 rows of a batch wait for their slowest: never fewer steps than the tokens' iterations need
+        assert rep["schedule"] >= 1
         # (and each cell records where its rule's definition lets it exit first: from iteration 1 here)
         assert cell["policy"]["earliest_exit"] == 1 and "late_exit" not in cell["policy"]
 
@@ -247,3 +284,22 @@ def test_retiming_one_task_leaves_the_next_tasks_documents_to_draw():
     retime.timed_pass(lm, [("loglikelihood", both[:2])])
     assert lm.received == {"loglikelihood": both}
     assert retime.draw(lm.received, [], "b", 16).work  # two documents of b's sixteen
+
+
+def test_at_batch_size_one_a_rules_steps_are_its_iterations_and_in_a_batch_the_slowest_rows(tmp_path):
+    """The schedule is the engine's own count, not a model of it: one row steps exactly as often as its tokens'
+    iterations say (schedule 1 under any rule), while at batch size 16 second_order's rows exit apart and the
+    batch steps on for its slowest (above 1); a fixed depth's batch loses nothing (1)."""
+    from exitbench.sweep import SweepConfig, run_sweep
+
+    got = {}
+    for batch in (1, 16):
+        cfg = SweepConfig(tasks=["chains"], policies=["second_order"], thresholds=[1.0], baselines=[4, 16],
+                          limit=128, batch_size=batch, timing_repeats=1, quiet=True, out=tmp_path / f"b{batch}")
+        for cell in run_sweep(cfg).cells:
+            got[(batch, cell["policy"]["policy"], cell["policy"]["threshold"])] = cell["wall_clock"]["repeats"]
+    for batch in (1, 16):
+        assert got[(batch, "fixed", 4)]["schedule"] == pytest.approx(1.0, rel=1e-12)
+        assert got[(batch, "fixed", 4)]["steps_ratio"] == pytest.approx(4 / 16, rel=1e-12)
+    assert got[(1, "second_order", 1.0)]["schedule"] == pytest.approx(1.0, rel=1e-12)
+    assert got[(16, "second_order", 1.0)]["schedule"] > 1.1

@@ -15,7 +15,7 @@ COLUMNS = ["cell_id", "mode", "backend", "model", "fingerprint", "architecture",
            "ms_per_token", "wall_clock_estimated", "wall_clock_basis", "time_ratio", "time_spread", "timing_repeats",
            "speedup", "speedup_low", "speedup_high", "speedup_basis", "iteration_bound", "speedup_flag",
            "timed_documents", "of_documents", "sample_flops_ratio", "whole_flops_ratio", "overhead",
-           "overhead_timing", "timing_warnings", "probe_share",
+           "overhead_timing", "schedule", "timing_warnings", "probe_share",
            "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
            "git_revision",
            "started", "preset", "file"]

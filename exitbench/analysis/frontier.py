@@ -270,19 +270,20 @@ def overhead(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any
         flops = rep.get("flops_ratio") or _ratio(cell, full, "flops", "per_token")
         if flops:
             return {"overhead": rep["ratio"] / flops, "time_ratio": rep["ratio"], "flops_ratio": flops,
-                    "timing": "paired"}
+                    "timing": "paired", "schedule": rep.get("schedule")}
     if full is None:
         return None
     time, flops = _ratio(cell, full, "wall_clock", "per_token_s"), _ratio(cell, full, "flops", "per_token")
     if not (time and flops):
         return None
-    return {"overhead": time / flops, "time_ratio": time, "flops_ratio": flops, "timing": "plain"}
+    return {"overhead": time / flops, "time_ratio": time, "flops_ratio": flops, "timing": "plain", "schedule": None}
 
 
 def overhead_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
-    """`overhead` as a row's two fields: its value and which timing it comes from (None, None without one)."""
+    """`overhead` as a row's fields: its value, which timing it comes from, and the part of it the batches'
+    schedule sets (harness/retime.py: paired timings only; None, None, None without them)."""
     o = overhead(cell, full)
-    return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"]}
+    return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"], "schedule": o and o["schedule"]}
 
 
 def _ratio(cell: dict[str, Any], full: dict[str, Any] | None, section: str, key: str) -> float | None:

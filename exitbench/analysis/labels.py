@@ -86,6 +86,9 @@ def overhead(value: float | None, timing: str | None = None) -> str:
 
 # Said under every table that marks one.
 PLAIN_OVERHEAD = "overhead: time ratio ÷ FLOP ratio to full depth; * from the cells' own timings, not paired repeats"
+# Said under every table with a schedule column (harness/retime.py).
+SCHEDULE = ("schedule: the part of the overhead a batch waiting on its slowest row sets: loop steps ÷ the steps its "
+            "tokens' iterations need, against full depth; overhead ÷ schedule is a loop step's own cost")
 
 
 def depth_said(entry: dict[str, Any]) -> str:

@@ -227,20 +227,24 @@ def matched_table(entry: dict[str, Any]) -> str:
                      # a plain one as text, marked, so it never reads as the paired kind
                      main.get("overhead") if main.get("overhead_timing") != "plain"
                      else overhead(main["overhead"], "plain"),
-                     main.get("iterations_over_oracle"),
+                     main.get("schedule"), main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
     headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "range of repeats",
-               "timed by", "overhead", "iterations / oracle", *[f"iterations at {100 * t:g}%" for t in others]]
-    spread = headers.index("range of repeats")
-    if all(r[spread] is None for r in rows):
-        # A sweep never retimed would show an empty column that pushes the table past a laptop's width.
-        del headers[spread]
-        rows = [r[:spread] + r[spread + 1:] for r in rows]
+               "timed by", "overhead", "schedule", "iterations / oracle",
+               *[f"iterations at {100 * t:g}%" for t in others]]
+    for empty in ("range of repeats", "schedule"):
+        at = headers.index(empty)
+        if all(r[at] is None for r in rows):
+            # A sweep never retimed (or retimed before schedules were counted) would show an empty column that
+            # pushes the table past a laptop's width.
+            del headers[at]
+            rows = [r[:at] + r[at + 1:] for r in rows]
     # a speed-up reads as 2.13×, a range as 1.98–2.27× and a fixed depth as r = 16, as in `pareto`
     return table(headers, rows, numeric=set(range(1, len(headers))),
-                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×", headers.index("overhead"): overhead})
+                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×", headers.index("overhead"): overhead,
+                        **({headers.index("schedule"): overhead} if "schedule" in headers else {})})
 
 
 def _setting(policy: str, threshold: Any) -> Any:
@@ -403,7 +407,9 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
              "iteration bound (full depth's iterations over the cell's) is no result and shows as text with ‼. The "
              "overhead is the cell's time ratio to full depth divided by its FLOP ratio: its paired repeats' where "
              "retimed, else (marked *) the two cells' own timings; far above 1, the time measures our "
-             "implementation of a rule, not the rule.</p>")
+             "implementation of a rule, not the rule. The schedule is the part of it a batch waiting on its slowest "
+             "row sets: the engine's loop steps over the repeats ÷ the steps the tokens' iterations need, against "
+             "full depth (1 at batch size 1 and at a fixed depth); overhead ÷ schedule is a loop step's own cost.</p>")
     tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
               f"({direction(entry['higher_is_better'])}; full depth {html.escape(depth_said(entry))})</small></h3>"
               + (f'<p class="note">{html.escape(deeper_said(entry))}</p>' if deeper_said(entry) else "")

@@ -13,7 +13,7 @@ from rich.text import Text
 from ..errors import ExitbenchError
 from ..store.cells import conjunction
 from .frontier import collapse_tolerances, table_rows
-from .labels import (PLAIN_OVERHEAD, config_label, deeper_said, depth_said, direction, metric_with_direction,
+from .labels import (PLAIN_OVERHEAD, SCHEDULE, config_label, deeper_said, depth_said, direction, metric_with_direction,
                      overhead, setting)
 from .speedup import NONE as NO_SPEEDUP
 from .speedup import SpeedUp
@@ -43,13 +43,14 @@ def _reference(rows: list[dict[str, Any]]) -> str:
 def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
     shown = [_summary_row(r) for r in rows]
     columns = [("policy", "left"), ("τ", "right"), ("quality", "right"), ("mean iters", "right"),
-               ("ms/token", "right"), ("speed-up", "right"), ("overhead", "right"), ("probe", "right"),
-               ("cell", "left")]
+               ("ms/token", "right"), ("speed-up", "right"), ("overhead", "right"), ("schedule", "right"),
+               ("probe", "right"), ("cell", "left")]
     if all(r[-1] == "measured" for r in shown):
         columns, shown = columns[:-1], [r[:-1] for r in shown]
-    speed = [c for c, _ in columns].index("speed-up")
-    if all(r[speed] == "-" for r in shown):  # no speed-up at all: an empty column would push the table past 100
-        columns, shown = columns[:speed] + columns[speed + 1:], [r[:speed] + r[speed + 1:] for r in shown]
+    for empty in ("speed-up", "schedule"):  # an empty column would push the table past 100 for nothing
+        at = [c for c, _ in columns].index(empty)
+        if all(r[at] == "-" for r in shown):
+            columns, shown = columns[:at] + columns[at + 1:], [r[:at] + r[at + 1:] for r in shown]
     table = Table(title=title, caption_justify="left")
     table.caption = timing_caption(rows)
     for i, (col, justify) in enumerate(columns):
@@ -74,6 +75,8 @@ def timing_caption(rows: list[dict[str, Any]]) -> str | None:
         lines.append(f"≈ ms/token {estimated}")
     if any(r.get("overhead_timing") == "plain" for r in rows):
         lines.append(PLAIN_OVERHEAD)
+    if any(r.get("schedule") is not None for r in rows):
+        lines.append(SCHEDULE)
     return "\n".join(lines) or None
 
 
@@ -84,7 +87,7 @@ def _summary_row(r: dict[str, Any]) -> list[str]:
     quality = "n/a" if r["quality"] is None else f"{r['quality']:.4g}"  # a non-finite metric
     ms = ("≈" if r.get("clock_basis") else "") + f"{r['ms_per_token']:.3f}"
     return [_marked({**r, "mode": None}), setting(r["policy"], r["threshold"]), quality, iters, ms,
-            _speedup_cell(r), overhead(r.get("overhead"), r.get("overhead_timing")),
+            _speedup_cell(r), overhead(r.get("overhead"), r.get("overhead_timing")), overhead(r.get("schedule")),
             f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
 
 

@@ -24,6 +24,13 @@ how much more the cell's time costs than its arithmetic says (1 when a rule runs
 Where the timed documents' FLOP ratio still strays more than MAX_SAMPLE_OFF from the whole task's (a task of a
 few dozen documents has strata too coarse to match it), the time ratio is carried over to the whole task at the
 same overhead (`corrected_ratio`), and the tables say so.
+
+An overhead above 1 has two sources, and the repeats tell them apart. A batch steps until its slowest row has
+exited, so its loop steps can exceed what its tokens' iterations say even when every step is as cheap as full
+depth's: `schedule` = (the cell's loop steps ÷ full depth's) ÷ (its iterations ÷ full depth's), counted by the
+engine over the same passes, is that part (1 at batch size 1 or at a fixed depth; on a batch of a few tokens per
+row, the batch's straggler floor). What is left, overhead ÷ schedule, is the engine's own step against a step at
+full depth.
 """
 from __future__ import annotations
 
@@ -149,17 +156,28 @@ def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tup
 
 def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
     """One timed pass of `work` through an ExitbenchLM: seconds per scored token."""
-    return timed_pass(lm, work)[0]
+    return timed_pass(lm, work).seconds
 
 
-def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, float | None]:
-    """One pass of `work` through an ExitbenchLM: (seconds, FLOPs) per scored token; FLOPs None where a request's
-    stats carry none. The model's own request table, the requests it received and its progress callback are
-    left as they were, so a cell's statistics hold its evaluation alone and the next task's documents are still
-    there to draw (a pass hands the model only this task's)."""
+@dataclass
+class Pass:
+    """One timed pass: seconds and FLOPs per scored token (None where a request's stats carry none), and the
+    engine's batched loop steps and the scored tokens' iterations over the pass (None where the model keeps no
+    step count, or loops prompt tokens too: prefill `exit`)."""
+    seconds: float | None
+    flops: float | None = None
+    steps: float | None = None
+    iterations: int | None = None
+
+
+def timed_pass(lm: Any, work: list[tuple[str, list]]) -> Pass:
+    """One pass of `work` through an ExitbenchLM. The model's own request table, the requests it received and
+    its progress callback are left as they were, so a cell's statistics hold its evaluation alone and the next
+    task's documents are still there to draw (a pass hands the model only this task's)."""
     kept, lm.request_stats = lm.request_stats, []
     received = dict(getattr(lm, "received", {}))
     progress, lm.on_progress = lm.on_progress, None
+    steps_before = _engine_steps(lm)
     try:
         for kind, requests in work:
             getattr(lm, kind)(requests)
@@ -170,9 +188,20 @@ def timed_pass(lm: Any, work: list[tuple[str, list]]) -> tuple[float | None, flo
             lm.received = received
     tokens = sum(len(s["iterations"]) for s in stats)
     if not tokens:
-        return None, None
+        return Pass(None)
     flops = None if any(s.get("flops") is None for s in stats) else sum(s["flops"] for s in stats) / tokens
-    return sum(s["token_seconds"] for s in stats) / tokens, flops
+    steps = None if steps_before is None else _engine_steps(lm) - steps_before
+    return Pass(sum(s["token_seconds"] for s in stats) / tokens, flops, steps,
+                sum(sum(s["iterations"]) for s in stats))
+
+
+def _engine_steps(lm: Any) -> float | None:
+    """The engine's loop steps so far, where they count the scored tokens' loops alone (prefill `full`: a
+    prompt prefilled token by token under exits loops too, and its iterations are in no request's stats)."""
+    engine = getattr(lm, "engine", None)
+    if engine is None or getattr(engine.config, "prefill", "full") != "full":
+        return None
+    return engine.stats["steps"]
 
 
 def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int,
@@ -184,23 +213,26 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
         return None
     cell_s: list[float | None] = []
     full_s: list[float | None] = []
-    flops: dict[int, float | None] = {}
+    last: dict[int, Pass] = {}
     for r in range(repeats):
         pair = [(lm, cell_s), (full_lm, full_s)]
         for model, into in pair if r % 2 == 0 else pair[::-1]:
-            seconds, flops[id(into)] = timed_pass(model, work)
-            into.append(seconds)
+            last[id(into)] = timed_pass(model, work)
+            into.append(last[id(into)].seconds)
     if any(t is None or t <= 0 for t in cell_s + full_s):
         return None
     ratios = [a / b for a, b in zip(cell_s, full_s)]
     median = statistics.median(ratios)
-    # FLOPs do not vary between repeats: the last pass's count is every pass's.
-    cell_f, full_f = flops[id(cell_s)], flops[id(full_s)]
-    flops_ratio = cell_f / full_f if cell_f and full_f else None
+    # FLOPs, steps and iterations do not vary between repeats: the last pass's counts are every pass's.
+    cell, full = last[id(cell_s)], last[id(full_s)]
+    flops_ratio = cell.flops / full.flops if cell.flops and full.flops else None
+    steps_ratio = cell.steps / full.steps if cell.steps and full.steps else None
+    schedule = steps_ratio / (cell.iterations / full.iterations) if steps_ratio and cell.iterations else None
     out = {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
            "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
            "spread": (max(ratios) - min(ratios)) / median, "flops_ratio": flops_ratio,
-           "overhead": median / flops_ratio if flops_ratio else None}
+           "overhead": median / flops_ratio if flops_ratio else None,
+           "steps_ratio": steps_ratio, "schedule": schedule}
     if sample is not None:
         out.update(sample.record())
         out.update(representative(flops_ratio, sample.whole_flops_ratio, median))

@@ -20,10 +20,11 @@ Schema `exitbench.cell` version 2 (documented in the README):
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
                {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread,
                flops_ratio, overhead, documents, of_documents, drawn, whole_flops_ratio,
-               expected_flops_ratio, representative, corrected_ratio}: documents drawn across the task timed
-               again beside full depth (harness/retime.py; absent when not; cells written before the draw have
-               no `documents` and timed the task's first requests); untimed: why a task was not retimed (too
-               few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent when not retimed,
+               expected_flops_ratio, representative, corrected_ratio, steps_ratio, schedule}: documents drawn
+               across the task timed again beside full depth (harness/retime.py; absent when not; cells written
+               before the draw have no `documents` and timed the task's first requests; schedule: loop steps ÷
+               what the tokens' iterations need, against full depth, absent before it); untimed: why a task was
+               not retimed (too few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent when not retimed,
                and in cells written before it);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token

@@ -112,6 +112,8 @@ class RepeatsPart(_Part):
     whole_flops_ratio: Optional[Number] = None
     representative: Optional[bool] = None
     corrected_ratio: Optional[Number] = None
+    steps_ratio: Optional[Number] = None
+    schedule: Optional[Number] = None
 
 
 class WallClockPart(_Part):
