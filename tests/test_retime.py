@@ -292,12 +292,28 @@ def test_at_batch_size_one_a_rules_steps_are_its_iterations_and_in_a_batch_the_s
     batch steps on for its slowest (above 1); a fixed depth's batch loses nothing (1)."""
     from exitbench.sweep import SweepConfig, run_sweep
 
-    got = {}
+    got, made = {}, []
     for batch in (1, 16):
         cfg = SweepConfig(tasks=["chains"], policies=["second_order"], thresholds=[1.0], baselines=[4, 16],
                           limit=128, batch_size=batch, timing_repeats=1, quiet=True, out=tmp_path / f"b{batch}")
-        for cell in run_sweep(cfg).cells:
+        made = run_sweep(cfg).cells
+        for cell in made:
             got[(batch, cell["policy"]["policy"], cell["policy"]["threshold"])] = cell["wall_clock"]["repeats"]
+    # run's table shows it beside the overhead, and leaves the column out for cells retimed before it existed
+    from rich.console import Console
+
+    from exitbench.analysis.tables import summary_table
+    from exitbench.sweep.run import summary_rows
+
+    def shown(rows):
+        console = Console(record=True, width=200)
+        console.print(summary_table(rows, "t"))
+        return console.export_text()
+
+    rows = summary_rows(made)
+    batch16 = got[(16, "second_order", 1.0)]["schedule"]
+    assert "schedule" in shown(rows) and f"{batch16:.2f}×" in shown(rows)
+    assert "schedule" not in shown([{**r, "schedule": None} for r in rows])
     for batch in (1, 16):
         assert got[(batch, "fixed", 4)]["schedule"] == pytest.approx(1.0, rel=1e-12)
         assert got[(batch, "fixed", 4)]["steps_ratio"] == pytest.approx(4 / 16, rel=1e-12)

@@ -155,16 +155,19 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
 def _matched_table(group: str, entry: dict[str, Any]) -> Table:
     t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth "
                     f"{depth_said(entry)}; {direction(entry['higher_is_better'])})", caption_justify="left")
-    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead", "iters / oracle"):
+    rows = collapse_tolerances(entry["matched_quality"])
+    scheduled = any(r.get("schedule") is not None for r in rows)  # (cells retimed before it have none)
+    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead",
+                *(["schedule"] if scheduled else []), "iters / oracle"):
         # a speed-up and its range stay on one line: a narrow terminal folds the headings instead
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
-    rows = collapse_tolerances(entry["matched_quality"])
     for r in rows:
         eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                              else "")
         t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
                   f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": SpeedUp.from_row(r)}),
                   overhead(r.get("overhead"), r.get("overhead_timing")),
+                  *([overhead(r.get("schedule"))] if scheduled else []),
                   "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
     t.caption = "\n".join(c for c in (deeper_said(entry), timing_caption([{**r, "speedup": SpeedUp.from_row(r)}
                                                                           for r in rows])) if c) or None
