@@ -456,9 +456,11 @@ def test_each_cell_is_retimed_beside_full_depth_and_changes_no_other_number(swep
         assert cell["iterations"]["requests"] == LIMIT  # the repeats' requests are not counted as the cell's
     grid = by_config(found)
     for task in ("chains", "chains_lambada"):
-        # One step against sixteen: far apart beyond any machine's noise (bench/timing_noise.py).
-        assert grid[(task, "fixed", 1.0)]["wall_clock"]["repeats"]["ratio"] < \
-            0.5 * grid[(task, "fixed", 16.0)]["wall_clock"]["repeats"]["ratio"]
+        # One step against sixteen: far apart beyond any machine's noise. Each cell's fastest pass, not the median
+        # of its ratios: three requests time in milliseconds, and a test running beside this one on the other core
+        # can only slow a pass down (CI once read a median ratio of 0.65 for full depth paired with itself).
+        one, sixteen = (grid[(task, "fixed", r)]["wall_clock"]["repeats"]["per_token_s"] for r in (1.0, 16.0))
+        assert min(one) < 0.5 * min(sixteen)
     once = tmp_path / "once"
     run_ok("--tasks", "chains", "--policy", "second_order", "--thresholds", "1", "--baselines", "16",
            "--limit", str(LIMIT), "--timing-repeats", "0", "--out", str(once))
