@@ -192,6 +192,7 @@ def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
         assert (mixed > 0) <= ("refill=eager" in run["run"]), run["run"]
         assert (readouts > 0) == run["run"].startswith("kl"), run["run"]
         assert run["run"].startswith("fixed") <= (leaves == regroups), run["run"]
+        assert run["spread"] == 0  # one repeat: nothing to spread (the busy-machine warning reads the median)
     checks = {(c["policy"], c["scheduler"]) for c in figures["checks"]}
     assert checks == {(p, s) for p in ("second_order", "first_order") for s in ("static", "continuous")}
     for c in figures["checks"]:
