@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         loads.append(os.getloadavg()[0])
     measured = {run: statistics.median(v) for run, v in seconds.items()}
     spreads = {run: (max(v) - min(v)) / abs(measured[run]) if measured[run] else 0.0 for run, v in seconds.items()}
+    spread = statistics.median(spreads.values())
     # A decode of a few tokens can time at or below its first-token run's noise (s − s1 ≤ 0); such a run says
     # nothing about a step's cost, so it stays out of the fit and its check reads "—" (None in --json), not a ratio.
     swamped = [run for run in runs if measured[run] <= 0]
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     provenance = {"device": args.device, "model": args.checkpoint or "tiny-raven", "date": date, "command": command,
                   "machine": f"{platform.machine()} {os.cpu_count()} cores, {args.threads} torch thread(s)",
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,
-                  "repeat_spread_median": round(statistics.median(spreads.values()), 3),
+                  "repeat_spread_median": round(spread, 3),
                   "fit_relative_error": {name(run): round(e, 4) for run, e in zip(fit_runs, fit_error)}}
     serving.save_cost(args.out, cost, **provenance)
     raw = [{"run": name(run), "seconds": seconds[run], "spread": spreads[run], "counts": counts_row(counts(run))}
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cost.describe()}; fit error per run {min(fit_error):+.1%} to {max(fit_error):+.1%}")
     print(f"load average {min(loads):.2f}–{max(loads):.2f}; batch {CHECK_BATCH}, {args.requests} requests × "
           f"{args.tokens} tokens, full depth {full}: {full_s if full_s is not None else float('nan'):.3f} s")
-    print(f"repeats' spread ((max − min) ÷ median) per run: median {statistics.median(spreads.values()):.0%}, "
+    print(f"repeats' spread ((max − min) ÷ median) per run: median {spread:.0%}, "
           f"largest {max(spreads.values()):.0%}")
-    if statistics.median(spreads.values()) > NOISY:
+    if spread > NOISY:
         print(f"warning: the runs' repeats spread more than {NOISY:.0%} around their medians: the machine was busy, "
               "and neither the fit nor the check says much; rerun it on an idle machine")
     print(f"{'rule':<20}{'engine refill':>14}{'simulated':>11}{'iters':>7}{'engine s':>10}{'sim−eng':>9}"

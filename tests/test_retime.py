@@ -286,6 +286,32 @@ def test_retiming_one_task_leaves_the_next_tasks_documents_to_draw():
     assert retime.draw(lm.received, [], "b", 16).work  # two documents of b's sixteen
 
 
+def test_run_table_shows_the_schedule_only_where_cells_have_one():
+    """run's table puts the schedule beside the overhead and explains it; for cells retimed before it existed the
+    column is left out. (The slow test below renders it from a real sweep.)"""
+    from rich.console import Console
+
+    from exitbench.analysis.speedup import SpeedUp
+    from exitbench.analysis.tables import summary_table
+
+    def row(threshold, schedule):
+        return {"task": "chains", "metric": "exact_match", "higher_is_better": True, "policy": "second_order",
+                "threshold": threshold, "quality": 1.0, "mean_iterations": 11.1, "ms_per_token": 0.5,
+                "probe_share": 0.06, "speedup": SpeedUp(1.0, "paired", 0.9, 1.1, 1.44), "warnings": [],
+                "overhead": 1.38, "overhead_timing": "paired", "schedule": schedule}
+
+    def shown(rows):
+        console = Console(record=True, width=200)
+        console.print(summary_table(rows, "t"))
+        return console.export_text()
+
+    assert "schedule" in shown([row(0.1, 1.39)]) and "1.39×" in shown([row(0.1, 1.39)])
+    assert "schedule" not in shown([row(0.1, None)])
+
+
+# 8 s: two sweeps of tiny-raven; test_the_repeats_split_the_overhead_into_the_batches_schedule_and_the_step and
+# test_run_table_shows_the_schedule_only_where_cells_have_one cover the same code fast
+@pytest.mark.slow
 def test_at_batch_size_one_a_rules_steps_are_its_iterations_and_in_a_batch_the_slowest_rows(tmp_path):
     """The schedule is the engine's own count, not a model of it: one row steps exactly as often as its tokens'
     iterations say (schedule 1 under any rule), while at batch size 16 second_order's rows exit apart and the
