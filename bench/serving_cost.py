@@ -176,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,
                   "repeat_spread_median": round(spread, 3),
                   "fit_relative_error": {name(run): round(e, 4) for run, e in zip(fit_runs, fit_error)}}
-    serving.save_cost(args.out, cost, **provenance)
     raw = [{"run": name(run), "seconds": seconds[run], "spread": spreads[run], "counts": counts_row(counts(run))}
            for run in runs]
     figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS}, "runs": raw,
@@ -201,6 +200,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{c['mean_iterations']:>7.2f}{c['engine_s']:>10.3f}{cell(c['simulated_vs_engine'], '+.1%', 9)}"
               f"{c['ideal']:>7.2f}×{cell(c['engine_speedup'], '.2f', 8, '×')}{c['simulated_speedup']:>7.2f}×"
               f"{cell(c['engine_share_of_ideal'], '.0%', 7)}")
+    # A loop step costs time on any machine; a fit that gives it none put the decodes' seconds on the tokens
+    # alone, which only noise does (CI once fitted 4 requests × 3 tokens so). serve-sim could not use such a
+    # model, so it is not written, and a cost file already at --out is kept.
+    if cost.fixed_s + cost.row_s == 0:
+        sys.exit(f"error: the fit gives a loop step no cost (fixed_s and row_s 0): the timings are noise at "
+                 f"{args.requests} requests × {args.tokens} tokens; raise --tokens or --repeats, or rerun on an "
+                 f"idle machine. {args.out} not written; the runs' figures are in {args.json}")
+    serving.save_cost(args.out, cost, **provenance)
     print(f"wrote {args.out} and {args.json}")
 
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from scipy.optimize import nnls
 from typer.testing import CliRunner
 
 from exitbench.analysis import serving
@@ -169,22 +170,40 @@ def test_serve_sim_command(tmp_path):
     assert res.exit_code == 2 and "not a readable cost file" in res.output
 
 
-def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
-    # bench/serving_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
-    # scheduler its refill rule is (no step at mixed iterations outside `eager`, readouts for kl only), and every
-    # held-out rule is checked under both schedulers. (No figure is asserted: 3 tokens of 4 requests time noise.)
+def cost_bench():
     spec = importlib.util.spec_from_file_location("bench_serving_cost", REPO / "bench" / "serving_cost.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cost_file, figures_file = tmp_path / "cost.json", tmp_path / "figures.json"
+    return bench
+
+
+def run_cost_bench(bench, cost_file, figures_file) -> str | None:
+    """bench/serving_cost.py on 4 requests × 3 tokens: None, or the error it exited with."""
     threads = torch.get_num_threads()
     try:
         bench.main(["--requests", "4", "--tokens", "3", "--repeats", "1", "--out", str(cost_file),
                     "--json", str(figures_file)])
+    except SystemExit as exc:
+        return str(exc.code)
     finally:
         torch.set_num_threads(threads)  # (the bench times on one thread; the worker's later tests keep theirs)
-    cost = serving.load_cost(cost_file)
-    assert cost.fixed_s + cost.row_s > 0 and "tiny-raven" in cost.source
+    return None
+
+
+def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
+    # bench/serving_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
+    # scheduler its refill rule is (no step at mixed iterations outside `eager`, readouts for kl only), and every
+    # held-out rule is checked under both schedulers. (No figure is asserted: 3 tokens of 4 requests time noise.)
+    bench = cost_bench()
+    cost_file, figures_file = tmp_path / "cost.json", tmp_path / "figures.json"
+    refused = run_cost_bench(bench, cost_file, figures_file)
+    # On a loaded worker the fit of so few tokens can give a loop step no cost; the bench then refuses to write a
+    # model serve-sim cannot use (the next test forces that path). Otherwise the file reads back.
+    if refused is None:
+        cost = serving.load_cost(cost_file)
+        assert cost.fixed_s + cost.row_s > 0 and "tiny-raven" in cost.source
+    else:
+        assert "loop step no cost" in refused and not cost_file.exists()
     figures = json.loads(figures_file.read_text())
     for run in figures["runs"]:
         steps, row_steps, tokens, leaves, regroups, requests, readouts, mixed = run["counts"]
@@ -200,3 +219,22 @@ def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
         # a decode that noise swamped (engine s ≤ 0: its first-token run timed longer) reads unmeasured, never as
         # a ratio; CI once timed one on a loaded worker
         assert (c["simulated_vs_engine"] is None) == (c["engine_s"] <= 0), c
+
+
+def test_the_cost_bench_refuses_a_fit_in_which_a_loop_step_costs_nothing(tmp_path, monkeypatch):
+    # what noise can fit (CI did, on 4 requests × 3 tokens): every second on the tokens, none on the steps
+    bench = cost_bench()
+
+    def no_step_cost(A, b):
+        coef, residual = nnls(A, b)
+        coef[:2] = 0  # fixed_s, row_s: the first two counts of counts_row
+        return coef, residual
+
+    monkeypatch.setattr(bench, "nnls", no_step_cost)
+    cost_file, figures_file = tmp_path / "cost.json", tmp_path / "figures.json"
+    cost_file.write_text("the user's earlier model\n")
+    refused = run_cost_bench(bench, cost_file, figures_file)
+    assert refused is not None and refused.startswith("error: the fit gives a loop step no cost"), refused
+    assert "--tokens" in refused and str(figures_file) in refused
+    assert cost_file.read_text() == "the user's earlier model\n"  # kept, not replaced by a model it cannot use
+    assert json.loads(figures_file.read_text())["cost"]["fixed_s"] == 0  # the runs' figures are still written
