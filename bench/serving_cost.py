@@ -14,6 +14,7 @@
    decodes) rows' readouts and steps whose rows sit at different iterations, under the scheduler the engine
    ran; a non-negative least-squares fit of the measured seconds on those eight counts gives the cost model
    (`--out`, what `exitbench serve-sim --cost` reads). Generation stops after exactly `--tokens` tokens (no stop token).
+   A fit that gives a loop step no cost (noise, on too few tokens) is refused and --out left as it was.
 2. Check. Held out from the fit: two other rules (second_order τ=0.1, first_order τ=0.01) at batch size 16 on
    the same prompts, timed in the same repeats, each under both refill rules. Each run's simulated time under
    its scheduler (static for `wave`, continuous for `eager`), from the engine's own per-token exits of that run,
