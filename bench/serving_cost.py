@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     # A loop step costs time on any machine; a fit that gives it none put the decodes' seconds on the tokens
     # alone, which only noise does (CI once fitted 4 requests × 3 tokens so). serve-sim could not use such a
     # model, so it is not written, and a cost file already at --out is kept.
-    if cost.fixed_s + cost.row_s == 0:
+    if cost.steps_free:
         sys.exit(f"error: the fit gives a loop step no cost (fixed_s and row_s 0): the timings are noise at "
                  f"{args.requests} requests × {args.tokens} tokens; raise --tokens or --repeats, or rerun on an "
                  f"idle machine. {args.out} not written; the runs' figures are in {args.json}")

@@ -61,6 +61,12 @@ class CostModel:
     mixed_s: float
     source: str = "given"  # where the figures come from: what the output states
 
+    @property
+    def steps_free(self) -> bool:
+        """A loop step costs nothing: what no machine does, so a model that says it (a fit of noise) projects
+        nothing and is neither read nor written."""
+        return self.fixed_s + self.row_s == 0
+
     def seconds(self, counts: "Counts") -> float:
         return (self.fixed_s * counts.steps + self.row_s * counts.row_steps + self.token_s * counts.tokens
                 + self.leave_s * counts.leaves + self.regroup_s * counts.regroups + self.prefill_s * counts.requests
@@ -93,11 +99,12 @@ def load_cost(path: Path | str | None = None) -> CostModel:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ExitbenchError(f"--cost {path}: {name} must be a finite number of seconds ≥ 0, got {value!r}")
         figures[name] = float(value)
-    if figures["fixed_s"] + figures["row_s"] == 0:
-        raise ExitbenchError(f"--cost {path}: a loop step costs nothing (fixed_s and row_s are 0); nothing to project")
     where = "default" if path == DEFAULT_COST else str(path)
-    return CostModel(**figures, source=f"{where} ({data.get('device', '?')}, {data.get('model', '?')}, "
+    cost = CostModel(**figures, source=f"{where} ({data.get('device', '?')}, {data.get('model', '?')}, "
                                        f"{data.get('date', 'undated')})")
+    if cost.steps_free:
+        raise ExitbenchError(f"--cost {path}: a loop step costs nothing (fixed_s and row_s are 0); nothing to project")
+    return cost
 
 
 def save_cost(path: Path, cost: CostModel, **provenance: Any) -> None:
