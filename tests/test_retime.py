@@ -286,24 +286,27 @@ def test_retiming_one_task_leaves_the_next_tasks_documents_to_draw():
     assert retime.draw(lm.received, [], "b", 16).work  # two documents of b's sixteen
 
 
+def shown(rows) -> str:
+    """run's summary table of `rows`, as a terminal wide enough not to fold it shows it."""
+    from rich.console import Console
+
+    from exitbench.analysis.tables import summary_table
+
+    console = Console(record=True, width=200)
+    console.print(summary_table(rows, "t"))
+    return console.export_text()
+
+
 def test_run_table_shows_the_schedule_only_where_cells_have_one():
     """run's table puts the schedule beside the overhead and explains it; for cells retimed before it existed the
     column is left out. (The slow test below renders it from a real sweep.)"""
-    from rich.console import Console
-
     from exitbench.analysis.speedup import SpeedUp
-    from exitbench.analysis.tables import summary_table
 
     def row(threshold, schedule):
         return {"task": "chains", "metric": "exact_match", "higher_is_better": True, "policy": "second_order",
                 "threshold": threshold, "quality": 1.0, "mean_iterations": 11.1, "ms_per_token": 0.5,
                 "probe_share": 0.06, "speedup": SpeedUp(1.0, "paired", 0.9, 1.1, 1.44), "warnings": [],
                 "overhead": 1.38, "overhead_timing": "paired", "schedule": schedule}
-
-    def shown(rows):
-        console = Console(record=True, width=200)
-        console.print(summary_table(rows, "t"))
-        return console.export_text()
 
     assert "schedule" in shown([row(0.1, 1.39)]) and "1.39×" in shown([row(0.1, 1.39)])
     assert "schedule" not in shown([row(0.1, None)])
@@ -326,15 +329,7 @@ def test_at_batch_size_one_a_rules_steps_are_its_iterations_and_in_a_batch_the_s
         for cell in made:
             got[(batch, cell["policy"]["policy"], cell["policy"]["threshold"])] = cell["wall_clock"]["repeats"]
     # run's table shows it beside the overhead, and leaves the column out for cells retimed before it existed
-    from rich.console import Console
-
-    from exitbench.analysis.tables import summary_table
     from exitbench.sweep.run import summary_rows
-
-    def shown(rows):
-        console = Console(record=True, width=200)
-        console.print(summary_table(rows, "t"))
-        return console.export_text()
 
     rows = summary_rows(made)
     batch16 = got[(16, "second_order", 1.0)]["schedule"]

@@ -24,8 +24,8 @@ Schema `exitbench.cell` version 2 (documented in the README):
                across the task timed again beside full depth (harness/retime.py; absent when not; cells written
                before the draw have no `documents` and timed the task's first requests; schedule: loop steps ÷
                what the tokens' iterations need, against full depth, absent before it); untimed: why a task was
-               not retimed (too few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent when not retimed,
-               and in cells written before it);
+               not retimed (too few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent
+               when not retimed, and in cells written before it);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;
