@@ -1,11 +1,15 @@
-"""Host work per loop step: aten ops per batched loop step of greedy generation, per policy, at batch sizes 1
-and 16 (exitbench/engine/opcount.py says what is counted). Counts, not times: the same on any machine.
+"""Host work per loop step: aten ops per batched loop step of greedy generation, per policy (exitbench/engine/
+opcount.py says what is counted). Counts, not times: the same on any machine.
 
     python bench/ops.py                       # tiny-raven, the table
     python bench/ops.py --json bench/ops-results.json
 
-Issue 57's targets on tiny-raven (one core layer), every op of the run over its loop steps: fixed depth ≤ 150,
-second_order ≤ 200, batch 16 ≤ 1.1 × batch 1.
+Three runs per policy: batch 1; batch 16 under static batching (`--refill wave`: a batch of 16 prompts, every
+row's tokens in lockstep while none has exited), where issue 57 asked that a step cost at most 1.1 × a step at
+batch 1; and continuous depth batching (the default refill) on a stream of 64 prompts at batch 16, where a step
+also hands the places of exited tokens to waiting ones. Steps of different schedules hold different numbers of
+tokens, so the last column is what compares them: ops per token-iteration, a run's ops over the iterations its
+tokens ran. Targets: fixed depth ≤ 150 ops per step and second_order ≤ 200 at batch 1 (issues 57 and 69).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from exitbench.engine.opcount import chains_prompts, count_generate  # noqa: E40
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 
 POLICIES = {"fixed": None, "second_order": 1e-2, "first_order": 1e-2, "kl": 1e-3, "confidence": 0.5}
+# (label, batch size, prompts, refill)
+RUNS = [("bs1", 1, 1, None), ("bs16 static", 16, 16, "wave"), ("bs16 stream", 16, 64, None)]
 
 
 def main() -> None:
@@ -32,19 +38,23 @@ def main() -> None:
     args = parser.parse_args()
     ck = open_checkpoint(args.checkpoint)
     rows = []
-    print(f"{'policy':13s} {'τ':>7s} {'batch':>5s} {'steps':>5s} {'ops/step':>9s} {'in step':>8s} {'bs16/bs1':>9s}")
+    print(f"{'policy':13s} {'τ':>7s} {'run':>12s} {'steps':>5s} {'ops/step':>9s} {'in step':>8s} {'vs bs1':>7s} "
+          f"{'ops/token-it':>12s}")
     for policy, threshold in POLICIES.items():
-        config = ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}))
-        per_batch = {}
-        for batch in (1, 16):
-            count = count_generate(ck.model, config, chains_prompts(ck.tokenizer, batch), args.tokens)
-            per_batch[batch] = count
-            ratio = f"{count.per_step / per_batch[1].per_step:9.2f}" if batch == 16 else ""
-            print(f"{policy:13s} {threshold if threshold is not None else '':>7} {batch:5d} {count.steps:5d} "
-                  f"{count.per_step:9.1f} {count.in_step:8.1f} {ratio}")
-            rows.append({"policy": policy, "threshold": threshold, "batch_size": batch, "steps": count.steps,
-                         "ops": count.ops, "ops_in_steps": count.in_steps, "ops_per_step": round(count.per_step, 1),
-                         "ops_in_step": round(count.in_step, 1)})
+        per_step = {}
+        for label, batch, n_prompts, refill in RUNS:
+            config = ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}),
+                                **({"refill": refill} if refill else {}))
+            count = count_generate(ck.model, config, chains_prompts(ck.tokenizer, n_prompts), args.tokens, batch)
+            per_step[label] = count.per_step
+            ratio = f"{count.per_step / per_step['bs1']:7.2f}" if label != "bs1" else ""
+            print(f"{policy:13s} {threshold if threshold is not None else '':>7} {label:>12s} {count.steps:5d} "
+                  f"{count.per_step:9.1f} {count.in_step:8.1f} {ratio:>7s} {count.per_iteration:12.1f}")
+            rows.append({"policy": policy, "threshold": threshold, "run": label, "batch_size": batch,
+                         "prompts": n_prompts, "refill": refill or "continuous", "steps": count.steps,
+                         "ops": count.ops, "ops_in_steps": count.in_steps, "iterations": count.iterations,
+                         "ops_per_step": round(count.per_step, 1), "ops_in_step": round(count.in_step, 1),
+                         "ops_per_token_iteration": round(count.per_iteration, 2)})
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "tokens": args.tokens,
                                          "rows": rows}, indent=1) + "\n")

@@ -322,7 +322,7 @@ def test_every_table_names_the_depth_full_depth_means():
               hand_made_cell("t", "acc", True, "second_order", 0.1, 0.5, 3.5, 0.24e-3, max_steps=4)]
     shown = render(*tables.pareto_tables(frontier.report(capped)))
     assert "matched quality (ε relative to full depth r = 4;" in shown
-    assert "frontier over wall-clock (speed-ups over full depth r = 4)" in shown
+    assert "frontier over wall-clock on the throughput clock (speed-ups over full depth r = 4)" in shown
     assert re.search(r"full depth here is r = 4, the policies' max steps \(quality 0\.5\); r = 16 ran beside them "
                      r"and scores 0\.9", shown), shown
     assert "full depth r = 4" in render(tables.summary_table(summary_rows(capped), "cells"))

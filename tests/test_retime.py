@@ -153,14 +153,20 @@ def test_each_task_times_whole_documents_of_its_own():
     ((kind, reqs),) = sample.work
     assert kind == "loglikelihood" and len(sample.documents) == 5 and len(reqs) == 50  # an eighth of 40, whole
     assert all(r.task_name == "b" for r in reqs) and {r.doc_id for r in reqs} == set(sample.documents)
-    # One batch of 16 of 200 generations, where no FLOPs were counted: drawn evenly by position instead.
+    # A stream of four batches of 16, capped at an eighth of 200 generations, where no FLOPs were counted: drawn
+    # evenly by position instead.
     plain = retime.draw(received, [], "c", 16)
     assert plain.drawn == "stratified by position" and plain.whole_flops_ratio is None
-    # the middle of each of 16 strata of 12.5 documents: across the task, not its first sixteen
-    assert plain.documents == [int((i + 0.5) * 12.5) for i in range(16)]
+    # the middle of each of 25 strata of 8 documents (of an even stratum's two middle ones, the first): across
+    # the task, not its first 25
+    assert plain.documents == [8 * i + 3 for i in range(25)]
     assert retime.task_work(received, "absent", 16) == []
-    assert retime.sample_size(1, 600) == retime.sample_size(16, 600) == 16 and retime.sample_size(64, 600) == 64
+    # throughput: four batches, at least 16, at most an eighth; latency: eight documents, at most an eighth
+    assert retime.sample_size(1, 600) == 16 and retime.sample_size(16, 600) == 64
+    assert retime.sample_size(64, 600) == 75 and retime.sample_size(16, 600, stream=20) == 20
+    assert retime.sample_size(16, 600, "latency") == retime.sample_size(64, 600, "latency") == 8
     assert retime.sample_size(16, 24) == 3 and retime.sample_size(16, 8) == 1 and retime.sample_size(16, 7) == 0
+    assert retime.sample_size(16, 24, "latency") == 3
 
 
 def test_a_task_too_small_to_retime_says_so():

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from exitbench.analysis import export, frontier, notes, plot, report, tables
-from exitbench.analysis.speedup import clock_basis, estimate, text
+from exitbench.analysis.speedup import BEFORE_CLOCKS, clock_basis, estimate, text
 from exitbench.sweep.run import summary_rows
 
 from helpers.cells import ACC, paired, write_cells
@@ -34,7 +34,8 @@ def test_each_basis_and_its_interval():
     paired(kl, [0.45, 0.5, 0.55])
     s = estimate(kl, full)
     assert (s.basis, s.value, s.low, s.high) == ("paired", 2.0, pytest.approx(1 / 0.55), pytest.approx(1 / 0.45))
-    assert s.timed == {"documents": 16, "of": 128, "requests": 16, "repeats": 3} and not s.flagged
+    assert s.timed == {"documents": 16, "of": 128, "requests": 16, "repeats": 3, "clock": BEFORE_CLOCKS,
+                       "measured": None} and not s.flagged
     assert text(s) == "2.00× (1.82–2.22)"
     paired(kl, [0.45, 0.5, 0.55], corrected=0.6)  # the draw's FLOPs strayed: carried to the task
     s = estimate(kl, full)

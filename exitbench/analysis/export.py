@@ -15,22 +15,31 @@ COLUMNS = ["cell_id", "mode", "backend", "model", "fingerprint", "architecture",
            "ms_per_token", "wall_clock_estimated", "wall_clock_basis", "time_ratio", "time_spread", "timing_repeats",
            "speedup", "speedup_low", "speedup_high", "speedup_basis", "iteration_bound", "speedup_flag",
            "timed_documents", "of_documents", "sample_flops_ratio", "whole_flops_ratio", "overhead",
-           "overhead_timing", "schedule", "timing_warnings", "probe_share",
+           "overhead_timing", "schedule", "clock", "clock_measured", "speedup_throughput", "overhead_throughput",
+           "speedup_latency", "speedup_latency_low", "speedup_latency_high", "speedup_latency_basis",
+           "speedup_latency_flag", "overhead_latency", "timing_warnings", "probe_share",
            "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
            "git_revision",
            "started", "preset", "file"]
 
 
 def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The cell's columns; `full`, its full-depth cell (`frontier.references`), gives its overhead."""
-    from .frontier import overhead_fields
-    from .speedup import clock_basis, estimate
+    """The cell's columns; `full`, its full-depth cell (`frontier.references`), gives its overhead. `speedup` and
+    `overhead` are the throughput clock's, or a cell's one clock before the two (`clock` says which);
+    `speedup_throughput` and `overhead_throughput` are the throughput clock's paired repeats alone, the
+    `_latency` columns the latency clock's (analysis/speedup.py)."""
+    from .frontier import latency_fields, overhead_fields
+    from .speedup import REPEATED, clock_basis, estimate, record, repeats_clock
 
     policy, wall = cell["policy"], cell.get("wall_clock", {})
     per_token = wall.get("per_token_s")
     repeats = wall.get("repeats") or {}
     # (after the speed-up's own fields: `timing_repeats` is the repeats', present whatever the basis)
     speed = {k: v for k, v in estimate(cell, full).to_dict().items() if k != "timing_repeats"}
+    overheads = overhead_fields(cell, full)
+    clock = repeats_clock(cell) if speed["speedup_basis"] in REPEATED else None
+    # (the throughput clock's own numbers: none from two evaluations divided, nor from the clock before the two)
+    throughput = clock == "throughput"
     return {
         "cell_id": cell["cell_id"], "mode": cell.get("mode", "exact"),
         # the engine that ran it: hf (exitbench's own, and every cell written before vLLM's) or vllm
@@ -51,7 +60,11 @@ def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) ->
         "time_ratio": repeats.get("ratio"), "time_spread": repeats.get("spread"),
         "timing_repeats": repeats.get("repeats"), **speed,
         "sample_flops_ratio": repeats.get("flops_ratio"), "whole_flops_ratio": repeats.get("whole_flops_ratio"),
-        **overhead_fields(cell, full),
+        **overheads, "clock": clock, "clock_measured": (record(cell) or {}).get("measured") if clock else None,
+        "speedup_throughput": speed["speedup"] if throughput else None,
+        "overhead_throughput": overheads["overhead"] if throughput and overheads["overhead_timing"] != "plain"
+        else None,
+        **{k: v for k, v in latency_fields(cell, full).items() if k != "speedup_latency_documents"},
         "timing_warnings": "; ".join(wall.get("warnings", [])) or None, "probe_share": wall.get("probe_share"),
         "flops_per_token": cell.get("flops", {}).get("per_token"),
         # (cells written before these counters existed have none)

@@ -8,7 +8,9 @@ Frontiers are reported overall and per policy (each policy's own non-dominated t
 The matched-quality table answers "what does each policy save at (almost) no loss?": for a tolerance ε
 (relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
 point within ε, its iterations, its wall-clock speed-up over full depth, its overhead (time ratio ÷ FLOP ratio to
-full depth, `overhead`) and its iterations over the oracle's.
+full depth, `overhead`) and its iterations over the oracle's. Speed-ups and overheads are on both clocks
+(analysis/speedup.py): the throughput clock's (`speedup`, `overhead`) and the latency clock's beside them
+(`speedup_latency`, `overhead_latency`); the wall-clock frontier is on the throughput clock.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 from .labels import metric_name
-from .speedup import estimate
+from .speedup import estimate, record
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
          "flops": ("flops", "per_token")}
@@ -240,7 +242,7 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 # The speed-up shown (full depth's time ÷ the cell's), as `run` shows it: its paired repeats'
                 # where the cell was retimed beside this full depth (harness/retime.py), with their range, its
                 # basis and its iteration bound (analysis/speedup.py); else its evaluation's over full depth's.
-                **speed.to_dict(),
+                **speed.to_dict(), **latency_fields(best.cell, ref.cell),
                 "evaluation_speedup": evaluated,
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,
@@ -259,19 +261,27 @@ def paired_timing(cell: dict[str, Any], depth: Any) -> dict[str, Any] | None:
     return rep if rep and rep.get("full_depth") == depth else None
 
 
-def overhead(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The cell's overhead against its full-depth cell `full`: its time ratio to full depth ÷ its FLOP ratio
-    (1 when its time is what its FLOPs say; far above 1, an implementation's defect rather than the rule's
-    cost), with both ratios and `timing`: "paired" where the cell's repeats were timed beside this full depth
-    (one run, alternately: the fair ratio), else "plain" (the two cells' own per-token times). None where a
-    time or a FLOP count is missing (cells written before them). Without `full`, only the repeats'."""
-    rep = cell.get("wall_clock", {}).get("repeats")
+def overhead(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "throughput") -> dict[str, Any] | None:
+    """The cell's overhead against its full-depth cell `full` on `clock` (analysis/speedup.py CLOCKS): its time
+    ratio to full depth ÷ its FLOP ratio (1 when its time is what its FLOPs say; far above 1, an
+    implementation's defect rather than the rule's cost), with both ratios and `timing`: "paired" where the
+    cell's repeats were timed beside this full depth (one run, alternately: the fair ratio), "plain" (the
+    throughput clock only) from the two cells' own per-token times, "reference" for full depth itself, 1 by
+    definition. None where a time or a FLOP count is missing (cells written before them, and the latency clock
+    without its repeats). Without `full`, only the repeats'."""
+    rep = record(cell, clock)
+    if clock == "latency" and not rep:
+        return None
+    if full is not None and full.get("cell_id") == cell.get("cell_id"):
+        # (its repeats paired it with itself: their ratio is the clock's noise, not a cost)
+        return {"overhead": 1.0, "time_ratio": 1.0, "flops_ratio": 1.0, "timing": "reference",
+                "schedule": (rep or {}).get("schedule")}
     if rep and rep.get("ratio") and (full is None or rep.get("full_depth") == full["policy"]["threshold"]):
         flops = rep.get("flops_ratio") or _ratio(cell, full, "flops", "per_token")
         if flops:
             return {"overhead": rep["ratio"] / flops, "time_ratio": rep["ratio"], "flops_ratio": flops,
                     "timing": "paired", "schedule": rep.get("schedule")}
-    if full is None:
+    if full is None or clock == "latency":
         return None
     time, flops = _ratio(cell, full, "wall_clock", "per_token_s"), _ratio(cell, full, "flops", "per_token")
     if not (time and flops):
@@ -281,9 +291,17 @@ def overhead(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any
 
 def overhead_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
     """`overhead` as a row's fields: its value, which timing it comes from, and the part of it the batches'
-    schedule sets (harness/retime.py: paired timings only; None, None, None without them)."""
-    o = overhead(cell, full)
-    return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"], "schedule": o and o["schedule"]}
+    schedule sets (harness/retime.py: paired timings only; None, None, None without them); then the latency
+    clock's, `overhead_latency` (None without its repeats)."""
+    o, bs1 = overhead(cell, full), overhead(cell, full, "latency")
+    return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"], "schedule": o and o["schedule"],
+            "overhead_latency": bs1 and bs1["overhead"]}
+
+
+def latency_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
+    """The latency clock's speed-up as a row's fields (`speedup_latency`, its range, basis, flag and documents:
+    analysis/speedup.py), None where the cell has no latency repeats."""
+    return estimate(cell, full, "latency").to_dict("speedup_latency")
 
 
 def _ratio(cell: dict[str, Any], full: dict[str, Any] | None, section: str, key: str) -> float | None:

@@ -134,15 +134,33 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
             f"wall-clock and speed-ups are unreliable; {threads_advice(1 if used == {1} else None)}")
 
 
-def spread_note(cell_list: list[dict[str, Any]]) -> str | None:
-    """A warning line when some cells' repeated timings spread too far for their ratio to be read."""
+def on_clock(cell: dict[str, Any], clock: str) -> dict[str, Any]:
+    """The cell as retime's readers (`warnings`, `wide_spread`) see its repeats, with `clock`'s repeats
+    (analysis/speedup.py `record`) standing as them: those readers know one clock."""
+    from .speedup import record
+
+    return {**cell, "wall_clock": {**(cell.get("wall_clock") or {}), "repeats": record(cell, clock)}}
+
+
+def clock_warnings(cell: dict[str, Any], clock: str = "throughput") -> list[str]:
+    """Why a cell's speed-up on `clock` is not to be trusted, one reason each (a busy machine, that clock's
+    repeats spread too far: harness/retime.py `warnings`). Empty when neither."""
+    from ..harness.retime import warnings
+
+    return warnings(on_clock(cell, clock))
+
+
+def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> str | None:
+    """A warning line when some cells' repeated timings on `clock` spread too far for their ratio to be read."""
     from ..harness.retime import UNRELIABLE_SPREAD, wide_spread
 
-    wide = [c for c in cell_list if wide_spread(c)]
+    seen = [on_clock(c, clock) for c in cell_list]
+    wide = [c for c in seen if wide_spread(c)]
     if not wide:
         return None
     worst = max(wide, key=lambda c: c["wall_clock"]["repeats"]["spread"])
-    return (f"{len(wide)} of {len(cell_list)} cells' repeated timings spread more than "
+    on = "" if clock == "throughput" else " on the latency clock (bs1)"
+    return (f"{len(wide)} of {len(cell_list)} cells' repeated timings{on} spread more than "
             f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
             f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
             f"{config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their speed-ups are unreliable; "
@@ -218,14 +236,15 @@ def untimed_note(cell_list: list[dict[str, Any]]) -> str | None:
 
 def bound_note(rep: dict[str, Any]) -> str | None:
     """A warning line for speed-ups above their iteration bound on the frontiers and matched tables: no results."""
-    flagged = {(entry.get("title", group), r["policy"], r["threshold"]): r["speedup_flag"]
+    flagged = {(entry.get("title", group), r["policy"], r["threshold"], clock): r[field]
                for group, entry in rep.items()
-               for r in [*entry["matched_quality"], *entry["frontiers"].get("wall_clock", [])] if r.get("speedup_flag")}
+               for r in [*entry["matched_quality"], *entry["frontiers"].get("wall_clock", [])]
+               for field, clock in (("speedup_flag", ""), ("speedup_latency_flag", " (bs1)")) if r.get(field)}
     if not flagged:
         return None
-    (group, policy, threshold), flag = next(iter(flagged.items()))
+    (group, policy, threshold, clock), flag = next(iter(flagged.items()))
     return (f"{len(flagged)} speed-ups are above their cells' iteration bounds and are no results (‼), e.g. {group} "
-            f"{config_label(policy, threshold)}: {flag}")
+            f"{config_label(policy, threshold)}{clock}: {flag}")
 
 
 def mixed_note(rep: dict[str, Any]) -> str | None:
@@ -270,6 +289,7 @@ TOPICS: dict[str, tuple[str, Writer]] = {
     "nonfinite": ("warning", lambda cell_list, rep: nonfinite_note(cell_list)),
     "busy": ("warning", lambda cell_list, rep: busy_note(cell_list)),
     "spread": ("warning", lambda cell_list, rep: spread_note(cell_list)),
+    "latency spread": ("warning", lambda cell_list, rep: spread_note(cell_list, "latency")),
     "drift": ("warning", lambda cell_list, rep: drift_note(rep, cell_list)),
     "sample": ("warning", lambda cell_list, rep: sample_note(cell_list)),
     "corrected": ("note", lambda cell_list, rep: corrected_note(cell_list)),
@@ -281,8 +301,8 @@ TOPICS: dict[str, tuple[str, Writer]] = {
 }
 ON_FRONTIERS = {"replay", "drift", "mixed", "bound"}  # the topics read from the frontiers
 # What each reader prints, in its order.
-PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "sample", "corrected", "untimed", "bound", "drift",
-          "mixed")
+PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "latency spread", "sample", "corrected", "untimed",
+          "bound", "drift", "mixed")
 PUBLISHED = ("published model", "published limit")  # pareto, under the published numbers' table
-REPORT = ("mode", "setups", "busy", "spread", "sample", "corrected", "untimed", "bound", "drift")
-TIMING = ("busy", "spread", "sample", "corrected", "untimed")
+REPORT = ("mode", "setups", "busy", "spread", "latency spread", "sample", "corrected", "untimed", "bound", "drift")
+TIMING = ("busy", "spread", "latency spread", "sample", "corrected", "untimed")

@@ -103,7 +103,7 @@ def axis_label(axis: str, estimated: bool) -> str:
     """What the cost axis measures; on wall-clock, how a cell's time is had (and that hollow points are
     replay's estimates)."""
     if axis == "wall_clock":
-        text = "seconds per token (full depth's ÷ each cell's paired speed-up)"
+        text = "seconds per token, throughput clock (full depth's ÷ each cell's paired speed-up)"
         return text + (", hollow: replay estimates" if estimated else "")
     return {"iterations": "mean iterations per token", "flops": "FLOPs per token"}[axis]
 

@@ -28,14 +28,14 @@ from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
 from .labels import deeper_said, depth_said, direction, overhead, setting
-from .speedup import SpeedUp
+from .speedup import BEFORE_CLOCKS, SpeedUp
 from .speedup import text as speedup_text
 from .plot import draw
 
 # Bases whose speed-up is no timing of this run's: shown as text (≈2.13×), never sorted among timed ones.
 UNTIMED = ("estimated",)
 MATCHED_TOLERANCE = 0.01  # the operating point a policy is shown at: its cheapest cell within 1% of full depth
-COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token",
+COST_TITLES = {"iterations": "mean iterations per token", "wall_clock": "wall-clock per token (throughput clock)",
                "flops": "FLOPs per token"}
 
 
@@ -219,32 +219,40 @@ def matched_table(entry: dict[str, Any]) -> str:
     rows = []
     for policy, rs in at.items():
         main = rs.get(MATCHED_TOLERANCE, {})
-        speed = SpeedUp.from_row(main)
+        speed, bs1 = SpeedUp.from_row(main), SpeedUp.from_row(main, "speedup_latency")
         rows.append([policy, _setting(policy, main.get("threshold")), main.get("quality"), main.get("mean_iterations"),
-                     # a flagged one as text, marked, so it never sorts or reads as a result
-                     speedup_text(speed, interval=False) if speed.flagged or speed.basis in UNTIMED else speed.value,
-                     None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×", speed.basis,
+                     *_speedup_cells(speed), speed.basis,
                      # a plain one as text, marked, so it never reads as the paired kind
                      main.get("overhead") if main.get("overhead_timing") != "plain"
                      else overhead(main["overhead"], "plain"),
-                     main.get("schedule"), main.get("iterations_over_oracle"),
+                     main.get("schedule"), *_speedup_cells(bs1), main.get("overhead_latency"),
+                     main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
     pct = f"{100 * MATCHED_TOLERANCE:g}%"
     headers = ["policy", f"τ at {pct}", "quality", f"mean iterations at {pct}", "speed-up", "range of repeats",
-               "timed by", "overhead", "schedule", "iterations / oracle",
+               "timed by", "overhead", "schedule", "bs1 speed-up", "bs1 range", "bs1 overhead", "iterations / oracle",
                *[f"iterations at {100 * t:g}%" for t in others]]
-    for empty in ("range of repeats", "schedule"):
+    for empty in ("range of repeats", "schedule", "bs1 speed-up", "bs1 range", "bs1 overhead"):
         at = headers.index(empty)
         if all(r[at] is None for r in rows):
-            # A sweep never retimed (or retimed before schedules were counted) would show an empty column that
-            # pushes the table past a laptop's width.
+            # A sweep never retimed (or retimed before schedules were counted, or before the two clocks) would show
+            # an empty column that pushes the table past a laptop's width.
             del headers[at]
             rows = [r[:at] + r[at + 1:] for r in rows]
     # a speed-up reads as 2.13×, a range as 1.98–2.27× and a fixed depth as r = 16, as in `pareto`
+    times = lambda v: f"{v:.2f}×"  # noqa: E731
+    formats = {"speed-up": times, "bs1 speed-up": times, "overhead": overhead, "schedule": overhead,
+               "bs1 overhead": overhead}
     return table(headers, rows, numeric=set(range(1, len(headers))),
-                 shown={headers.index("speed-up"): lambda v: f"{v:.2f}×", headers.index("overhead"): overhead,
-                        **({headers.index("schedule"): overhead} if "schedule" in headers else {})})
+                 shown={headers.index(h): f for h, f in formats.items() if h in headers})
+
+
+def _speedup_cells(speed: SpeedUp) -> list[Any]:
+    """A speed-up and its repeats' range as two cells: the value a number (sortable), except a flagged one or
+    replay's estimate, as text, marked, so it never sorts or reads as a result."""
+    value = speedup_text(speed, interval=False) if speed.flagged or speed.basis in UNTIMED else speed.value
+    return [value, None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×"]
 
 
 def _setting(policy: str, threshold: Any) -> Any:
@@ -409,7 +417,12 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
              "retimed, else (marked *) the two cells' own timings; far above 1, the time measures our "
              "implementation of a rule, not the rule. The schedule is the part of it a batch waiting on its slowest "
              "row sets: the engine's loop steps over the repeats ÷ the steps the tokens' iterations need, against "
-             "full depth (1 at batch size 1 and at a fixed depth); overhead ÷ schedule is a loop step's own cost.</p>")
+             "full depth (1 at batch size 1 and at a fixed depth); overhead ÷ schedule is a loop step's own cost. "
+             "Each cell is timed on two clocks: the speed-up and overhead are the throughput clock's (the run's batch "
+             "size over a stream of documents, in its steady state), the bs1 columns the latency clock's (one "
+             f"request at a time, paired repeats only); cells written before the two clocks have one, "
+             f"{BEFORE_CLOCKS}: one batch of documents at the run's batch size, the scored tokens' loop phases only."
+             "</p>")
     tables = [f"<h3>{html.escape(entry.get('title', group))} <small class=muted>"
               f"({direction(entry['higher_is_better'])}; full depth {html.escape(depth_said(entry))})</small></h3>"
               + (f'<p class="note">{html.escape(deeper_said(entry))}</p>' if deeper_said(entry) else "")

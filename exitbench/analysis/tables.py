@@ -15,6 +15,7 @@ from ..store.cells import conjunction
 from .frontier import collapse_tolerances, table_rows
 from .labels import (PLAIN_OVERHEAD, SCHEDULE, config_label, deeper_said, depth_said, direction, metric_with_direction,
                      overhead, setting)
+from .speedup import BEFORE_CLOCKS
 from .speedup import NONE as NO_SPEEDUP
 from .speedup import SpeedUp
 from .speedup import legend
@@ -44,30 +45,66 @@ def _task_summary(title: str, rows: list[dict[str, Any]]) -> Table:
     shown = [_summary_row(r) for r in rows]
     columns = [("policy", "left"), ("τ", "right"), ("quality", "right"), ("mean iters", "right"),
                ("ms/token", "right"), ("speed-up", "right"), ("overhead", "right"), ("schedule", "right"),
-               ("probe", "right"), ("cell", "left")]
+               ("bs1 speed-up", "right"), ("bs1 overhead", "right"), ("probe", "right"), ("cell", "left")]
     if all(r[-1] == "measured" for r in shown):
         columns, shown = columns[:-1], [r[:-1] for r in shown]
-    for empty in ("speed-up", "schedule"):  # an empty column would push the table past 100 for nothing
+    # An empty column would push the table past 100 for nothing (the bs1 ones: cells before the two clocks).
+    for empty in ("speed-up", "schedule", "bs1 speed-up", "bs1 overhead"):
         at = [c for c, _ in columns].index(empty)
         if all(r[at] == "-" for r in shown):
             columns, shown = columns[:at] + columns[at + 1:], [r[:at] + r[at + 1:] for r in shown]
-    table = Table(title=title, caption_justify="left")
-    table.caption = timing_caption(rows)
-    for i, (col, justify) in enumerate(columns):
-        # A conjunction's name (`margin 0.125 ∧ argmax_stability`) may wrap at its spaces on a narrow terminal,
-        # so it alone does not push the numbers off the edge; no value is cut.
-        width = (lambda v: max(map(len, v.split()))) if col == "policy" else len
-        table.add_column(col, justify=justify, min_width=max(width(Text.from_markup(r[i]).plain) for r in shown))
-    for r in shown:
-        table.add_row(*r)
-    return table
+    return Fitted(columns, shown, title=title, caption=timing_caption(rows), caption_justify="left")
 
 
-def timing_caption(rows: list[dict[str, Any]]) -> str | None:
-    """What a table's timing columns rest on: the speed-ups' bases and flags, replay's estimated clock, and
-    overheads from the cells' own timings. None when there is nothing to say."""
+class Fitted(Table):
+    """A table no value of which is ever cut to an ellipsis: on a terminal too narrow for it, its headings fold at
+    their spaces first, then a conjunction's name (`margin 0.125 ∧ argmax_stability`) and a speed-up's range do
+    (two clocks' speed-ups side by side need it at 120 columns), then the headings' words are cut, the leftmost
+    kept whole as far as the room goes. Rich's own shrinking takes the widest columns first, whatever their
+    values need, and cuts them."""
+    WRAPS = ("policy", "speed-up", "bs1 speed-up")
+
+    def __init__(self, columns: list[tuple[str, str]], rows: list[list[str]], **kwargs: Any):
+        """These (heading, justify) columns and rows of markup."""
+        super().__init__(**kwargs)
+        for col, justify in columns:
+            self.add_column(col, justify=justify)
+        for r in rows:
+            self.add_row(*r)
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+
+        def longest(texts, words: bool) -> int:
+            return max((cell_len(w) for t in texts for w in (t.split() if words else [t])), default=0)
+
+        values = [[Text.from_markup(c).plain for c in col.cells] for col in self.columns]
+        heads = [str(col.header) for col in self.columns]
+        # (what the borders and the cells' padding take: rich's own reckoning)
+        room = (options.max_width - self._extra_width
+                - sum(self._get_padding_width(i) for i in range(len(self.columns))))
+        natural = [max(longest(v, False), longest([h], False)) for v, h in zip(values, heads)]
+        folded = [max(longest(v, False), longest([h], True)) for v, h in zip(values, heads)]
+        bare = [longest(v, col.header in self.WRAPS) for v, col in zip(values, self.columns)]
+        wrapped = [max(width, longest([h], True)) for width, h in zip(bare, heads)]
+        fit = next((widths for widths in (natural, folded, wrapped) if sum(widths) <= room), None)
+        if fit is None:
+            fit = bare
+            for i, want in enumerate(wrapped):
+                fit[i] += max(min(want - fit[i], room - sum(fit)), 0)
+        for col, width in zip(self.columns, fit):
+            col.width = None if fit is natural else width
+        yield from super().__rich_console__(console, options)
+
+
+def timing_caption(rows: list[dict[str, Any]], columns: str = "speed-up, overhead") -> str | None:
+    """What a table's timing columns rest on: the speed-ups' bases, clocks (those of the table's `columns`, and
+    its bs1 columns') and flags, replay's estimated clock, and overheads from the cells' own timings. None when
+    there is nothing to say."""
     lines = [note for note in [late_note(rows)] if note]
-    said = legend([(config_label(r["policy"], r["threshold"]), r["speedup"]) for r in rows if r.get("speedup")])
+    said = legend([(config_label(r["policy"], r["threshold"]), r["speedup"]) for r in rows if r.get("speedup")],
+                  [(config_label(r["policy"], r["threshold"]), r["latency"]) for r in rows if r.get("latency")],
+                  columns)
     if said:
         lines.append(said)
     estimated = next((r["clock_basis"] for r in rows if r.get("clock_basis")), None)
@@ -88,7 +125,19 @@ def _summary_row(r: dict[str, Any]) -> list[str]:
     ms = ("≈" if r.get("clock_basis") else "") + f"{r['ms_per_token']:.3f}"
     return [_marked({**r, "mode": None}), setting(r["policy"], r["threshold"]), quality, iters, ms,
             _speedup_cell(r), overhead(r.get("overhead"), r.get("overhead_timing")), overhead(r.get("schedule")),
-            f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
+            *_latency_cells(r), f"{100 * r['probe_share']:.1f}%", r.get("origin", "measured")]
+
+
+def _latency_cells(r: dict[str, Any]) -> list[str]:
+    """The bs1 speed-up and overhead cells of a row: its latency clock's, marked as the throughput one's are."""
+    return [_speedup_cell({"speedup": r.get("latency"), "warnings": r.get("latency_warnings")}),
+            overhead(r.get("overhead_latency"))]
+
+
+def _estimates(row: dict[str, Any]) -> dict[str, Any]:
+    """A report row (`frontier.report`) with its speed-ups back as estimates on both clocks, as `run`'s rows hold
+    them: `speedup` and `latency`."""
+    return {**row, "speedup": SpeedUp.from_row(row), "latency": SpeedUp.from_row(row, "speedup_latency")}
 
 
 def _speedup_cell(row: dict[str, Any]) -> str:
@@ -153,25 +202,28 @@ def pareto_tables(rep: dict[str, Any], table: str | None = None) -> list[Table]:
 
 
 def _matched_table(group: str, entry: dict[str, Any]) -> Table:
-    t = Table(title=f"{entry.get('title', group)}: matched quality (ε relative to full depth "
-                    f"{depth_said(entry)}; {direction(entry['higher_is_better'])})", caption_justify="left")
-    rows = collapse_tolerances(entry["matched_quality"])
+    rows = [_estimates(r) for r in collapse_tolerances(entry["matched_quality"])]
     scheduled = any(r.get("schedule") is not None for r in rows)  # (cells retimed before it have none)
-    for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead",
-                *(["schedule"] if scheduled else []), "iters / oracle"):
-        # a speed-up and its range stay on one line: a narrow terminal folds the headings instead
-        t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
+    # (cells retimed before the two clocks have no latency clock)
+    bs1 = any(r["latency"].value is not None or r.get("overhead_latency") is not None for r in rows)
+    columns = [(col, "left" if col == "policy" else "right")
+               for col in ("ε", "policy", "τ", "quality", "mean iters", "speed-up", "overhead",
+                           *(["schedule"] if scheduled else []), *(["bs1 speed-up", "bs1 overhead"] if bs1 else []),
+                           "iters / oracle")]
+    shown = []
     for r in rows:
         eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                              else "")
-        t.add_row(f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
-                  f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": SpeedUp.from_row(r)}),
-                  overhead(r.get("overhead"), r.get("overhead_timing")),
-                  *([overhead(r.get("schedule"))] if scheduled else []),
-                  "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}")
-    t.caption = "\n".join(c for c in (deeper_said(entry), timing_caption([{**r, "speedup": SpeedUp.from_row(r)}
-                                                                          for r in rows])) if c) or None
-    return t
+        shown.append([f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
+                      f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": r["speedup"]}),
+                      overhead(r.get("overhead"), r.get("overhead_timing")),
+                      *([overhead(r.get("schedule"))] if scheduled else []),
+                      *(_latency_cells(r) if bs1 else []),
+                      "-" if r["iterations_over_oracle"] is None else f"{r['iterations_over_oracle']:.2f}"])
+    return Fitted(columns, shown, title=f"{entry.get('title', group)}: matched quality (ε relative to full depth "
+                                        f"{depth_said(entry)}; {direction(entry['higher_is_better'])})",
+                  caption="\n".join(c for c in (deeper_said(entry), timing_caption(rows)) if c) or None,
+                  caption_justify="left")
 
 
 def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
@@ -187,20 +239,27 @@ def _frontier_table(group: str, entry: dict[str, Any]) -> Table:
 def _wall_clock_table(group: str, entry: dict[str, Any]) -> Table:
     """The frontier over time per token: full depth's, divided by each cell's speed-up where the cell was retimed
     beside it (`frontier.price_wall_clock`), so its order is the speed-ups' order."""
-    f = Table(title=f"{entry.get('title', group)}: frontier over wall-clock (speed-ups over full depth "
-                    f"{depth_said(entry)})", caption_justify="left")
+    rows = entry["frontiers"]["wall_clock"]
+    f = Table(title=f"{entry.get('title', group)}: frontier over wall-clock on the {wall_clock_said(rows)} "
+                    f"(speed-ups over full depth {depth_said(entry)})", caption_justify="left")
     for col in ("policy", "τ", "quality", "ms/token", "speed-up"):
         f.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col == "speed-up")
-    rows = entry["frontiers"]["wall_clock"]
     for p in rows:
         f.add_row(_marked(p), setting(p["policy"], p["threshold"]), f"{p['quality']:.4g}",
                   ("≈" if p.get("mode") == "replay" else "") + f"{1e3 * p['cost']:.3f}",
                   _speedup_cell({"speedup": SpeedUp.from_row(p)}))
-    caption = [timing_caption([{**p, "speedup": SpeedUp.from_row(p)} for p in rows])]
+    caption = [timing_caption([{**p, "speedup": SpeedUp.from_row(p)} for p in rows], "speed-up")]
     if any(p.get("mode") == "replay" for p in rows):
         caption.append("≈ ms/token estimated by replay's cost model (ᴿ cells), not timed")
     f.caption = "\n".join(c for c in caption if c) or None
     return f
+
+
+def wall_clock_said(rows: list[dict[str, Any]]) -> str:
+    """Which clock a wall-clock frontier's points were timed on, as its title says it: the throughput clock,
+    or the one clock of cells written before the two (analysis/speedup.py BEFORE_CLOCKS) where all were."""
+    clocks = {r.get("clock") for r in rows if r.get("clock")}
+    return "batch clock (before two clocks)" if clocks == {BEFORE_CLOCKS} else "throughput clock"
 
 
 def _marked(row: dict[str, Any]) -> str:

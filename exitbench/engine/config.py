@@ -23,7 +23,10 @@ from ..runtime.validation import parse
 
 ROLES = ("policy", "engine", "run")
 EXIT_MODES = ("physical", "select", "weighted", "freeze")
-REFILLS = ("wave", "balanced", "eager")
+REFILLS = ("continuous", "wave", "balanced", "eager")
+HORIZONS = ("same", "late")
+# KV layouts (docs/engine.md, KV layouts): (window, private) of the loop layers' slots, models/cache.py.
+KV_LAYOUTS = {"latest": (None, 0), "single": (1, 0), "first_then_shared": (1, 1)}
 
 
 def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...] = (), swept: bool = False,
@@ -76,12 +79,32 @@ class ExitConfig:
         "Keep each loop layer's KV entries of the last C iterations only, a rolling buffer (Huginn's compress-s, "
         "C × core layers; 1 is its vLLM plugin); 0 or unset: one slot per iteration.", role="engine",
         when_set=True))
-    refill: str = field(default="wave", metadata=knob(
-        "When a generated token that exited hands its row the next token: wave (default): once every token in "
-        "flight has exited, all together (static batching: one regrouping per token); eager: at the next step "
-        "(continuous depth batching: a regrouping per exit); balanced: once the waiting tokens are as many as "
-        "those still looping. The same tokens under each; the fastest depends on what a regrouping costs against "
-        "a loop step (`exitbench serve-sim`, docs/engine.md).", role="engine", when_set=True))
+    kv_layout: str = field(default="latest", metadata=knob(
+        "How loop layers keep keys across iterations. latest (default; Huginn's reference, Continuous Depth "
+        "Batching's last_exited): a slot per iteration, an exited token's entry carried into the slots above its "
+        "exit, so a later token at iteration i reads it at min(i, its exit); single: one slot for every iteration "
+        "(kv_window 1; Dory's last_loop, CDB's single): a later token reads each earlier one's last entry; "
+        "first_then_shared (CDB's): a slot for iteration 1, one shared slot for the rest.", role="engine",
+        when_set=True))
+    refill: str = field(default="continuous", metadata=knob(
+        "When a generated token that exited hands its row the next token. continuous (default; continuous depth "
+        "batching): the loop keeps fixed places, a free place takes a waiting token at once, and exited tokens' "
+        "outputs are computed in batches of --coda-batch while spare rows keep every place busy; wave: once every "
+        "token in flight has exited, all together (static batching: a batch waits for its slowest row); eager: at "
+        "the next step, rows regrouped at each exit; balanced: once the waiting tokens are as many as those still "
+        "looping. The same tokens under each; only the time moves (docs/engine.md).", role="engine",
+        when_set=True))
+    coda_batch: int | None = field(default=None, metadata=knob(
+        "refill continuous: exited generated tokens' outputs are computed (coda, head, the next tokens' inputs) "
+        "in batches of at least this many, and the run holds as many sequences more than its batch size, so no "
+        "place idles while they wait (Continuous Depth Batching's min_coda_batch_size); default the batch size: "
+        "a coda and head pass per batch of outputs, as static batching has, for twice the rows of KV cache.",
+        role="engine", when_set=True))
+    horizon: str = field(default="same", metadata=knob(
+        "When the exit decision is read: same (default): after the iteration that computed it; late: one "
+        "iteration later (Continuous Depth Batching's one-step-late horizon), so a device never waits for the "
+        "host between iterations, and a token runs one iteration more than its rule says.", role="engine",
+        when_set=True))
     exit_mode: str | None = field(default=None, metadata=knob(
         "physical (default): an exited token stops and later tokens read its entries at its exit, so exits save "
         "compute; select: every token runs every iteration and the exit only picks which one's output is read "
@@ -107,8 +130,35 @@ class ExitConfig:
                 raise ExitbenchError(f"kv_window must be an integer ≥ 1, the iterations whose KV entries each "
                                      f"loop layer keeps (0: all of them), got {self.kv_window!r}")
             self.kv_window = self.kv_window or None  # 0 is the full cache: the same config, the same cells
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ExitbenchError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout != "latest" and self.kv_window is not None:
+            raise ExitbenchError(f"kv_layout {self.kv_layout} sets the loop layers' slots itself; kv_window "
+                                 f"{self.kv_window} sets them too: give one")
+        if self.kv_layout == "single":  # kv_window 1 by another name: one config, one cell key
+            self.kv_layout, self.kv_window = "latest", 1
+        if self.kv_layout == "first_then_shared" and self.policy in REGISTRY and REGISTRY[self.policy].retrospective:
+            raise ExitbenchError(f"kv_layout first_then_shared shares one slot between iterations 2 and on; "
+                                 f"{self.policy} settles each exit after running to max_steps, and would need every "
+                                 "iteration's entries back: use kv_layout latest or single")
         if self.refill not in REFILLS:
-            raise ExitbenchError(f"refill must be 'wave', 'balanced' or 'eager', got {self.refill!r}")
+            raise ExitbenchError(f"refill must be one of {', '.join(REFILLS)}, got {self.refill!r}")
+        if self.coda_batch is not None:
+            if isinstance(self.coda_batch, bool) or not isinstance(self.coda_batch, int) or self.coda_batch < 1:
+                raise ExitbenchError(f"coda_batch must be an integer ≥ 1, the exited tokens whose outputs are "
+                                     f"computed together, got {self.coda_batch!r}")
+            if self.refill != "continuous":
+                raise ExitbenchError(f"coda_batch sizes continuous depth batching's batches of outputs; with refill "
+                                     f"{self.refill} it means nothing: drop it, or use refill continuous")
+        if self.horizon not in HORIZONS:
+            raise ExitbenchError(f"horizon must be one of {', '.join(HORIZONS)}, got {self.horizon!r}")
+        if self.horizon == "late" and self.policy in REGISTRY and (REGISTRY[self.policy].retrospective
+                                                                   or REGISTRY[self.policy].signal_free):
+            rule = REGISTRY[self.policy]
+            why = "decides only after the whole trajectory" if rule.retrospective else "exits by counting iterations"
+            raise ExitbenchError(f"horizon late reads a rule's exit decision one iteration late; {self.policy} {why}, "
+                                 "so there is no decision to read late: drop --horizon or choose a rule that decides "
+                                 "as it runs")
         if self.exit_mode not in (None, *EXIT_MODES):
             raise ExitbenchError(f"exit_mode must be 'physical', 'select', 'weighted' or 'freeze', "
                                  f"got {self.exit_mode!r}")
@@ -126,6 +176,16 @@ class ExitConfig:
         self.fitted_exit_model = None
         policy = self.build_policy()
         self.fitted_exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
+
+    def coda_bucket(self, batch_size: int) -> int:
+        """refill continuous: how many exited tokens' outputs are computed together, and how many sequences a run
+        holds beside its `batch_size` places so that none idles while they wait (its spare rows)."""
+        return max(1, self.coda_batch or batch_size)
+
+    def cache_layout(self) -> tuple[int | None, int]:
+        """(window, private): how the loop layers' cache slots map iterations (models/cache.py)."""
+        window, private = KV_LAYOUTS[self.kv_layout]
+        return (self.kv_window, 0) if self.kv_window else (window, private)
 
     def build_policy(self) -> ExitPolicy:
         check_policy_name(self.policy)
@@ -165,7 +225,8 @@ class ExitConfig:
     def fixed_depth(cls, depth: int | None, knobs: dict[str, Any]) -> "ExitConfig":
         """Full depth r (None: each group's default) run the way `knobs` run tokens: the engine and run knobs
         stay, the policy's go, so a baseline differs from the policies it is compared with only in the rule."""
-        kept = {k: v for k, v in knobs.items() if k in cls.names(role="engine") + cls.names(role="run")}
+        kept = {k: v for k, v in knobs.items() if k in cls.names(role="engine") + cls.names(role="run")
+                and REGISTRY["fixed"].takes(k)}
         return cls("fixed", threshold=depth, **kept)
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ How a run moves:
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,14 +37,16 @@ from .config import ExitConfig
 from .flops import FlopModel
 from .loop import Leaving, TokenLoop, positions_runs, uniform_chunk
 from .noise import PositionNoise
+from .prefixes import PrefixStore
 from .probe_cache import ProbeCache
 from .records import SequenceResult, Token, TokenRecord
 from .timing import PHASES, PhaseClock
 from .waves import DepthMajor, block_positions, depth_major_blocker
 
-# consume(request, position, log-probabilities (V,), their argmax, the log-probability of the target (scoring)
-# or of the argmax (generation)) -> the next input token, or None when the request is done
-Consume = Callable[[int, int, torch.Tensor, int, float], "int | None"]
+# consume(request, position, log-probabilities (V,) (scoring; None in generation, which reads none), their argmax,
+# the log-probability of the target (scoring) or of the argmax (generation)) -> the next input token, or None when
+# the request is done
+Consume = Callable[[int, int, "torch.Tensor | None", int, float], "int | None"]
 # Tokens whose outputs wait to be computed together (teacher-forced runs): enough to fill a batched head,
 # few enough that their logits stay small.
 DEFERRED_BATCH = 256
@@ -67,12 +70,15 @@ SCHEDULES = ("auto", "depth_major", "token_major")
 
 
 class ExitEngine:
-    def __init__(self, model: LoopedLM, config: ExitConfig | None = None, schedule: str = "auto"):
+    def __init__(self, model: LoopedLM, config: ExitConfig | None = None, schedule: str = "auto",
+                 prefixes: PrefixStore | None = None):
         """`schedule`: how teacher-forced requests run, "depth_major" (a sequence's positions together, one wave
         per iteration: exitbench.engine.waves), "token_major" (one position in flight per row), or "auto":
-        depth-major wherever it is exact. Generation is always token by token."""
+        depth-major wherever it is exact. Generation is always token by token. `prefixes`: where prefilled
+        prompts are kept for reuse (prefixes.py; the lm-eval model shares one per model)."""
         self.model = model.eval()
         self.config = config or ExitConfig()
+        self.prefixes = prefixes
         if schedule not in SCHEDULES:
             raise ExitbenchError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.groups = model.loop_groups()
@@ -115,7 +121,13 @@ class ExitEngine:
         self.flops = FlopModel(model, self.readout_steps)
         # Seconds per phase and in all, tokens recorded, and loop steps run (batched iterations: with rows
         # advancing on their own, the steps a run takes are what its time follows on a dispatch-bound device).
-        self.stats: dict[str, float] = dict.fromkeys((*PHASES, "wall", "tokens", "steps"), 0.0)
+        # The clocks (docs/engine.md, two clocks): `decode_s`, each run's wall-clock without its prefills, and its
+        # steady state, the same up to the moment its queue of requests ran dry (`steady_s`; a row then has no
+        # request left, and the rows drain), with the token-iterations its loops ran by then (`steady_work`) and
+        # the tokens finished by then and their iterations; `work`: token-iterations over the whole run.
+        self.stats: dict[str, float] = dict.fromkeys(
+            (*PHASES, "wall", "tokens", "steps", "decode_s", "work", "steady_s", "steady_work", "steady_tokens",
+             "steady_token_iterations"), 0.0)
         blocker = depth_major_blocker(self)
         if schedule == "depth_major" and blocker is not None:
             raise ExitbenchError(f"schedule depth_major is not exact here ({blocker}); use auto or token_major")
@@ -215,6 +227,18 @@ class ExitEngine:
         self.stats["wall"] += time.perf_counter() - wall
         self.stats["tokens"] += run.n_records
         self.stats["steps"] += run.steps
+        for name, value in run.clocks().items():
+            self.stats[name] += value
+
+
+def continuous_depth_batching(engine: ExitEngine, teacher_forced: bool, depth_major: bool, rows: int) -> bool:
+    """Whether a run keeps fixed places (refill "continuous"): generation of several rows whose rule decides each
+    token as it runs. Under a signal-free rule (fixed depth) every token leaves at max_steps, under select, weighted
+    and freeze too, and the oracle settles after max_steps: tokens leave together, and static batching is that
+    already; one row holds one token at a time whatever the schedule."""
+    config = engine.config
+    return (config.refill == "continuous" and rows > 1 and not teacher_forced and not depth_major
+            and config.exit_mode is None and all(p.decides_as_it_runs() for p in engine.policies))
 
 
 class WarmStarts:
@@ -251,11 +275,30 @@ class Run:
                  depth_major: bool = False):
         self.engine, self.model = engine, engine.model
         self.reqs, self.consume, self.results, self.teacher_forced = reqs, consume, results, teacher_forced
+        # Continuous depth batching (refill "continuous", generation): the loops keep `rows` fixed places, and
+        # the run holds `coda_batch` more sequences than places, so that while some wait for their exited tokens'
+        # outputs, computed `coda_batch` at a time (`bucket`: one coda, head and next-token input for all of
+        # them, not one each), the others fill every place. A loop group that hands its tokens to another keeps
+        # no spare rows (its tokens could find the next group's places full).
+        self.continuous = continuous_depth_batching(engine, teacher_forced, depth_major, rows)
+        self.bucket = engine.config.coda_bucket(rows)
+        spare = min(self.bucket, len(reqs) - rows) if self.continuous and len(engine.groups) == 1 else 0
+        self.places = rows if self.continuous else None
+        rows += spare
         self.B = rows
-        capacity = max(r.end for r in reqs) + 1
+        # (a fixed-shape step's free places write into the last position, which no token reads)
+        capacity = max(r.end for r in reqs) + 1 + (1 if self.continuous else 0)
         self.clock = PhaseClock(self.model.device)
-        window = engine.config.kv_window
-        self.cache = self.model.new_cache(rows, capacity, [p.max_steps for p in engine.policies], window)
+        window, private = engine.config.cache_layout()
+        # Free places write to a spare slot past max_steps where only loop layers see their context (no rolling
+        # window, no readout that attends), else to the spare position above (loop.py, `trash_slot`).
+        spare_slot = self.continuous and window is None and not any(
+            p.needs_logits and engine.readout_layers[g] for g, p in enumerate(engine.policies))
+        self.cache = self.model.new_cache(rows, capacity, [p.max_steps + spare_slot for p in engine.policies],
+                                          window, private)
+        # Fixed places join tokens a few at a time (one update of the places' context for several), at batch 16
+        # two: a place idles a step at most, where joining costs about a tenth of a step each time.
+        self.join_min = max(1, rows // 8) if self.continuous else 1
         # (allocated at the first prefill, as wide as the stages before the first loop group leave a position)
         self.inputs: torch.Tensor | None = None
         self.warm = WarmStarts(len(engine.groups), rows, engine.noise.dim, self.model.dtype, self.model.device) \
@@ -279,7 +322,9 @@ class Run:
                                 select=engine.config.exit_mode == "select",
                                 weighted=engine.config.exit_mode == "weighted", freeze=self.freeze,
                                 # generation: a row's next token enters after its last one is finished
-                                defer_carry=not teacher_forced and not depth_major)
+                                defer_carry=not teacher_forced and not depth_major, places=self.places,
+                                late=engine.config.horizon == "late" and not policy.signal_free,
+                                trash_slot=policy.max_steps if spare_slot else None)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
@@ -289,15 +334,25 @@ class Run:
         self.serving: list[Request | None] = [None] * rows
         self.next_pos = [0] * rows
         self.idle = [False] * rows  # rows whose next token is ready to enter
-        # Rows done with their request: they take their next one together at the next tick, so their prompts'
-        # prefills run as one batch (one row at a time, a short answer's run is mostly prefill).
+        # Continuous: each row's next token, staged with its input and start state (`stage`) until a place
+        # frees, and when it was (places are taken first come, first served).
+        self.staged: dict[int, Token] = {}
+        self.staged_x = self.staged_s0 = None
+        self.ready_at = [0] * rows
+        # Rows done with their request: they take their next ones at the next tick.
         self.done_rows: list[int] = []
         self.pending: list[Leaving] = []
         self.parked: list[Leaving] = []  # generated tokens out of the loops, their outputs not yet computed
         self.finished: list[tuple[TokenRecord, int]] = []
         self.uids = iter(range(1 << 62))
         self.on_request, self.requests_done = on_request, 0
+        # (a stored prefix is the weights' as they were: an in-place change of a weight bumps its version)
+        self.weights_version = sum(p._version for p in self.model.parameters()) if engine.prefixes else 0
         self.steps = 0
+        self.work = 0  # token-iterations the loops ran (tokens in flight, summed over steps)
+        self.finished_iterations = 0
+        # (mark, work, tokens finished, their iterations) when the queue ran dry; None until it does
+        self.dry: tuple[int, int, int, int] | None = None
 
     def _probe_cache(self, g: int, depth_major: bool) -> ProbeCache | None:
         layers = self.engine.readout_layers[g]
@@ -311,11 +366,20 @@ class Run:
         return len(self.finished)
 
     def go(self) -> None:
+        start = self.clock.mark()
         self.assign(list(range(self.B)))
+        if not self.queue:  # (no request ever waits for a row: there is no steady state to time)
+            self.dry = (start, 0, 0, 0)
         while True:
             if self.done_rows:
                 self.reassign()
-            entering = [b for b in range(self.B) if self.idle[b]]
+            if self.places is None:
+                entering = [b for b in range(self.B) if self.idle[b]]
+            else:
+                self.stage([b for b in range(self.B) if self.idle[b]])
+                free = self.loops[0].free_places()
+                entering = sorted(self.staged, key=self.ready_at.__getitem__)[:free] \
+                    if free >= self.join_min or not any(len(loop) for loop in self.loops) else []
             if entering:
                 self.enter(entering)
             if not any(len(loop) for loop in self.loops) and not self.done_rows:
@@ -323,14 +387,32 @@ class Run:
             for g, loop in enumerate(self.loops):
                 if len(loop):
                     self.steps += 1
+                    self.work += len(loop)
                     out = loop.step(self.cache)
                     if out is not None:
                         self.leave(g, out)
         if self.pending:
             self.finish(self.pending)
+        self.end = self.clock.mark()
         self.clock.settle()
         for record, uid in self.finished:
             record.time_s = self.clock.take(uid)
+
+    def clocks(self) -> dict[str, float]:
+        """The run's clocks for `ExitEngine.stats` (after `go`)."""
+        marks = self.clock.marks_s
+        out = {"decode_s": marks[self.end], "work": self.work}
+        if self.dry is not None:
+            mark, work, tokens, iterations = self.dry
+            out.update(steady_s=marks[mark], steady_work=work, steady_tokens=tokens,
+                       steady_token_iterations=iterations)
+        return out
+
+    def row_done(self, row: int) -> None:
+        """Row `row` is done with its request; with none left in the queue the run's steady state ends here."""
+        self.done_rows.append(row)
+        if not self.queue and self.dry is None:
+            self.dry = (self.clock.mark(), self.work, len(self.finished), self.finished_iterations)
 
     # ---- rows and requests ------------------------------------------------------------------------------------
     def assign(self, rows: list[int]) -> None:
@@ -346,6 +428,7 @@ class Run:
                 pairs.append((b, self.serving[b]))
                 self.next_pos[b] = self.serving[b].first
                 self.idle[b] = self.serving[b].first <= self.serving[b].end
+                self.ready_at[b] = self.steps
                 if self.warm is not None:
                     self.warm.forget(b)
         if pairs:
@@ -367,15 +450,30 @@ class Run:
             return
         req = self.serving[row]
         if position >= req.end:
-            self.done_rows.append(row)
+            self.row_done(row)
         else:
             self.next_pos[row] = position + 1
             self.idle[row] = True
+            self.ready_at[row] = self.steps
 
     def prefill(self, pairs: list[tuple[int, Request]]) -> None:
-        """The rows' requests' inputs (teacher-forced) and their prefixes [0, first) at full depth: one pass over
-        the rows, right-padded. Padding computes junk entries that each row's own tokens overwrite, at every
-        slot, before any token of that row reads them."""
+        """The rows' requests' inputs (teacher-forced) and their prefixes [0, first) at full depth. With a prefix
+        store, each request alone (prefixes.py: so its entries depend on its prompt alone, stored or restored);
+        without one, all together."""
+        if self.engine.prefixes is None:
+            return self._prefill_together(pairs)
+        started = self.clock.start()
+        for b, req in pairs:
+            self._prefill_one(b, req)
+        firsts = [(b, r.first) for b, r in pairs if r.first > 0]
+        for probes in self.probe_caches:
+            if probes is not None:
+                probes.copy_prefix(self.cache, firsts)
+        self.clock.stop(started, "prefill", [])
+
+    def _prefill_together(self, pairs: list[tuple[int, Request]]) -> None:
+        """`prefill` without a prefix store: one pass over the rows, right-padded. Padding computes junk entries
+        that each row's own tokens overwrite, at every slot, before any token of that row reads them."""
         engine, cache = self.engine, self.cache
         started = self.clock.start()
         rows = [b for b, _ in pairs]
@@ -421,22 +519,91 @@ class Run:
     def _padded(self, seqs: list[list[int]], length: int) -> torch.Tensor:
         return torch.tensor([s[:length] + [0] * (length - len(s[:length])) for s in seqs], device=self.cache.device)
 
+    def _prefill_one(self, b: int, req: Request) -> None:
+        engine, cache = self.engine, self.cache
+        row = torch.tensor([b], device=cache.device)
+        ctx = AttnContext(start=0, cache=cache, rows=row, prefix=req.block if engine.prompt_block else None)
+        if self.teacher_forced:  # everything before the first loop group, for every position
+            ids = torch.tensor([req.tokens[:req.end + 1]], device=cache.device)
+            x = self.model.walk(self.model.embed(ids, 0), ctx, stop=engine.bounds[0])
+            if self.inputs is None:
+                self.inputs = x.new_zeros(self.B, self.cache.capacity, x.shape[-1])
+            self.inputs[b, :req.end + 1] = x[0]
+        L = max(req.first, req.block)
+        if L == 0:
+            return
+        depths = [p.max_steps for p in engine.policies]
+        store = engine.prefixes if self.warm is None else None  # (warm starts read the prefill's last states)
+        key = (self.teacher_forced, tuple(req.tokens[:L]), req.block, tuple(depths), engine.config.cache_layout(),
+               tuple(cache.slots.values()), engine.config.seed, str(self.model.dtype), self.weights_version)
+        held = store.get(key) if store is not None else None
+        if held is not None:
+            for layer, (k, v) in held.items():
+                cache.k[layer][:, b, :L] = k
+                cache.v[layer][:, b, :L] = v
+            return
+
+        def keep_final(g: int, k: int, s: torch.Tensor) -> None:
+            if self.warm is not None and k == engine.policies[g].max_steps and req.first > 0:
+                self.warm.remember(g, row, s[:, req.first - 1])
+
+        def noise(group, x):
+            return engine.noise.rows(0, L, x.dtype, x.device).unsqueeze(0) if group.random_init else None
+
+        if self.teacher_forced:
+            self.model.walk(self.inputs[b:b + 1, :L], ctx, depths, start=engine.bounds[0], noise=noise,
+                            on_state=keep_final)
+        else:
+            ids = torch.tensor([req.tokens[:L]], device=cache.device)
+            self.model.walk(self.model.embed(ids, 0), ctx, depths, noise=noise, on_state=keep_final)
+        if store is not None:
+            store.put(key, {layer: (cache.k[layer][:, b, :L].clone(), cache.v[layer][:, b, :L].clone())
+                            for layer in cache.slots})
+
     # ---- tokens in and out of the loops -----------------------------------------------------------------------
     def enter(self, rows: list[int]) -> None:
         """The rows' next tokens into the first loop group: their inputs, known in advance or run now
-        (embedding and the plain stages before the group)."""
+        (embedding and the plain stages before the group), or staged (continuous)."""
+        if self.places is not None:
+            tokens = [self.staged.pop(b) for b in rows]
+            at = torch.as_tensor(rows, device=self.cache.device)
+            self.loops[0].add(tokens, self.staged_x.index_select(0, at), self.staged_s0.index_select(0, at))
+            return
         tokens = self.waves.tokens(rows) if self.waves is not None else self._next_tokens(rows)
+        x, s0 = self._prelude(tokens)
+        self.loops[0].add(tokens, x, s0)
+
+    def stage(self, rows: list[int]) -> None:
+        """Continuous: the rows' next tokens made ready to enter, their inputs and start states computed now, all
+        of them in one batch (the rows a bucket of outputs or a prefill just made ready), not a few at each step
+        as places free."""
+        if not rows:
+            return
+        tokens = self._next_tokens(rows)
+        x, s0 = self._prelude(tokens)
+        if self.staged_x is None:
+            self.staged_x = x.new_zeros(self.B, *x.shape[1:])
+            self.staged_s0 = s0.new_zeros(self.B, *s0.shape[1:])
+        at = torch.as_tensor(rows, device=self.cache.device)
+        self.staged_x.index_copy_(0, at, x)
+        self.staged_s0.index_copy_(0, at, s0)
+        for token in tokens:
+            self.staged[token.row] = token
+            self.ready_at[token.row] = self.steps
+
+    def _prelude(self, tokens: list[Token]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' inputs to the first loop group, (m, 1, d), and their start states there."""
         started = self.clock.start()
         if self.inputs is not None:
             at = torch.tensor([t.row * self.inputs.shape[1] + t.position for t in tokens], device=self.cache.device)
             x = self.inputs.view(-1, self.inputs.shape[-1]).index_select(0, at).unsqueeze(1)
         else:
-            ctx = self._context(tokens)
+            ctx = self._context(tokens, 0, self.engine.bounds[0])
             ids = torch.tensor([[self.reqs[t.request].tokens[t.position]] for t in tokens], device=self.cache.device)
             x = self.model.walk(self.model.embed(ids, ctx.start, ctx.positions), ctx, stop=self.engine.bounds[0])
         s0 = self._start_states(0, tokens, x)
         self.clock.stop(started, "prelude", [t.uid for t in tokens])
-        self.loops[0].add(tokens, x, s0)
+        return x, s0
 
     def _next_tokens(self, rows: list[int]) -> list[Token]:
         """Token-major: each row's next position, one token per row."""
@@ -490,9 +657,14 @@ class Run:
         if refill == "eager":
             return True
         looping = sum(len(loop) for loop in self.loops)
-        if refill == "wave":
+        if refill == "wave" or looping == 0 or not self.continuous and refill == "continuous":
+            # (a run continuous batching has no use for: every token leaves at max_steps, so all at once)
             return looping == 0
-        return sum(len(o.tokens) for o in self.parked) >= looping
+        parked = sum(len(o.tokens) for o in self.parked)
+        if refill == "continuous":  # CDB's coda queue: a bucket of outputs at a time, the spare rows looping
+            # (or sooner, when no token waits to take a place that frees: finishing is then all there is to do)
+            return parked >= self.bucket or not self.staged and not any(self.idle)
+        return parked >= looping
 
     def hand_over(self, g: int, out: Leaving) -> None:
         """Tokens that left loop group g: its finish and the plain stages up to the next group, into its loop."""
@@ -520,25 +692,32 @@ class Run:
             logits = self.model.head(x)[:, 0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         top = logp.argmax(-1)
-        targets = torch.tensor([-1 if t.target is None else t.target for t in tokens], device=logp.device)
-        picked = logp.gather(1, torch.where(targets >= 0, targets, top).unsqueeze(1)).squeeze(1)
-        # A row's sum is non-finite exactly when the row holds a NaN or an infinity (float32 logits would need a
-        # total magnitude past 3e38 to overflow): one reduction, not an elementwise mask over (n, vocabulary).
-        finite = torch.isfinite(states).flatten(1).all(1) & torch.isfinite(logits.sum(-1))
-        host = torch.stack([top.double(), picked.double(), finite.double()], 1).tolist()
+        if self.teacher_forced:
+            targets = torch.tensor([-1 if t.target is None else t.target for t in tokens], device=logp.device)
+            picked = logp.gather(1, torch.where(targets >= 0, targets, top).unsqueeze(1)).squeeze(1)
+        else:  # (generation: every token's pick is its argmax)
+            picked = logp.gather(1, top.unsqueeze(1)).squeeze(1)
+        # A row's sum is non-finite exactly when the row holds a NaN or an infinity (float32 sums would need a
+        # total magnitude past 3e38 to overflow): one reduction per row, checked on the host, not elementwise
+        # masks. (float32 holds every token id below 2^24 and each pick exactly: one read to the host.)
+        total = states.flatten(1).sum(1, dtype=torch.float32) + logits.float().sum(-1)
+        host = torch.stack([top.to(picked.dtype), picked, total], 1).tolist()
         self.clock.stop(started, "coda", [t.uid for t in tokens])
-        for token, row_logp, (top_j, picked_j, finite_j) in zip(tokens, logp, host):
-            token.nonfinite |= not finite_j
+        # (a row of logp is a view op each: only scoring's consumer reads it)
+        rows_logp = logp if self.teacher_forced else [None] * len(tokens)
+        for token, row_logp, (top_j, picked_j, total_j) in zip(tokens, rows_logp, host):
+            token.nonfinite |= not math.isfinite(total_j)
             more = True
             if token.consumed:
                 self.finished.append((self._record(token), token.uid))
+                self.finished_iterations += sum(token.exit_steps)
                 self.results[token.request].records.append(self.finished[-1][0])
                 more = self.consume(token.request, token.position, row_logp, int(top_j), picked_j) is not None
             if not self.defer:  # (deferred rows moved on when their tokens left the loop)
                 if more:
                     self.advance(token.row, token.position)
                 else:
-                    self.done_rows.append(token.row)
+                    self.row_done(token.row)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _walk(self, x: torch.Tensor, tokens: list[Token], start: int, stop: int | None = None) -> torch.Tensor:
@@ -547,18 +726,27 @@ class Run:
         rows, positions = [t.row for t in tokens], [t.position for t in tokens]
         chunk = uniform_chunk(positions_runs(rows, positions), self.B, self.cache)
         if chunk is None:
-            return self.model.walk(x, self._context(tokens), start=start, stop=stop)
+            return self.model.walk(x, self._context(tokens, start, stop), start=start, stop=stop)
         ctx, n_rows = chunk
         # (a stage may leave a position wider or narrower than it came: Inkling 2's coda reads packed blocks)
         out = self.model.walk(x.view(n_rows, -1, x.shape[-1]), ctx, start=start, stop=stop)
         return out.reshape(-1, 1, out.shape[-1])
 
-    def _context(self, tokens: list[Token]) -> AttnContext:
+    def _context(self, tokens: list[Token], start: int = 0, stop: int | None = None) -> AttnContext:
+        """Where tokens read and write in the stages [start, stop). Where none of those stages attends, only
+        their positions (an embedding may read them): a token-mode index costs a dozen ops to build, and a
+        generated token passes such stretches at each refill (tiny-raven's empty prelude and coda)."""
         rows = [t.row for t in tokens]
         positions = [t.position for t in tokens]
         if rows == list(range(self.B)) and min(positions) == max(positions):
             return AttnContext(start=positions[0], cache=self.cache)
+        if not self._attends(start, stop):
+            return AttnContext(positions=torch.as_tensor(positions, device=self.cache.device))
         return AttnContext.tokens(self.cache, rows, positions, by_row=len(set(rows)) < len(rows))
+
+    def _attends(self, start: int, stop: int | None) -> bool:
+        """Whether any of the stages [start, stop) keeps entries in the cache."""
+        return any(stage.attn_layers or stage.state_layers for stage in self.model.stages()[start:stop])
 
     def _start_states(self, g: int, tokens: list[Token], x: torch.Tensor) -> torch.Tensor:
         group = self.engine.groups[g]

@@ -7,6 +7,12 @@ one iteration for all of them and returns those that leave, and `_leave` is the 
 batch are independent, so the tokens in flight may sit at different positions and iterations: each attends
 to its own row's keys at its own iteration, and when all rows sit at one position and iteration the step is an
 ordinary cached chunk.
+
+With `places` set (continuous depth batching, docs/engine.md) the table has that many places for good: a token
+that leaves frees its place and nothing moves; a free place runs in the step like the others, writing its keys
+into a column of the cache no token reads (the run keeps the cache's last position for it), its result unused,
+until the next token takes it. So tokens leaving and joining cost no regrouping of the states, the policy's
+memory or the attention index of the places that stay, and a step's shapes never change.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
 from ..policies.gate import exit_mass
 from .hindsight import Hindsight
+from .places import PlaceContext
 from .probe_cache import ProbeCache
 from .records import Token
 from .timing import PhaseClock
@@ -38,8 +45,22 @@ class TokenLoop:
     def __init__(self, model: LoopedLM, index: int, group: LoopGroup, policy: ExitPolicy, clock: PhaseClock, *,
                  readout_steps: list[int], probe_is_final: bool, record_signals: bool, batch: int,
                  window: int | None = None, select: bool = False, weighted: bool = False, freeze: bool = False,
-                 probe_cache: ProbeCache | None = None, readout_attends: bool = True, defer_carry: bool = False):
+                 probe_cache: ProbeCache | None = None, readout_attends: bool = True, defer_carry: bool = False,
+                 places: int | None = None, late: bool = False, trash_slot: int | None = None):
         self.model, self.index, self.group, self.policy, self.clock = model, index, group, policy, clock
+        # Fixed places (continuous depth batching): one token per place, the places never compacted. Only for a
+        # rule that decides each token on its own as it runs (not under select, freeze or weighted, whose tokens
+        # all run to max_steps, nor the oracle), which is where tokens leave at different steps.
+        self.places = places
+        self._place_context: PlaceContext | None = None
+        # Where a free place writes: the loop layers' spare slot (`trash_slot`, past max_steps: a free place sits
+        # at that iteration, and leaving costs no write to the place context), where only loop layers see the
+        # places' context; else the cache's spare position (places.py), for every layer a place reaches.
+        self.trash_slot = trash_slot
+        # Horizon late (ExitConfig.horizon): exits decided on the signals of the iteration before.
+        self.late = late
+        self._late_host: torch.Tensor | None = None
+        self._late_event = None
         # An early exit's deepest entry is carried to the later slots for the later tokens of its row. When a
         # row has no later token in flight until the caller says so (generation: a row's next token waits for
         # this one's output), the carries wait too and go as one (`carry`), not one per step with exits.
@@ -87,9 +108,17 @@ class TokenLoop:
         return self.count
 
     # ---- joining ----------------------------------------------------------------------------------------------
+    def free_places(self) -> int | None:
+        """How many more tokens a table of fixed places takes now (None: no limit, the table grows)."""
+        return None if self.places is None else self.places - self.count
+
     def add(self, tokens: list[Token], x: torch.Tensor, s0: torch.Tensor) -> None:
         """Tokens start their loops at states s0 with group inputs x (both (m, 1, d)), in free places first."""
+        if self.places is not None:
+            return self._add_to_places(tokens, x, s0)
         memory = self.policy.start(s0[:, 0], self.vocab)
+        if self.late:  # (a token's first iteration has no decision before it: `defined` reads iteration 0)
+            memory = {**memory, "_late": torch.zeros(len(tokens), dtype=torch.float64, device=s0.device)}
         if self.weighted:  # the mixture so far and the probability mass not yet given to a step
             memory = {**memory, "mixture": torch.zeros(len(tokens), self.vocab, device=s0.device),
                       "remaining": torch.ones(len(tokens), device=s0.device)}
@@ -127,13 +156,43 @@ class TokenLoop:
         self.count += len(tokens)
         self._where = None
 
+    def _add_to_places(self, tokens: list[Token], x: torch.Tensor, s0: torch.Tensor) -> None:
+        """Fixed places: each token into a free place, its row's own where that is free (so a batch whose rows
+        all loop is in row order, and a step at one position and iteration reads one slice of the cache)."""
+        if len(tokens) > self.places - self.count:
+            raise AssertionError(f"{len(tokens)} tokens for {self.places - self.count} free places")
+        memory = self.policy.start(s0[:, 0], self.vocab)
+        if self.s is None:  # the first tokens: every place made at once, the ones not taken free
+            P = self.places
+            self.s, self.x = s0.new_zeros(P, *s0.shape[1:]), x.new_zeros(P, *x.shape[1:])
+            self.memory = {name: value.new_zeros(P, *value.shape[1:]) for name, value in memory.items()}
+            self.tokens, self.k, self.streak, self.trace, self.joined = [None] * P, [0] * P, [0] * P, \
+                [[] for _ in range(P)], [0] * P
+        free = {j for j, t in enumerate(self.tokens) if t is None}
+        places = []
+        for token in tokens:
+            j = token.row if token.row in free else min(free)
+            free.discard(j)
+            places.append(j)
+        at = torch.as_tensor(places, device=s0.device)
+        self.s.index_copy_(0, at, s0)
+        self.x.index_copy_(0, at, x)
+        for name, value in memory.items():
+            self.memory[name].index_copy_(0, at, value)
+        step = self.clock.steps_so_far(self.index)
+        for j, token in zip(places, tokens):
+            self.tokens[j], self.k[j], self.streak[j], self.trace[j], self.joined[j] = token, 0, 0, [], step
+        self.count += len(tokens)
+        if self._place_context is not None:
+            self._place_context.join(places, [t.row for t in tokens], [t.position for t in tokens])
+
     # ---- one iteration ----------------------------------------------------------------------------------------
     def step(self, cache: KVCache) -> Leaving | None:
         """One iteration for every token in flight; the tokens that exit after it leave."""
-        if self.count < len(self.tokens):
+        if self.count < len(self.tokens) and self.places is None:
             self._compact()
-        n = len(self.tokens)
-        blocks = self._blocks(cache)
+        n = self.count
+        blocks = self._blocks(cache) if self.places is None else None
         ctx = None if blocks else self._context(cache)
         started = self.clock.start()
         keep = self._active() if self.freeze else None
@@ -143,13 +202,16 @@ class TokenLoop:
             self.s = self.group.step(self.s, self.x, ctx) if keep is None else \
                 self.group.frozen_step(self.s, self.x, ctx, keep)
         self.clock.step(started, "core", self.index, n)
-        self.k = [k + 1 for k in self.k]
+        # (a free place stays where it is: at iteration 0, writing to the spare position, or at the spare slot;
+        # no rule lets a token leave before its first iteration, or the place decide anything past max_steps)
+        self.k = [k + 1 for k in self.k] if self.count == len(self.tokens) else \
+            [k + 1 if t is not None else k for k, t in zip(self.k, self.tokens)]
         started = self.clock.start()
         if self.hindsight:
             self.hindsight.keep_entries(self.record_of, self.tokens, self.k, cache)
         # A block step's contexts are chunks; a readout reads each token at its own position (built only for
         # a rule that decodes).
-        ran = [k - 1 for k in self.k]
+        ran = [max(k - 1, 0) for k in self.k]
         logits, leave = self._probe(lambda: ctx if ctx is not None else self._context(cache, at=ran), blocks)
         self.clock.step(started, "probe", self.index, n)
         if not any(leave):
@@ -164,8 +226,9 @@ class TokenLoop:
             return self._mix(context()), [k >= self.K for k in self.k]
         if policy.signal_free:
             if self.record:
-                for trace, k in zip(self.trace, self.k):
-                    trace.append(float(k))
+                for trace, k, token in zip(self.trace, self.k, self.tokens):
+                    if token is not None:
+                        trace.append(float(k))
             return None, [k >= self.K for k in self.k]
         logits = self._readout(context, blocks) if self.decodes else None
         if self.hindsight:
@@ -174,19 +237,53 @@ class TokenLoop:
         # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's rounding
         # noise, which varies with batch shape; in float64 batching cannot flip an exit.
         logp = torch.log_softmax(logits.double(), -1) if self.decodes else None
-        values = policy.signal(self.s[:, 0], self.memory, logp).tolist()  # the iteration's one host read
-        if policy.defined_from > 1:
-            values = [policy.defined(k, v) for k, v in zip(self.k, values)]
+        signal = policy.signal(self.s[:, 0], self.memory, logp)
+        if self.late:  # the rule's decision at the previous iteration, acted on now (horizon late)
+            ruled, values = [k - 1 for k in self.k], self._late_values(signal)
+            now = signal.tolist() if self.record or policy.counts_stalls else []
+        else:
+            ruled = self.k
+            values = now = signal.tolist()  # the iteration's one host read
+        if policy.defined_from > 1 or self.late:  # (iteration 0: a token's first, with no decision before it)
+            values = [policy.defined(k, v) for k, v in zip(ruled, values)]
+            now = [policy.defined(k, v) for k, v in zip(self.k, now)] if self.late else values
         if self.record:
-            for trace, v in zip(self.trace, values):
-                trace.append(v)
-        leave = policy.decide(self.k, values, self.streak)
+            for trace, v, token in zip(self.trace, now, self.tokens):
+                if token is not None:
+                    trace.append(v)
+        leave = policy.decide(ruled, values, self.streak)
+        if self.late:
+            leave = [out or k >= self.K for out, k in zip(leave, self.k)]
+        if self.count < len(self.tokens):  # a free place has no token to leave
+            leave = [out and t is not None for out, t in zip(leave, self.tokens)]
         if policy.counts_stalls:
-            for token, k, v in zip(self.tokens, self.k, values):
+            for token, k, v in zip(self.tokens, self.k, now):
                 # at the cap without the rule's own exit (under `select`, none chosen earlier either)
-                if k >= max(self.K, policy.defined_from) and token.selected is None and policy.stalled(v):
+                if token is not None and k >= max(self.K, policy.defined_from) and token.selected is None \
+                        and policy.stalled(v):
                     token.stalled = True
         return (logits, self._select(leave, logits)) if self.hold else (logits, leave)
+
+    def _late_values(self, signal: torch.Tensor) -> list[float]:
+        """Horizon late: the signals of the iteration before, as the host has them now, and this iteration's kept
+        for the next. Fixed places keep them in a host buffer filled as they are made (on a GPU a copy to pinned
+        memory, then an event), so reading them after the next iteration is launched waits for that copy alone,
+        not for the iteration: the device never idles on the host. A table that regroups its tokens keeps them
+        with the policy's memory, which moves with the tokens, and reads them the next time."""
+        if self.places is None:
+            previous = self.memory["_late"]
+            self.memory["_late"] = signal.to(previous.dtype)
+            return previous.tolist()
+        if self._late_host is None:
+            self._late_host = torch.zeros(self.places, dtype=torch.float64, pin_memory=signal.is_cuda)
+        if self._late_event is not None:
+            self._late_event.synchronize()
+        values = self._late_host.tolist()
+        self._late_host.copy_(signal, non_blocking=signal.is_cuda)
+        if signal.is_cuda:
+            self._late_event = torch.cuda.Event()
+            self._late_event.record()
+        return values
 
     def _readout(self, context: Callable[[], AttnContext], blocks: tuple[AttnContext, int] | None) -> torch.Tensor:
         """Every token's logits "if it exited now", (n, V)."""
@@ -219,7 +316,9 @@ class TokenLoop:
         gone = [j for j, out in enumerate(leave) if out]
         tokens = [self.tokens[j] for j in gone]
         steps = [self.k[j] for j in gone]
-        every = len(gone) == len(self.tokens)  # (then the tensors as they are: no gather)
+        # (then the tensors as they are: no gather; fixed places always gather, since the next tokens are
+        # written into these very tensors)
+        every = len(gone) == len(self.tokens) and self.places is None
         at = None if every else torch.as_tensor(gone, device=self.s.device)
         states = self.s if every else self.s[at]
         exit_logits = (logits if every else logits[at]) if logits is not None and self.probe_is_final else None
@@ -239,6 +338,7 @@ class TokenLoop:
                 token.signals.append(self.trace[j] + [self.policy.padding] * (self.K - len(self.trace[j])))
             self.clock.charge(token.uid, self.index, self.joined[j], end)
             self.tokens[j] = None
+            self.k[j] = self.trash_slot if self.trash_slot is not None else 0
         self.count -= len(gone)
         early = [(t, k) for t, k in zip(tokens, steps) if k < self.K]
         # later tokens read an early exit's deepest entry (`latest`); under `select` and `freeze` every entry
@@ -248,7 +348,10 @@ class TokenLoop:
             self.carries += [(t.row, t.position, k - 1) for t, k in early]
             if not self.defer_carry:
                 self.carry(cache)
-        self._where = None
+        if self.places is None:
+            self._where = None
+        elif self._place_context is not None and self.trash_slot is None:
+            self._place_context.leave(gone)
         return Leaving(tokens, states, exit_logits)
 
     def carry(self, cache: KVCache) -> None:
@@ -305,6 +408,8 @@ class TokenLoop:
     def _context(self, cache: KVCache, at: list[int] | None = None) -> AttnContext:
         """Where the tokens in flight read and write this iteration (`at`: these iterations, 0-based, instead
         of the one each token runs next): their rows, positions and slots."""
+        if self.places is not None:
+            return self._places_at(cache, self.k if at is None else at)
         where, k = self._placement(), self.k if at is None else at
         same_iteration = min(k) == max(k)
         if where["position"] is not None and same_iteration:
@@ -316,6 +421,25 @@ class TokenLoop:
         if same_iteration:
             return where["tokens"].at_iteration(k[0])
         return where["tokens"].at_iteration(torch.tensor(k, device=cache.device), host=k)
+
+    def _places_at(self, cache: KVCache, k: list[int]) -> AttnContext:
+        """`_context` of fixed places: the place context (places.py), at one iteration where every token is at
+        it (free places too, writing to the unread column of that slot), else at each place's own."""
+        if self._place_context is None:
+            self._place_context = PlaceContext(cache, self.places)
+            held = [(j, t) for j, t in enumerate(self.tokens) if t is not None]
+            self._place_context.join([j for j, _ in held], [t.row for _, t in held], [t.position for _, t in held])
+        places = self._place_context
+        full = self.count == len(self.tokens)
+        held = k if full else [i for i, t in zip(k, self.tokens) if t is not None]
+        # (free places at the spare slot run at their own iteration, never at the tokens' one)
+        same_iteration = min(held) == max(held) and (full or self.trash_slot is None)
+        position = places.lockstep(full)
+        if position is not None and same_iteration:
+            return AttnContext(start=position, cache=cache, iteration=held[0])  # rows in lockstep: a chunk
+        if same_iteration:
+            return places.context().at_iteration(held[0])
+        return places.context().at_iteration(torch.tensor(k, device=cache.device), host=k)
 
     def _blocks(self, cache: KVCache) -> tuple[AttnContext, int] | None:
         """A depth-major wave at one iteration whose rows hold runs of one shape: its chunk context and rows."""

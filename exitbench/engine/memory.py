@@ -121,13 +121,16 @@ def check_sweep_fits(model: LoopedLM, configs: Sequence[Any], batch: int, device
     windows = {c.kv_window for c in configs}
     window = None if None in windows or 0 in windows else max(windows)
     dtype = next(model.parameters()).dtype
-    need = plan(model, dtype, batch, 1, deepest, window)
+    # continuous depth batching holds spare rows beside the batch (ExitConfig.coda_bucket)
+    rows = batch + max((c.coda_bucket(batch) for c in configs if c.refill == "continuous" and batch > 1
+                        and c.exit_mode is None and c.build_policy().decides_as_it_runs()), default=0)
+    need = plan(model, dtype, rows, 1, deepest, window)
     beyond_weights = need["total"] - need["weights"]
     if beyond_weights > free:
         raise ExitbenchError(f"this sweep needs at least {beyond_weights / 1e9:.1f} GB beside the weights (a KV cache "
-                             f"of {need['kv_cache'] / 1e9:.1f} GB for {batch} rows at {max(deepest)} iterations, one "
-                             f"position each), but {device} has {free / 1e9:.1f} GB free: lower --batch-size or "
-                             "--max-steps, set --kv-window, or pass --no-memory-check to try anyway")
+                             f"of {need['kv_cache'] / 1e9:.1f} GB for {rows} rows at {max(deepest)} iterations, one "
+                             f"position each), but {device} has {free / 1e9:.1f} GB free: lower --batch-size, "
+                             "--coda-batch or --max-steps, set --kv-window, or pass --no-memory-check to try anyway")
     return need
 
 

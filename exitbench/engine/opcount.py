@@ -27,10 +27,17 @@ class OpCount:
     steps: int          # batched loop steps the run took
     ops: int            # aten ops of the whole run
     in_steps: int       # aten ops inside loop steps
+    iterations: int = 0  # the generated tokens' iterations, summed (token-iterations the loops ran)
 
     @property
     def per_step(self) -> float:
         return self.ops / self.steps
+
+    @property
+    def per_iteration(self) -> float:
+        """Ops per token-iteration: a batched step's ops shared by the tokens it advanced (the measure that
+        compares a schedule whose steps hold many tokens with one whose steps hold few)."""
+        return self.ops / self.iterations
 
     @property
     def in_step(self) -> float:
@@ -53,14 +60,15 @@ def _labelled_steps(counter: list[int]) -> Iterator[None]:
         loop_module.TokenLoop.step = original
 
 
-def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> OpCount:
-    """Ops of greedy generation of `max_new_tokens` after each prompt, all prompts in one batch, after one
-    untimed warm-up (first calls build tables and views that later ones reuse)."""
+def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   batch_size: int | None = None) -> OpCount:
+    """Ops of greedy generation of `max_new_tokens` after each prompt, `batch_size` rows (default: all prompts in
+    one batch), after one untimed warm-up (first calls build tables and views that later ones reuse)."""
     engine = ExitEngine(model, config)
-    engine.generate(prompts, max_new_tokens=max_new_tokens)
+    engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     counter = [0]
     with _labelled_steps(counter), profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.generate(prompts, max_new_tokens=max_new_tokens)
+        results = engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     events = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_LABEL)
     starts = [s for s, _ in spans]
@@ -71,7 +79,7 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
         ops += 1
         i = bisect.bisect_right(starts, event.time_range.start) - 1
         inside += i >= 0 and event.time_range.end <= spans[i][1]
-    return OpCount(counter[0], ops, inside)
+    return OpCount(counter[0], ops, inside, sum(sum(r.iterations) for r in results))
 
 
 def chains_prompts(tokenizer, n: int) -> list[list[int]]:

@@ -42,7 +42,8 @@ class ProbeCache:
         self.layers = layers
         slots = {layer: main.slots[layer] for layer in layers}
         self.caches = [KVCache(main.batch, main.n_heads, main.head_dim, slots, main.capacity, main.dtype, main.device,
-                               main.window, main.geometry) for _ in range(depth if per_iteration else 1)]
+                               main.window, main.geometry, main.private)
+                       for _ in range(depth if per_iteration else 1)]
 
     def at(self, k: int) -> KVCache:
         """Where a probe after iteration k (1-based) writes and reads."""

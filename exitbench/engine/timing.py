@@ -25,6 +25,10 @@ class PhaseClock:
         self._steps: dict[tuple[int, str], list[tuple[Any, Any, int]]] = defaultdict(list)  # (loop, phase)
         self._charges: list[tuple[int, int, int, int]] = []              # uid, loop, first step, end step
         self.per_token: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PHASES[1:], 0.0))
+        # Moments of the run (`mark`), and after `settle` their wall-clock without the prefill: seconds from the
+        # first mark, less the prefill spans before each (the clocks a run reports, docs/engine.md).
+        self._marks: list[Any] = []
+        self.marks_s: list[float] = []
 
     def start(self) -> Any:
         if self.cuda:
@@ -44,6 +48,11 @@ class PhaseClock:
         """End a step of loop `loop` begun at `started`, shared by the `tokens` in flight."""
         self._steps[(loop, phase)].append((started, self._end(), tokens))
 
+    def mark(self) -> int:
+        """A moment of the run; its index into `marks_s`."""
+        self._marks.append(self.start())
+        return len(self._marks) - 1
+
     def steps_so_far(self, loop: int) -> int:
         return len(self._steps[(loop, "core")])
 
@@ -56,6 +65,13 @@ class PhaseClock:
         if self.cuda:
             torch.cuda.synchronize()
         seconds = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)  # noqa: E731
+        if self._marks:
+            first = self._marks[0]
+            prefills = [(seconds(first, a), seconds(first, b)) for phase, a, b, _ in self._spans if phase == "prefill"]
+            for m in self._marks:
+                at = seconds(first, m)
+                self.marks_s.append(at - sum(min(b, at) - a for a, b in prefills if a < at))
+            self._marks.clear()
         for phase, a, b, tokens in self._spans:
             dt = seconds(a, b)
             self.totals[phase] += dt

@@ -49,8 +49,10 @@ def depth_major_blocker(engine: Any) -> str | None:
     for group, policy in zip(engine.groups, engine.policies):
         if policy.retrospective:
             return f"{policy.name}: it settles each token's exit after running it to max_steps"
-        if config.kv_window and config.kv_window < policy.max_steps and group.attn_layers:
-            return (f"kv_window {config.kv_window} < {policy.max_steps} iterations: later tokens read an earlier "
+        window, private = config.cache_layout()
+        if window and private + window < policy.max_steps and group.attn_layers:
+            shared = f"kv_window {window}" if not private else f"kv_layout {config.kv_layout}"
+            return (f"{shared} keeps fewer slots than {policy.max_steps} iterations: later tokens read an earlier "
                     "token's last lap")
     return None
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..engine import ExitEngine, SequenceResult
 from ..engine.config import ExitConfig
+from ..engine.prefixes import shared_store
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
@@ -130,7 +131,7 @@ class ExitbenchLM(LM):
         if never:  # lm-eval's model args reach here without a sweep's planning, which refuses the same
             raise ExitbenchError(never)
         self.exit_config = exit_config
-        self.engine = ExitEngine(ck.model, exit_config, schedule)
+        self.engine = ExitEngine(ck.model, exit_config, schedule, prefixes=shared_store(ck.model))
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)

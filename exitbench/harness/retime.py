@@ -15,8 +15,17 @@ one is drawn from each of `sample_size` equal strata of the ranking: a draw whos
 the order of its documents. Of the few ways to take one per stratum, the one whose FLOP ratio to full depth is
 nearest the whole task's is taken. The cell records which documents were timed.
 
-The per-token time is the one a cell reports (the scored tokens' own loops, `cells.request_stats`), and the
-requests are lm-eval's own, as the evaluation received them, so a repeat runs exactly what was scored.
+Two clocks, each paired with full depth (docs/engine.md, two clocks):
+- *throughput*: the run's batch size over a stream of documents (STREAM_BATCHES batches' worth, drawn across the
+  task as above), under the run's refill; its time per token is the engine's steady state, its wall-clock while
+  the queue still held requests (prefills left out), per token at the stream's iterations per token, so the
+  drain at the end, where rows idle with nothing left to take, is no part of it. This is `repeats`, the cell's
+  `speed-up` and `overhead`.
+- *latency*: one request at a time (batch size 1) on LATENCY_DOCUMENTS documents drawn the same way, the decode's
+  wall-clock per token, prefills left out: the paper's ms/token.
+Both are wall-clock, the engine's bookkeeping included, not its phases alone. The requests are lm-eval's own, as
+the evaluation received them, so a repeat runs exactly what was scored. (A model that keeps no such clock, the
+vLLM bridge's, gives the scored tokens' own phase times, `cells.request_stats`.)
 
 The same passes count their FLOPs (the engine's cost model), so the repeats also give the cell's FLOP ratio to
 full depth on the very requests timed (`flops_ratio`), and with it the cell's overhead: time ratio ÷ FLOP ratio,
@@ -49,6 +58,12 @@ MAX_REPEATS = 20
 # cells are flagged even there; a machine another job competes with spans far more.
 UNRELIABLE_SPREAD = 0.5
 MIN_DOCUMENTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
+CLOCKS = ("throughput", "latency")
+# A throughput stream holds this many batches of documents (at most MAX_SHARE of the task): enough that the steady
+# state, up to the moment the queue runs dry, outlasts the rows' first and last requests.
+STREAM_BATCHES = 4
+# The latency clock's documents, one at a time: each is a prefill and its tokens' decode at batch size 1.
+LATENCY_DOCUMENTS = 8
 # At most this share of a task's documents is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
 # own evaluation where a task has few documents (a perplexity task's document is a whole text); a task of fewer
 # than 1 / MAX_SHARE documents is not retimed at all.
@@ -59,10 +74,15 @@ MAX_SHARE = 1 / 8
 MAX_SAMPLE_OFF = 0.10
 
 
-def sample_size(batch_size: int, available: int) -> int:
-    """Documents per task retimed out of `available`: one full batch and at least MIN_DOCUMENTS, but no more
-    than MAX_SHARE of them (none, for a task that small)."""
-    return min(max(batch_size, MIN_DOCUMENTS), math.floor(MAX_SHARE * available))
+def sample_size(batch_size: int, available: int, clock: str = "throughput", stream: int | None = None) -> int:
+    """Documents per task retimed out of `available`, no more than MAX_SHARE of them (none, for a task that
+    small): for the throughput clock a stream of `stream` documents, by default STREAM_BATCHES batches and at least
+    MIN_DOCUMENTS; for the latency clock LATENCY_DOCUMENTS."""
+    if clock == "latency":
+        wanted = LATENCY_DOCUMENTS
+    else:
+        wanted = stream if stream is not None else max(STREAM_BATCHES * batch_size, MIN_DOCUMENTS)
+    return min(wanted, math.floor(MAX_SHARE * available))
 
 
 def too_small(task: str, documents: int) -> str:
@@ -101,10 +121,11 @@ class Sample:
 
 
 def draw(received: dict[str, list], stats: list[dict[str, Any]], task: str, batch_size: int,
-         full_flops: FullFlops | None = None) -> Sample:
-    """The documents of `task` to retime (`sample_size` of them, one per stratum of the cost ranking; none for
-    a task too small), from the requests the model received and the evaluation's per-request `stats`.
-    `full_flops` prices a document at full depth; without it (or without FLOP counts) the strata are positions."""
+         full_flops: FullFlops | None = None, size: int | None = None) -> Sample:
+    """The documents of `task` to retime (`size` of them, by default `sample_size`, one per stratum of the cost
+    ranking; none for a task too small), from the requests the model received and the evaluation's per-request
+    `stats`. `full_flops` prices a document at full depth; without it (or without FLOP counts) the strata are
+    positions."""
     order: dict[Any, int] = {}
     for requests in received.values():
         for r in requests:
@@ -121,7 +142,7 @@ def draw(received: dict[str, list], stats: list[dict[str, Any]], task: str, batc
         cost[s["doc_id"]][0] += s["flops"]
         cost[s["doc_id"]][1] += full_flops(len(s["iterations"]), s["context_sum"]) if full_flops else 0.0
     docs = list(order)
-    m = sample_size(batch_size, len(docs))
+    m = min(size, len(docs)) if size is not None else sample_size(batch_size, len(docs))
     if m < 1:
         return Sample([], [], len(docs), None, None)
 
@@ -148,6 +169,16 @@ def draw(received: dict[str, list], stats: list[dict[str, Any]], task: str, batc
                   "stratified by cost" if whole is not None else "stratified by position")
 
 
+def task_documents(received: dict[str, list], task: str) -> list[Any]:
+    """The doc ids of `task` among the requests the model received, in their first order."""
+    order: dict[Any, None] = {}
+    for requests in received.values():
+        for r in requests:
+            if r.task_name == task:
+                order.setdefault(r.doc_id, None)
+    return list(order)
+
+
 def task_work(received: dict[str, list], task: str, batch_size: int) -> list[tuple[str, list]]:
     """The requests of `task` to retime where no FLOP count is at hand: documents drawn evenly across the task
     by position (`draw` without costs)."""
@@ -163,27 +194,44 @@ def per_token_seconds(lm: Any, work: list[tuple[str, list]]) -> float | None:
 class Pass:
     """One timed pass: seconds and FLOPs per scored token (None where a request's stats carry none), and the
     engine's batched loop steps and the scored tokens' iterations over the pass (None where the model keeps no
-    step count, or loops prompt tokens too: prefill `exit`)."""
+    step count, or loops prompt tokens too: prefill `exit`); `measured` says what the seconds are."""
     seconds: float | None
     flops: float | None = None
     steps: float | None = None
     iterations: int | None = None
+    measured: str | None = None
 
 
-def timed_pass(lm: Any, work: list[tuple[str, list]]) -> Pass:
-    """One pass of `work` through an ExitbenchLM. The model's own request table, the requests it received and
-    its progress callback are left as they were, so a cell's statistics hold its evaluation alone and the next
-    task's documents are still there to draw (a pass hands the model only this task's)."""
+# What a pass's seconds per token are, by how they were measured (a cell says it in its clock's `measured`).
+MEASURES = {"steady state": "wall-clock while the queue held requests, prefills left out, per token at the "
+                            "stream's iterations per token",
+            "whole pass": "wall-clock of the whole pass, prefills left out (the stream was too short for a steady "
+                          "state: its drain is in it)",
+            "phases": "the scored tokens' own loop phases (a model with no clock of its own)"}
+
+
+def timed_pass(lm: Any, work: list[tuple[str, list]], clock: str = "throughput") -> Pass:
+    """One pass of `work` through an ExitbenchLM, on `clock` (CLOCKS: the latency clock runs it at batch size
+    1). The model's own request table, the requests it received, its batch size and its progress callback are
+    left as they were, so a cell's statistics hold its evaluation alone and the next task's documents are still
+    there to draw (a pass hands the model only this task's)."""
     kept, lm.request_stats = lm.request_stats, []
     received = dict(getattr(lm, "received", {}))
     progress, lm.on_progress = lm.on_progress, None
+    batch_size = getattr(lm, "batch_size", None)
+    engine = getattr(lm, "engine", None)
+    before = dict(engine.stats) if engine is not None and "decode_s" in engine.stats else None
     steps_before = _engine_steps(lm)
     try:
+        if clock == "latency" and batch_size is not None:
+            lm.batch_size = 1
         for kind, requests in work:
             getattr(lm, kind)(requests)
         stats = lm.request_stats
     finally:
         lm.request_stats, lm.on_progress = kept, progress
+        if batch_size is not None:
+            lm.batch_size = batch_size
         if hasattr(lm, "received"):
             lm.received = received
     tokens = sum(len(s["iterations"]) for s in stats)
@@ -191,8 +239,20 @@ def timed_pass(lm: Any, work: list[tuple[str, list]]) -> Pass:
         return Pass(None)
     flops = None if any(s.get("flops") is None for s in stats) else sum(s["flops"] for s in stats) / tokens
     steps = None if steps_before is None else _engine_steps(lm) - steps_before
-    return Pass(sum(s["token_seconds"] for s in stats) / tokens, flops, steps,
-                sum(sum(s["iterations"]) for s in stats))
+    iterations = sum(sum(s["iterations"]) for s in stats)
+    if before is None:
+        return Pass(sum(s["token_seconds"] for s in stats) / tokens, flops, steps, iterations, "phases")
+    seconds, measured = clock_seconds({k: engine.stats[k] - before[k] for k in before}, tokens, clock)
+    return Pass(seconds, flops, steps, iterations, measured)
+
+
+def clock_seconds(delta: dict[str, float], tokens: int, clock: str) -> tuple[float, str]:
+    """Seconds per token of a pass from the engine's clocks over it (`ExitEngine.stats` differences): the
+    throughput clock's steady state where the pass had one, else (and on the latency clock) the whole pass."""
+    if clock == "throughput" and delta["steady_work"] > 0 and delta["steady_tokens"] > 0:
+        per_iteration = delta["steady_s"] / delta["steady_work"]
+        return per_iteration * delta["steady_token_iterations"] / delta["steady_tokens"], "steady state"
+    return delta["decode_s"] / tokens, "whole pass"
 
 
 def _engine_steps(lm: Any) -> float | None:
@@ -205,10 +265,10 @@ def _engine_steps(lm: Any) -> float | None:
 
 
 def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, full_depth: int,
-           sample: Sample | None = None) -> dict[str, Any] | None:
-    """`repeats` paired timings of `work` under `lm` and `full_lm` (full depth, `full_depth` steps), in
-    alternating order; with the `sample` the work was drawn as, which documents they were and whether their FLOP
-    ratio stands for the task's. None when there is nothing to time (no request, or none scored a token)."""
+           sample: Sample | None = None, clock: str = "throughput") -> dict[str, Any] | None:
+    """`repeats` paired timings of `work` under `lm` and `full_lm` (full depth, `full_depth` steps) on `clock`,
+    in alternating order; with the `sample` the work was drawn as, which documents they were and whether their
+    FLOP ratio stands for the task's. None when there is nothing to time (no request, or none scored a token)."""
     if repeats < 1 or not work:
         return None
     cell_s: list[float | None] = []
@@ -217,7 +277,7 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
     for r in range(repeats):
         pair = [(lm, cell_s), (full_lm, full_s)]
         for model, into in pair if r % 2 == 0 else pair[::-1]:
-            last[id(into)] = timed_pass(model, work)
+            last[id(into)] = timed_pass(model, work, clock)
             into.append(last[id(into)].seconds)
     if any(t is None or t <= 0 for t in cell_s + full_s):
         return None
@@ -228,7 +288,11 @@ def retime(lm: Any, full_lm: Any, work: list[tuple[str, list]], repeats: int, fu
     flops_ratio = cell.flops / full.flops if cell.flops and full.flops else None
     steps_ratio = cell.steps / full.steps if cell.steps and full.steps else None
     schedule = steps_ratio / (cell.iterations / full.iterations) if steps_ratio and cell.iterations else None
-    out = {"repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
+    # (the cell's measure: the weaker of the two sides', a steady state only where both had one)
+    measured = sorted({cell.measured, full.measured}, key=list(MEASURES).index)[-1]
+    out = {"clock": clock, "batch_size": 1 if clock == "latency" else getattr(lm, "batch_size", None),
+           "measured": measured,
+           "repeats": repeats, "requests": sum(len(reqs) for _, reqs in work), "full_depth": full_depth,
            "per_token_s": cell_s, "full_per_token_s": full_s, "ratios": ratios, "ratio": median,
            "spread": (max(ratios) - min(ratios)) / median, "flops_ratio": flops_ratio,
            "overhead": median / flops_ratio if flops_ratio else None,

@@ -74,17 +74,23 @@ class AttnContext:
 
     @classmethod
     def tokens(cls, cache: "KVCache", rows: list[int], positions: list[int],
-               iteration: int | torch.Tensor | None = 0, by_row: bool = False) -> "AttnContext":
+               iteration: int | torch.Tensor | None = 0, by_row: bool = False,
+               writes: list[int] | None = None, length: int | None = None) -> "AttnContext":
         """Token mode for one token per entry of `rows` at `positions` (lists), at `iteration` (None: none yet;
         `at_iteration` gives one). `by_row`: a row's tokens read its keys as one slice (KVCache.attend_by_row),
-        for sets with several tokens per row whose tokens share an iteration."""
+        for sets with several tokens per row whose tokens share an iteration. `writes`: where each token writes
+        its keys, where that is not its position (a fixed-shape step's free places write into a column past
+        every position read, and read as the longest token does); `length`: the keys each token reads, when more
+        than its position needs (room for later tokens of a context kept across steps; then always masked)."""
         dense = not by_row and list(rows) == list(range(cache.batch))
         # (as_tensor: a list becomes a tensor in three ops where torch.tensor takes four)
         rows_t = cache.row_ids() if dense else torch.as_tensor(rows, device=cache.device)
         pos = torch.as_tensor(positions, device=cache.device)
-        length = max(positions) + 1
-        places = cache.token_index(rows_t, pos, length, masked=min(positions) != length - 1,
-                                   by_row=(list(rows), list(positions)) if by_row else None, dense=dense)
+        masked = length is not None or min(positions) != max(positions)
+        length = length or max(positions) + 1
+        places = cache.token_index(rows_t, pos, length, masked=masked,
+                                   by_row=(list(rows), list(positions)) if by_row else None, dense=dense,
+                                   writes=None if writes is None else torch.as_tensor(writes, device=cache.device))
         ctx = cls(cache=cache, rows=rows_t, positions=pos, places=places, rotations={})
         return ctx if iteration is None else ctx.at_iteration(iteration)
 

@@ -78,15 +78,17 @@ class TokenIndex:
 class KVCache:
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: dict[int, int],
                  capacity: int = 64, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 window: int | None = None, geometry: dict[int, tuple[int, int]] | None = None):
+                 window: int | None = None, geometry: dict[int, tuple[int, int]] | None = None, private: int = 0):
         """`slots`: slots per layer; `window`: the loop layers' slots are a rolling buffer of this many
-        iterations (their `slots` must then be at most `window`), None: one slot per iteration; `geometry`: the
-        (heads, head_dim) of layers whose entries are not (n_heads, head_dim), e.g. a model's per-position states
-        kept beside its keys (Inkling 2's convolution inputs, one "head" as wide as the input)."""
+        iterations (their `slots` must then be at most `private + window`), None: one slot per iteration;
+        `private`: under a window, the first iterations that keep a slot each before the rolling buffer begins
+        (Continuous Depth Batching's first_then_shared layout is private 1, window 1); `geometry`: the (heads,
+        head_dim) of layers whose entries are not (n_heads, head_dim), e.g. a model's per-position states kept
+        beside its keys (Inkling 2's convolution inputs, one "head" as wide as the input)."""
         self.batch, self.n_heads, self.head_dim = batch, n_heads, head_dim
         self.geometry = dict(geometry or {})
         self.slots = dict(slots)
-        self.window = window
+        self.window, self.private = window, private
         self.dtype, self.device = dtype, torch.device(device)
         self.capacity = 0
         self.k: dict[int, torch.Tensor] = {}
@@ -120,7 +122,14 @@ class KVCache:
     def slot(self, iteration: int | torch.Tensor) -> int | torch.Tensor:
         """The slot loop iteration `iteration` (0-based; an int, or a tensor of one per token) writes and reads.
         Plain layers are always at iteration 0, slot 0."""
-        return iteration % self.window if self.window else iteration
+        if not self.window:
+            return iteration
+        if not self.private:
+            return iteration % self.window
+        shared = self.private + (iteration - self.private) % self.window
+        if isinstance(iteration, int):
+            return iteration if iteration < self.private else shared
+        return torch.where(iteration < self.private, iteration, shared)
 
     def update(self, layer: int, iteration: int, rows: torch.Tensor | None, start: int,
                k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,11 +171,14 @@ class KVCache:
         return self._flats[key]
 
     def token_index(self, rows: torch.Tensor, positions: torch.Tensor, length: int, masked: bool,
-                    by_row: tuple[list[int], list[int]] | None = None, dense: bool = False) -> TokenIndex:
+                    by_row: tuple[list[int], list[int]] | None = None, dense: bool = False,
+                    writes: torch.Tensor | None = None) -> TokenIndex:
         """The `TokenIndex` at iteration 0 of one token per entry of `rows` at `positions`, each reading its row's
         keys 0 … its position out of `length` (1 + the largest position); `masked`: some token sits below it.
         `by_row` (the rows and positions as host lists): tokens of one row read their row's keys as one slice
-        (`attend_by_row`), not one gather each."""
+        (`attend_by_row`), not one gather each. `writes`: where each token writes, when not at its position (a
+        free place of a fixed-shape step writes into a column no token reads)."""
+        writes = positions if writes is None else writes
         if by_row:
             base = rows * self.capacity
             groups = []
@@ -191,8 +203,8 @@ class KVCache:
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(hidden, float("-inf"))
             mask = mask.view(len(positions), 1, 1, length)
         if dense:  # read through the slot's view; flat places only if the rows' slots ever differ (`at_iteration`)
-            return TokenIndex(None, None, length, mask, dense=True, positions=positions)
-        return self._flat_places(TokenIndex(None, None, length, mask), rows, positions)
+            return TokenIndex(None, None, length, mask, dense=True, positions=writes)
+        return self._flat_places(TokenIndex(None, None, length, mask), rows, writes)
 
     def key_steps(self, length: int) -> torch.Tensor:
         """0 … length − 1 on the cache's device: a slice of one range kept per capacity."""

@@ -266,13 +266,14 @@ class LoopedLM(nn.Module):
         """Unique parameters: a tied head counts once, buffers not at all."""
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
-    def cache_slots(self, max_steps: Sequence[int] | None = None, window: int | None = None) -> dict[int, int]:
+    def cache_slots(self, max_steps: Sequence[int] | None = None, window: int | None = None,
+                    private: int = 0) -> dict[int, int]:
         """Cache slots per attention layer: one per loop iteration up to each group's `max_steps` (or the given
-        ones) for a loop group's layers, at most `window` of them (a rolling buffer, models/cache.py), and one
-        for a plain layer's."""
+        ones) for a loop group's layers, at most `private + window` of them (a rolling buffer after `private`
+        slots of their own, models/cache.py), and one for a plain layer's."""
         groups = self.loop_groups()
         steps = list(max_steps) if max_steps is not None else [g.max_steps for g in groups]
-        depth = {id(group): min(n, window) if window else n for group, n in zip(groups, steps)}
+        depth = {id(group): min(n, private + window) if window else n for group, n in zip(groups, steps)}
         slots: dict[int, int] = {}
         for stage in self.stages():
             n = depth.get(id(stage), 1)
@@ -280,11 +281,12 @@ class LoopedLM(nn.Module):
         return slots
 
     def new_cache(self, batch: int, capacity: int, max_steps: Sequence[int] | None = None,
-                  window: int | None = None) -> KVCache:
-        """A cache with cache_slots(max_steps, window) slots per layer, for `batch` rows of `capacity` positions."""
+                  window: int | None = None, private: int = 0) -> KVCache:
+        """A cache with cache_slots(max_steps, window, private) slots per layer, for `batch` rows of `capacity`
+        positions."""
         n_heads, head_dim = self.cache_geometry()
-        return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps, window), capacity, self.dtype,
-                       self.device, window, self.state_geometry())
+        return KVCache(batch, n_heads, head_dim, self.cache_slots(max_steps, window, private), capacity, self.dtype,
+                       self.device, window, self.state_geometry(), private)
 
     def state_geometry(self) -> dict[int, tuple[int, int]]:
         """Cache layers that hold per-position states rather than attention keys (a stage's `state_layers`), by

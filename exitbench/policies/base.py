@@ -126,9 +126,17 @@ class ExitPolicy:
     @classmethod
     def takes(cls, knob: str) -> bool:
         """Whether this rule has a use for `knob`: every rule takes its threshold, step limits and patience;
-        `relative` only a rule that reads step norms, the exit model only the learned rule."""
+        `relative` only a rule that reads step norms, the exit model only the learned rule, a late horizon only a
+        rule that decides as it runs."""
         return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model, "rules": cls.takes_rules,
-                "vary": cls.takes_rules}.get(knob, True)
+                "vary": cls.takes_rules, "horizon": cls.decides_as_it_runs()}.get(knob, True)
+
+    @classmethod
+    def decides_as_it_runs(cls) -> bool:
+        """Whether the rule decides each token's exit as the token runs (not by a count alone, like fixed depth, nor
+        after the whole trajectory, like the oracle): what a late horizon reads and what lets tokens of one batch
+        leave at different iterations (continuous depth batching)."""
+        return not (cls.retrospective or cls.signal_free)
 
     def bind(self, max_steps: int, group: Any = None) -> "ExitPolicy":
         """Fix max_steps from the loop group when the config left it open; a gate rule takes the group's gate."""

@@ -18,14 +18,19 @@ Schema `exitbench.cell` version 2 (documented in the README):
     wall_clock per_token_s (the scored tokens' own loops: what exits change), total_s and request_s
                (engine time with the full-depth prefill), probe_share (probe / (core + probe)), phases_s
                {prelude, core, probe, coda}, cell_s (this task's share of the lm-eval call); repeats
-               {repeats, requests, full_depth, per_token_s, full_per_token_s, ratios, ratio, spread,
-               flops_ratio, overhead, documents, of_documents, drawn, whole_flops_ratio,
-               expected_flops_ratio, representative, corrected_ratio, steps_ratio, schedule}: documents drawn
-               across the task timed again beside full depth (harness/retime.py; absent when not; cells written
-               before the draw have no `documents` and timed the task's first requests; schedule: loop steps ÷
-               what the tokens' iterations need, against full depth, absent before it); untimed: why a task was
-               not retimed (too few documents); overhead: the repeats' time ratio ÷ their FLOP ratio (absent
-               when not retimed, and in cells written before it);
+               {clock, batch_size, measured, repeats, requests, full_depth, per_token_s, full_per_token_s,
+               ratios, ratio, spread, flops_ratio, overhead, documents, of_documents, drawn, whole_flops_ratio,
+               expected_flops_ratio, representative, corrected_ratio, steps_ratio, schedule}: the throughput
+               clock, documents drawn across the task timed again beside full depth at the run's batch size
+               over a stream (harness/retime.py; absent when not; measured: "steady state", "whole pass" or
+               "phases"; cells written before the draw have no `documents` and timed the task's first requests;
+               schedule: loop steps ÷ what the tokens' iterations need, against full depth, absent before it);
+               latency: the latency clock, the same fields at batch size 1 (clock "latency", batch_size 1);
+               cells written before the two clocks carry one, `repeats` without clock, batch_size or measured
+               and no latency: "batch (before two clocks)", one batch of 16 documents at the run's batch size,
+               the scored tokens' loop phases only; untimed: why a task was not retimed (too few documents);
+               overhead: the throughput repeats' time ratio ÷ their FLOP ratio (absent when not retimed, and in
+               cells written before it);
                warnings [why its timing is unreliable] (absent when none)
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;

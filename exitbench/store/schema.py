@@ -97,8 +97,10 @@ class IterationsPart(_Part):
 
 
 class RepeatsPart(_Part):
-    """A cell's paired retiming beside full depth (harness/retime.py); cells written before the draw across the
-    task have no `documents` (they timed the task's first requests) and no fields after it."""
+    """A cell's paired retiming beside full depth on one clock (harness/retime.py); cells written before the draw
+    across the task have no `documents` (they timed the task's first requests) and no fields after it; cells
+    written before the two clocks have no `clock`, `batch_size` or `measured` (their one clock: a batch of
+    documents at the run's batch size, the scored tokens' loop phases only)."""
     repeats: int
     ratio: Number
     spread: Number
@@ -114,6 +116,9 @@ class RepeatsPart(_Part):
     corrected_ratio: Optional[Number] = None
     steps_ratio: Optional[Number] = None
     schedule: Optional[Number] = None
+    clock: Optional[Literal["throughput", "latency"]] = None
+    batch_size: Optional[int] = None
+    measured: Optional[str] = None
 
 
 class WallClockPart(_Part):
@@ -122,7 +127,8 @@ class WallClockPart(_Part):
     total_s: Optional[float] = None
     estimated: bool = False
     overhead: Optional[float] = None  # cells written before it, or timed once, have none
-    repeats: Optional[RepeatsPart] = None
+    repeats: Optional[RepeatsPart] = None  # the throughput clock (or, before the two clocks, the one clock)
+    latency: Optional[RepeatsPart] = None  # the latency clock: batch size 1 (absent before the two clocks)
     untimed: Optional[str] = None  # why a task too small was not retimed
 
 

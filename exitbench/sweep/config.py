@@ -101,6 +101,10 @@ class RunOptions:
     timing_repeats: int = field(default=retime.DEFAULT_REPEATS, metadata=option(
         "After each cell, time documents drawn across each task again this often beside full depth, "
         "alternately: a paired speed-up with its range (0: none; replay cells never).", "--timing-repeats"))
+    timing_stream: Optional[int] = field(default=None, metadata=option(
+        "Documents in the throughput clock's stream (default: four batches, at most an eighth of the task); its "
+        "time is the engine's steady state, while the queue still holds requests (docs/engine.md).",
+        "--timing-stream"))
     backend: str = field(default="hf", metadata=option(
         "Which engine runs the cells: hf (exitbench's own) or vllm (its exit rules inside vLLM, exit mode freeze; "
         "pip install 'exitbench[vllm]', docs/serving.md). A vllm cell says so in its key.", "--backend"))
@@ -136,6 +140,7 @@ class SweepConfig:
     # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
     # a cell's key: they add numbers to the cell and change none of its others.
     timing_repeats: int = retime.DEFAULT_REPEATS
+    timing_stream: int | None = None  # the throughput clock's stream, in documents (None: retime.sample_size's)
     # The engine the cells run on (exitbench.serving.vllm for "vllm"); in the key only when not hf, so the hf
     # cells keep their ids.
     backend: str = "hf"
@@ -177,7 +182,8 @@ class SweepConfig:
                   add_bos_token=o.add_bos_token, replay=o.replay, preset=chosen,
                   prompting=Prompting(o.chat_template or o.apply_chat_template, o.system_instruction,
                                       o.fewshot_as_multiturn, o.gen_kwargs),
-                  timing_repeats=o.timing_repeats, checkpoint=o.checkpoint, dtype=o.dtype,
+                  timing_repeats=o.timing_repeats, timing_stream=o.timing_stream, checkpoint=o.checkpoint,
+                  dtype=o.dtype,
                   allow_nonfinite=o.allow_nonfinite, device=o.device, out=o.out, data_dir=o.data_dir,
                   include_path=list(o.include_path), compile_step=o.compile_step, memory_check=o.memory_check,
                   backend=o.backend)
@@ -200,6 +206,10 @@ class SweepConfig:
                                  "machine's noise, see bench/RESULTS.md)")
         if self.num_fewshot is not None:
             at_least("--num-fewshot", self.num_fewshot, 0)
+        if self.timing_stream is not None and self.timing_stream < self.batch_size:
+            raise ExitbenchError(f"--timing-stream {self.timing_stream} is shorter than the batch "
+                                 f"(--batch-size {self.batch_size}): a throughput stream needs more documents than "
+                                 "rows, or no row ever takes a second request; give at least the batch size")
 
 
 def with_exit_config(options: RunOptions, knobs: dict[str, Any], given: set[str]

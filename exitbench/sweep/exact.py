@@ -76,15 +76,19 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     made = task_cells(results, names, keys, model, resolved_policy(exit_cfg, lm.engine.policies[0]),
                       list(unique.values()), started, cfg.log_samples, elapsed)
     for cell, _ in made:
-        rep = timings.get(cell["task"]["name"])
-        if isinstance(rep, str):  # why the task was not retimed
-            cell["wall_clock"]["untimed"] = rep
-        elif rep:
-            cell["wall_clock"]["repeats"] = rep
-            # Known now only from the repeats; a cell timed once gets its overhead at read time, against its
-            # sweep's full-depth cell (analysis/frontier.py `overhead`).
-            if rep.get("overhead") is not None:
-                cell["wall_clock"]["overhead"] = rep["overhead"]
+        clocks = timings.get(cell["task"]["name"])
+        if isinstance(clocks, str):  # why the task was not retimed
+            cell["wall_clock"]["untimed"] = clocks
+        elif clocks:
+            rep, latency = clocks.get("throughput"), clocks.get("latency")
+            if rep:
+                cell["wall_clock"]["repeats"] = rep
+                # Known now only from the repeats; a cell timed once gets its overhead at read time, against its
+                # sweep's full-depth cell (analysis/frontier.py `overhead`).
+                if rep.get("overhead") is not None:
+                    cell["wall_clock"]["overhead"] = rep["overhead"]
+            if latency:
+                cell["wall_clock"]["latency"] = latency
         reasons = retime.warnings(cell)
         if reasons:  # said in the cell itself, for whoever reads it without exitbench
             cell["wall_clock"]["warnings"] = reasons
@@ -110,8 +114,9 @@ def backend_lm(backend: str) -> type:
 def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: SweepConfig
             ) -> dict[str, dict[str, Any] | str | None]:
     """Per task, the paired repeated timings of the cell's model `lm` against full depth on documents drawn
-    across the task (harness/retime.py): None for a task with nothing to time, and a line saying why for a task
-    too small to retime. Under torchrun they are skipped: each rank holds only its share of the requests."""
+    across the task (harness/retime.py), on each clock (`{"throughput": …, "latency": …}`), and a line saying
+    why for a task too small to retime. Under torchrun they are skipped: each rank holds only its share of the
+    requests."""
     from ..harness.model import ExitbenchLM
 
     if cfg.timing_repeats < 1:
@@ -120,9 +125,17 @@ def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: Sw
     priced = retime.full_depth_flops(full_lm)
     out: dict[str, dict[str, Any] | str | None] = {}
     for name in names:
-        sample = retime.draw(lm.received, lm.request_stats, name, cfg.batch_size, priced)
-        out[name] = (retime.retime(lm, full_lm, sample.work, cfg.timing_repeats, int(full.threshold), sample)
-                     if sample.work else retime.too_small(name, sample.of))
+        clocks: dict[str, Any] = {}
+        for clock in retime.CLOCKS:
+            size = retime.sample_size(cfg.batch_size, len(retime.task_documents(lm.received, name)), clock,
+                                      cfg.timing_stream)
+            sample = retime.draw(lm.received, lm.request_stats, name, cfg.batch_size, priced, size=max(size, 0))
+            if not sample.work:
+                clocks = retime.too_small(name, sample.of)
+                break
+            clocks[clock] = retime.retime(lm, full_lm, sample.work, cfg.timing_repeats, int(full.threshold), sample,
+                                          clock)
+        out[name] = clocks
     return out
 
 

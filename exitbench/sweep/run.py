@@ -139,8 +139,10 @@ def run_sweep(cfg: SweepConfig, progress: Any | None = None) -> SweepOutcome:
 def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()) -> list[dict[str, Any]]:
     """One row per cell, ordered task → baselines first → policy → threshold (the order quality moves in).
     `origin` says which rows this run did not measure exactly: cells reused from an earlier run (their
-    cell ids in `reused`) and cells computed by replay."""
+    cell ids in `reused`) and cells computed by replay. Speed-ups and overheads on both clocks: `speedup` and
+    `overhead` the throughput clock's, `latency` and `overhead_latency` the latency clock's."""
     from ..analysis.frontier import overhead_fields, references
+    from ..analysis.notes import clock_warnings
     from ..analysis.speedup import clock_basis, estimate
 
     full = references(cell_list)
@@ -161,5 +163,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      "reference_depth": (full.get(c["cell_id"]) or {}).get("policy", {}).get("threshold"),
                      "late_exit": bool(p.get("late_exit")), "earliest_exit": p.get("earliest_exit"),
                      **overhead_fields(c, full.get(c["cell_id"])),
-                     "warnings": retime.warnings(c)})
+                     # the latency clock's speed-up beside the throughput one's (`overhead_latency` above)
+                     "latency": estimate(c, full.get(c["cell_id"]), "latency"),
+                     "warnings": retime.warnings(c), "latency_warnings": clock_warnings(c, "latency")})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))

@@ -212,19 +212,32 @@ PPL = [  # perplexity, lower is better; full depth 1.00
 ]
 
 
-def paired(cell, ratios, full_depth=16, drawn=True, corrected=None):
+def paired(cell, ratios, full_depth=16, drawn=True, corrected=None, clock=None, documents=16):
     """`cell` as a sweep leaves it after retiming it beside full depth (harness/retime.py) with these ratios: on
-    16 of 128 documents drawn across the task, or (`drawn` false) as cells written before the draw, on the
-    task's first requests; `corrected`, the ratio carried to the whole task where the draw's FLOPs strayed."""
+    `documents` of 128 documents drawn across the task, or (`drawn` false) as cells written before the draw, on
+    the task's first requests; `corrected`, the ratio carried to the whole task where the draw's FLOPs strayed.
+    `clock`: None as cells written before the two clocks (their one clock under `repeats`, no `clock` field),
+    "throughput" (under `repeats`, at batch size 16, its steady state) or "latency" (under `latency`, batch size 1)
+    as a sweep since writes them."""
     median = statistics.median(ratios)
-    cell["wall_clock"]["repeats"] = {"repeats": len(ratios), "requests": 16, "full_depth": full_depth,
-                                     "ratios": ratios, "ratio": median,
-                                     "spread": (max(ratios) - min(ratios)) / median}
+    timed = {"repeats": len(ratios), "requests": documents, "full_depth": full_depth, "ratios": ratios,
+             "ratio": median, "spread": (max(ratios) - min(ratios)) / median}
     if drawn:
-        cell["wall_clock"]["repeats"].update({
-            "documents": list(range(0, 128, 8)), "of_documents": 128, "drawn": "stratified by cost",
-            "representative": corrected is None, "corrected_ratio": corrected})
+        timed.update({"documents": list(range(0, 128, 128 // documents)), "of_documents": 128,
+                      "drawn": "stratified by cost", "representative": corrected is None, "corrected_ratio": corrected})
+    if clock is not None:
+        latency = clock == "latency"
+        timed.update({"clock": clock, "batch_size": 1 if latency else 16,
+                      "measured": "whole pass" if latency else "steady state"})
+    cell["wall_clock"]["latency" if clock == "latency" else "repeats"] = timed
     return cell
+
+
+def two_clocks(cell, throughput, latency, full_depth=16):
+    """`cell` retimed on both clocks as a sweep since the two clocks leaves it (`paired`): the throughput clock's
+    ratios on a stream of 64 documents, the latency clock's on 8."""
+    paired(cell, throughput, full_depth, clock="throughput", documents=64)
+    return paired(cell, latency, full_depth, clock="latency", documents=8)
 
 
 def write_cells(directory: Path, cell_list: list[dict[str, Any]]) -> dict[str, Path]:

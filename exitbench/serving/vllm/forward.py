@@ -42,11 +42,12 @@ def check_servable(model: LoopedLM, config: ExitConfig) -> None:
         raise ExitbenchError(f"the vLLM backend runs per-token exits in exit mode freeze only (vLLM writes every "
                              f"scheduled token's keys at every iteration), got exit mode "
                              f"{config.exit_mode or 'physical'}; add --exit-mode freeze, or use --backend hf")
-    if (config.warm_start or config.kv_window or config.prefill != "full" or config.causal_prompt
-            or config.refill != "wave"):
+    if (config.warm_start or config.kv_window or config.kv_layout != "latest" or config.prefill != "full"
+            or config.causal_prompt
+            or config.refill != "continuous" or config.coda_batch is not None or config.horizon != "same"):
         raise ExitbenchError("the vLLM backend runs the default engine knobs (prefill full, no warm_start, no "
-                             "kv_window, no causal_prompt, and vLLM's own scheduler in place of --refill); drop "
-                             "those knobs or use --backend hf")
+                             "kv_window or kv_layout, no causal_prompt, horizon same, and vLLM's own scheduler in place of "
+                             "--refill and --coda-batch); drop those knobs or use --backend hf")
     policy = config.bound_policies(groups)[0]
     if policy.needs_logits and model.readout_attention(0):
         raise ExitbenchError(f"{config.policy} reads logits at every iteration, and this model's readout runs "

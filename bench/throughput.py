@@ -1,0 +1,112 @@
+"""The engine's throughput on a stream of requests, as a share of the FLOP bound (issue 69).
+
+Greedy generation of `--tokens` new tokens after each of `--requests` chains programs (drawn evenly across the
+task), at batch sizes 16 and 64, under full depth and each rule: every config runs the same stream, in turns,
+`--repeats` times. A config's time per token is the engine's steady-state clock (docs/engine.md, two clocks): its
+wall-clock, prefills left out, while the queue still held requests, per token at the config's iterations per
+token. Its speed-up is full depth's time per token ÷ its own, paired repeat by repeat (the median of the
+repeats, their range beside it); the FLOP bound is full depth's FLOPs per token ÷ its own (the engine's cost
+model); the share is speed-up ÷ bound: 1 when a rule saves time in proportion to its arithmetic.
+
+    python bench/throughput.py                         # tiny-raven, batch 16 and 64, the table
+    python bench/throughput.py --json bench/throughput-results.json
+
+Each rule runs under `--refill continuous` (continuous depth batching, the engine's default) and under `wave`
+(static batching: a batch waits for its slowest row), so the table shows what the schedule buys.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
+from exitbench.harness.task_set import SHIPPED_TASKS  # noqa: E402
+from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
+
+RULES = [("second_order", 0.01), ("second_order", 0.316), ("first_order", 0.01), ("kl", 1e-3)]
+
+
+def stream(tokenizer, n: int) -> list[list[int]]:
+    """`n` chains programs drawn evenly across the task (its documents run from one hop to twelve)."""
+    with open(SHIPPED_TASKS / "chains" / "test.jsonl") as f:
+        docs = [json.loads(line) for line in f]
+    picked = [docs[int(i * len(docs) / n)] for i in range(n)]
+    return [tokenizer.encode(doc["prompt"], add_bos=True) for doc in picked]
+
+
+def steady(engine: ExitEngine) -> float | None:
+    """Seconds per token in the steady state of the engine's last run (its stats reset before it)."""
+    s = engine.stats
+    if not s["steady_work"] or not s["steady_tokens"]:
+        return None
+    return s["steady_s"] * (s["steady_token_iterations"] / s["steady_tokens"]) / s["steady_work"]
+
+
+def run(engine: ExitEngine, prompts: list[list[int]], tokens: int, batch: int) -> tuple[float | None, float, float]:
+    """(steady seconds per token, FLOPs per token, mean iterations) of one pass."""
+    engine.stats = dict.fromkeys(engine.stats, 0.0)
+    results = engine.generate(prompts, tokens, batch_size=batch)
+    records = [r for res in results for r in res.records]
+    flops = sum(r.flops["total"] for r in records) / len(records)
+    return steady(engine), flops, sum(sum(r.exit_steps) for r in records) / len(records)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint directory or embedded name (tiny-raven)")
+    parser.add_argument("--requests", type=int, default=256, help="requests in the stream (at least 64)")
+    parser.add_argument("--tokens", type=int, default=8, help="new tokens per request")
+    parser.add_argument("--batch-sizes", default="16,64")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--refills", default="continuous,wave")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ck = open_checkpoint(args.checkpoint)
+    prompts = stream(ck.tokenizer, args.requests)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    refills = args.refills.split(",")
+    configs = [("fixed", None, "wave")] + [(p, t, r) for p, t in RULES for r in refills]
+    rows = []
+    print(f"{'policy':13s} {'τ':>6s} {'refill':>10s} {'batch':>5s} {'iters':>6s} {'ms/token':>9s} "
+          f"{'speed-up':>18s} {'FLOP bound':>10s} {'share':>6s}")
+    for batch in batches:
+        engines = [ExitEngine(ck.model, ExitConfig(policy=p, refill=r, **({"threshold": t} if t else {})))
+                   for p, t, r in configs]
+        for engine in engines:  # warm-up: tables and views the first calls build
+            engine.generate(prompts[:batch], 2, batch_size=batch)
+        times: list[list[float | None]] = [[] for _ in configs]
+        flops, iters = [0.0] * len(configs), [0.0] * len(configs)
+        for _ in range(args.repeats):
+            for i, engine in enumerate(engines):
+                t, flops[i], iters[i] = run(engine, prompts, args.tokens, batch)
+                times[i].append(t)
+        for i, (p, t, r) in enumerate(configs):
+            ratios = [f / c for f, c in zip(times[0], times[i]) if f and c]
+            speedup = statistics.median(ratios) if ratios else None
+            bound = flops[0] / flops[i]
+            share = speedup / bound if speedup else None
+            ms = statistics.median([x for x in times[i] if x]) * 1e3
+            shown = f"{speedup:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if speedup else "-"
+            print(f"{p:13s} {t if t else '':>6} {r:>10s} {batch:5d} {iters[i]:6.2f} {ms:9.3f} {shown:>18s} "
+                  f"{bound:9.2f}× {share if share else 0:6.2f}")
+            rows.append({"policy": p, "threshold": t, "refill": r, "batch_size": batch, "iterations": iters[i],
+                         "ms_per_token": ms, "speedup": speedup, "speedup_range": [min(ratios), max(ratios)],
+                         "flop_bound": bound, "share": share})
+    if args.json:
+        args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "requests": args.requests,
+                                         "tokens": args.tokens, "repeats": args.repeats, "rows": rows}, indent=1)
+                             + "\n")
+
+
+if __name__ == "__main__":
+    main()
