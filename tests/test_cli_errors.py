@@ -138,6 +138,9 @@ BAD_COMMANDS = {
     "run --baselines past the maximum": (run("--baselines", "4,1000", "--out", "{out}"), ["--baselines 1000", "32"]),
     "run --min-steps past the depth": (run("--min-steps", "20", "--out", "{out}"), ["min_steps=20", "max_steps=16"]),
     "run --baselines ''": (run("--baselines", "", "--out", "{out}"), ["--baselines", "empty"]),
+    "run --horizon late with the oracle alone": (
+        lambda t: ["run", "--tasks", "chains", "--policy", "oracle", "--horizon", "late", "--limit", "2", "--out",
+                   str(t / "o")], ["--horizon late", "none of the policies", "oracle"]),
     # rules that can never exit before full depth, refused when planned, before a cell (tests/test_run.py: more)
     "run the default second_order on two loops": (lambda t: ["run", "-c", str(FIXTURES / "nanbeige-tiny"), "--tasks",
                                                              "chains", "--limit", "2", "--out", str(t / "o")],
@@ -225,6 +228,12 @@ BAD_INPUT = {
     "limit-zero": (["--limit", "0"], ["--limit", "0"]),
     "negative-fewshot": (["--num-fewshot", "-1"], ["--num-fewshot"]),
     "negative-timing-repeats": (["--timing-repeats", "-1"], ["--timing-repeats", "-1"]),
+    # issue 69's engine knobs
+    "stream-shorter-than-the-batch": (["--timing-stream", "8"], ["--timing-stream 8", "--batch-size 16"]),
+    "unknown-kv-layout": (["--kv-layout", "rolling"], ["kv_layout", "'rolling'", "first_then_shared"]),
+    "first-then-shared-with-the-oracle": (["--policy", "oracle", "--kv-layout", "first_then_shared"],
+                                          ["first_then_shared", "oracle", "latest or single"]),
+    "coda-batch-without-continuous": (["--refill", "wave", "--coda-batch", "4"], ["coda_batch", "refill wave"]),
 }
 
 

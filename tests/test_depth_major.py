@@ -85,7 +85,7 @@ def _threshold(model, requests, policy: str) -> dict:
 GAP_SIGNALS = ("margin", "all_of")
 
 
-def _same(a, b, gaps: bool = False) -> None:
+def _same(a, b, gaps: bool = False, rtol: float = 1e-4) -> None:
     assert exit_steps(a) == exit_steps(b)
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and x.greedy == y.greedy
@@ -97,7 +97,7 @@ def _same(a, b, gaps: bool = False) -> None:
         gap = 2 * (LOGP_TOL + LOGP_RTOL * max((abs(v) for v in x.logprobs), default=0.0)) if gaps else 0.0
         for rx, ry in zip(x.records, y.records):
             for sx, sy in zip(rx.signals, ry.signals):
-                np.testing.assert_allclose(sx, sy, rtol=1e-4, atol=max(1e-5, gap))
+                np.testing.assert_allclose(sx, sy, rtol=rtol, atol=max(1e-5, gap))
 
 
 @pytest.mark.parametrize("name,policy", [
@@ -118,8 +118,12 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
     assert blocker is None and auto.scoring_schedule == "depth_major"
     knobs = _threshold(model, requests, policy)
     token, auto = _engine(model, policy, "token_major", **knobs), _engine(model, policy, **knobs)
+    # contraction's signal divides by 1 − r̂, r̂ capped at 0.999: near the cap a rate's last-bit rounding reaches
+    # the signal up to 1000-fold (707.5 against 707.7, 1.7e-4 apart, on the retrofitted Llama on an AMD EPYC)
+    rtol = 1e-3 if policy == "contraction" else 1e-4
     for rows in (1, 3):
-        _same(token.score(requests, batch_size=rows), auto.score(requests, batch_size=rows), policy in GAP_SIGNALS)
+        _same(token.score(requests, batch_size=rows), auto.score(requests, batch_size=rows), policy in GAP_SIGNALS,
+              rtol)
     # A wave steps until its deepest token exits, so the saving shrinks as exits spread: 26-37% of the
     # token-major step calls here, 54% for the learned rule's widely spread exits on the retrofitted Llama.
     assert auto.stats["steps"] < 0.6 * token.stats["steps"], (auto.stats["steps"], token.stats["steps"])

@@ -10,9 +10,9 @@ ordinary cached chunk.
 
 With `places` set (continuous depth batching, docs/engine.md) the table has that many places for good: a token
 that leaves frees its place and nothing moves; a free place runs in the step like the others, writing its keys
-into a column of the cache no token reads (the run keeps the cache's last position for it), its result unused,
-until the next token takes it. So tokens leaving and joining cost no regrouping of the states, the policy's
-memory or the attention index of the places that stay, and a step's shapes never change.
+where no token reads them (a spare slot past max_steps, or the cache's last position: the run keeps one of them
+for it), its result unused, until the next token takes it. So tokens leaving and joining cost no regrouping of
+the states, the policy's memory or the attention index of the places that stay, and a step's shapes never change.
 """
 from __future__ import annotations
 

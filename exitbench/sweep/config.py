@@ -405,6 +405,10 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
         names = [n for n in names if not REGISTRY[n].needs_gate]
     if "all" in cfg.policies and not shared.get("rules"):
         names = [n for n in names if not REGISTRY[n].takes_rules]
+    if shared.get("horizon", "same") != "same" and not any(REGISTRY[n].decides_as_it_runs() for n in names):
+        raise ExitbenchError(f"--horizon {shared['horizon']} reads a rule's exit decision one iteration late, and "
+                             f"it applies to none of the policies asked for ({', '.join(cfg.policies)}): the oracle "
+                             "decides after the whole trajectory and fixed depths by counting")
     if (cfg.thresholds or cfg.quantiles) and not any(not REGISTRY[n].retrospective for n in names):
         given = f"quantiles:{cfg.quantiles}" if cfg.quantiles else ','.join(f'{t:g}' for t in cfg.thresholds)
         raise ExitbenchError(f"--thresholds {given} apply to none of the policies "
