@@ -35,4 +35,6 @@ class PositionNoise:
     def at(self, positions: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Noise of each position in `positions`, (len(positions), dim)."""
         self._grow(max(positions) + 1)
+        if len(positions) == 1:  # (a slice, not a gather through a tensor made from the list: a token at a time)
+            return self.table[positions[0]:positions[0] + 1].to(dtype=dtype, device=device)
         return self.table[positions].to(dtype=dtype, device=device)

@@ -298,11 +298,13 @@ class KVCache:
                 1 if isinstance(last_slots, int) else len(last_slots))
         expand = lambda x: [x] * n if isinstance(x, int) else list(x)  # noqa: E731
         rows, positions, last_slots = (rows * n if len(rows) == 1 else rows), expand(positions), expand(last_slots)
-        if n == 1:  # one token: two slice copies per layer beat building index tensors
+        if n == 1:  # one token: a strided slice of each store's flat rows per layer, not index tensors
             (b,), (p,), (last,) = rows, positions, last_slots
+            stride, at = self.batch * self.capacity, b * self.capacity + p
             for layer in [layer for layer in layers if last + 1 < self.slots[layer]]:
                 for store in (self.k, self.v):
-                    store[layer][last + 1:, b, p] = store[layer][last, b, p]
+                    flat = self.flat(store, layer)  # slot s of (b, p) is row s · stride + at
+                    flat[(last + 1) * stride + at::stride].copy_(flat[last * stride + at])
             return
         by_depth: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in layers:
