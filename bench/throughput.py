@@ -10,6 +10,11 @@ model); the share is speed-up ÷ bound: 1 when a rule saves time in proportion t
 
     python bench/throughput.py                         # tiny-raven, batch 16 and 64, the table
     python bench/throughput.py --json bench/throughput-results.json
+    python bench/throughput.py --width 1024            # a random Raven 1024 wide, 4 core layers: arithmetic rules
+
+On tiny-raven a loop step is host work (dispatch), on the wide model arithmetic: the same engine, the two regimes a
+schedule meets. The wide model's weights are random, so its rules' thresholds are the ones that halve full depth's
+iterations on the stream (as bench/engine.py chooses them), not the embedded model's grid.
 
 Each rule runs under `--refill continuous` (continuous depth batching, the engine's default) and under `wave`
 (static batching: a batch waits for its slowest row), so the table shows what the schedule buys.
@@ -32,6 +37,22 @@ from exitbench.harness.task_set import SHIPPED_TASKS  # noqa: E402
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 
 RULES = [("second_order", 0.01), ("second_order", 0.316), ("first_order", 0.01), ("kl", 1e-3)]
+
+
+def wide(ck, width: int, prompts: list[list[int]]):
+    """bench/engine.py's random Raven `width` wide and each rule's threshold there: the one whose mean iterations
+    come nearest half of full depth's on these prompts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_engine", Path(__file__).parent / "engine.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    model = helpers.wide_model(ck.model.config, width)
+    work = [(p + [5, 6], len(p)) for p in prompts[:32]]
+    K = model.loop_groups()[0].default_steps
+    rules = [(policy, helpers.half_depth_threshold(model, policy, False, work, K, coarse=True))
+             for policy in dict.fromkeys(p for p, _ in RULES)]
+    return model, rules
 
 
 def stream(tokenizer, n: int) -> list[list[int]]:
@@ -68,6 +89,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--refills", default="continuous,wave")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--width", type=int, default=None, help="a random Raven this wide instead (see above)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,12 +97,13 @@ def main() -> None:
     prompts = stream(ck.tokenizer, args.requests)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     refills = args.refills.split(",")
-    configs = [("fixed", None, "wave")] + [(p, t, r) for p, t in RULES for r in refills]
+    model, rules = (ck.model, RULES) if args.width is None else wide(ck, args.width, prompts)
+    configs = [("fixed", None, "wave")] + [(p, t, r) for p, t in rules for r in refills]
     rows = []
     print(f"{'policy':13s} {'τ':>6s} {'refill':>10s} {'batch':>5s} {'iters':>6s} {'ms/token':>9s} "
           f"{'speed-up':>18s} {'FLOP bound':>10s} {'share':>6s}")
     for batch in batches:
-        engines = [ExitEngine(ck.model, ExitConfig(policy=p, refill=r, **({"threshold": t} if t else {})))
+        engines = [ExitEngine(model, ExitConfig(policy=p, refill=r, **({"threshold": t} if t else {})))
                    for p, t, r in configs]
         for engine in engines:  # warm-up: tables and views the first calls build
             engine.generate(prompts[:batch], 2, batch_size=batch)
@@ -97,13 +120,14 @@ def main() -> None:
             share = speedup / bound if speedup else None
             ms = statistics.median([x for x in times[i] if x]) * 1e3
             shown = f"{speedup:.2f}× ({min(ratios):.2f}–{max(ratios):.2f})" if speedup else "-"
-            print(f"{p:13s} {t if t else '':>6} {r:>10s} {batch:5d} {iters[i]:6.2f} {ms:9.3f} {shown:>18s} "
+            print(f"{p:13s} {f'{t:.3g}' if t else '':>6} {r:>10s} {batch:5d} {iters[i]:6.2f} {ms:9.3f} {shown:>18s} "
                   f"{bound:9.2f}× {share if share else 0:6.2f}")
             rows.append({"policy": p, "threshold": t, "refill": r, "batch_size": batch, "iterations": iters[i],
                          "ms_per_token": ms, "speedup": speedup, "speedup_range": [min(ratios), max(ratios)],
                          "flop_bound": bound, "share": share})
     if args.json:
-        args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "requests": args.requests,
+        args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "width": args.width,
+                                         "requests": args.requests,
                                          "tokens": args.tokens, "repeats": args.repeats, "rows": rows}, indent=1)
                              + "\n")
 
