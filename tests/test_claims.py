@@ -1,6 +1,6 @@
 """Sweeps that share a directory never compute a cell twice: a sweep, exact or `--replay`, claims each cell (an
 flock on `.ID.lock`) right before computing it; a cell another live sweep holds is left to it and collected once
-written; the claim of a sweep that died is taken over; no lock file outlives a sweep.
+written; the claim of a sweep that died is taken over; no lock file outlives a sweep, nor a killed one's resume.
 """
 from __future__ import annotations
 
@@ -122,6 +122,26 @@ def test_a_dead_sweeps_claim_is_taken_over(tmp_path, small_sweep):
     assert len(done) == 2 and all(c["run"]["run_id"] == sweep.run_id for c in done)
     assert time.monotonic() - t0 >= 1.0
     assert not list(out.glob(".*.lock"))
+
+
+def test_a_claim_left_beside_a_finished_cell_is_swept_on_resume(tmp_path, small_sweep, counted_writes):
+    """A sweep killed after writing a cell but before letting go of its claim leaves the lock file; the cell is
+    done, so no later sweep claims it again. The resume removes such a lock, and leaves a live one alone."""
+    ck, tasks, cfg = small_sweep
+    out = tmp_path / "out"
+    made = run_cells(ck, tasks, cfg, out, "cpu")
+    stale = out / f".{made[0]['cell_id']}.lock"
+    stale.touch()  # what the killed sweep left: a lock file nobody holds
+    live = results.Claim(out, "a-cell-of-another-live-sweep")
+    assert live.acquire()
+    try:
+        sweep = plan(ck, tasks, cfg, out, "cpu")
+        assert len(run_cells(ck, tasks, cfg, out, "cpu", sweep=sweep)) == 2
+        assert sweep.run_id not in counted_writes  # every cell was on disk: nothing recomputed
+        assert not stale.exists()
+        assert live.path.exists()
+    finally:
+        live.release()
 
 
 # ---- replay sweeps -----------------------------------------------------------------------------------------------

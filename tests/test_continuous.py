@@ -166,6 +166,19 @@ def test_prefixes_prefilled_alone_are_reused_bit_for_bit(model, prompts):
     assert not small.held and small.bytes == 0
 
 
+def test_full_depth_and_a_continuous_rule_share_their_prefilled_prompts(model, prompts):
+    """Full depth runs no spare slot, a continuous rule one past max_steps that no prefix fills: both prefill the
+    same slots at the same depth, so the rule restores what full depth stored, and gets what its own prefill gives."""
+    rule = ExitConfig("second_order", threshold=1e-2, max_steps=K)
+    store = PrefixStore(2**30)
+    ExitEngine(model, ExitConfig("fixed", threshold=K), prefixes=store).generate(prompts, 1, batch_size=4)
+    stored = store.misses
+    restored = ExitEngine(model, rule, prefixes=store).generate(prompts, 3, batch_size=4)
+    assert store.misses == stored and store.hits == stored > 0
+    own = ExitEngine(model, rule, prefixes=PrefixStore(2**30)).generate(prompts, 3, batch_size=4)
+    assert [r.logprobs for r in restored] == [r.logprobs for r in own]  # bit for bit
+
+
 def test_the_engine_times_its_steady_state_until_the_queue_runs_dry(model, prompts, tau):
     eng = engine(model, "second_order", threshold=tau, max_steps=K)
     results = eng.generate(prompts, 5, batch_size=4)

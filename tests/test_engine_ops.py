@@ -119,7 +119,9 @@ def test_a_static_step_at_batch_16_costs_at_most_1_1_times_batch_1(raven, policy
     assert sixteen.per_step <= 1.1 * one.per_step, (one, sixteen)
 
 
-@pytest.mark.parametrize("policy, threshold", [("second_order", 1e-2), ("first_order", 1e-2)])
+# first_order slow: 10 s under the op counter, the same hand-over of places as second_order's
+@pytest.mark.parametrize("policy, threshold", [("second_order", 1e-2),
+                                               pytest.param("first_order", 1e-2, marks=pytest.mark.slow)])
 def test_a_continuous_stream_shares_a_steps_host_work_among_its_tokens(raven, policy, threshold):
     """Issue 69: continuous depth batching on a stream of 64 prompts at batch 16, where every step also hands the
     places of exited tokens to waiting ones: a step costs more ops than a static one (its tokens come and go), but

@@ -296,6 +296,9 @@ class Run:
             p.needs_logits and engine.readout_layers[g] for g, p in enumerate(engine.policies))
         self.cache = self.model.new_cache(rows, capacity, [p.max_steps + spare_slot for p in engine.policies],
                                           window, private)
+        # The slots a prefix fills: what the prefix store keys and keeps, so a cell with a spare slot and one
+        # without (full depth's) share their prefilled prompts.
+        self.prefix_slots = self.model.cache_slots([p.max_steps for p in engine.policies], window, private)
         # Fixed places join tokens a few at a time (one update of the places' context for several), at batch 16
         # two: a place idles a step at most, where joining costs about a tenth of a step each time.
         self.join_min = max(1, rows // 8) if self.continuous else 1
@@ -535,12 +538,12 @@ class Run:
         depths = [p.max_steps for p in engine.policies]
         store = engine.prefixes if self.warm is None else None  # (warm starts read the prefill's last states)
         key = (self.teacher_forced, tuple(req.tokens[:L]), req.block, tuple(depths), engine.config.cache_layout(),
-               tuple(cache.slots.values()), engine.config.seed, str(self.model.dtype), self.weights_version)
+               tuple(self.prefix_slots.items()), engine.config.seed, str(self.model.dtype), self.weights_version)
         held = store.get(key) if store is not None else None
         if held is not None:
             for layer, (k, v) in held.items():
-                cache.k[layer][:, b, :L] = k
-                cache.v[layer][:, b, :L] = v
+                cache.k[layer][:len(k), b, :L] = k
+                cache.v[layer][:len(v), b, :L] = v
             return
 
         def keep_final(g: int, k: int, s: torch.Tensor) -> None:
@@ -557,8 +560,8 @@ class Run:
             ids = torch.tensor([req.tokens[:L]], device=cache.device)
             self.model.walk(self.model.embed(ids, 0), ctx, depths, noise=noise, on_state=keep_final)
         if store is not None:
-            store.put(key, {layer: (cache.k[layer][:, b, :L].clone(), cache.v[layer][:, b, :L].clone())
-                            for layer in cache.slots})
+            store.put(key, {layer: (cache.k[layer][:n, b, :L].clone(), cache.v[layer][:n, b, :L].clone())
+                            for layer, n in self.prefix_slots.items()})
 
     # ---- tokens in and out of the loops -----------------------------------------------------------------------
     def enter(self, rows: list[int]) -> None:

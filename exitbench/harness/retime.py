@@ -61,9 +61,10 @@ MIN_DOCUMENTS = 16  # below a batch of 16, a repeat is a few milliseconds, as mu
 CLOCKS = ("throughput", "latency")
 # A throughput stream holds this many batches of documents (at most MAX_SHARE of the task): enough that the steady
 # state, up to the moment the queue runs dry, outlasts the rows' first and last requests.
-STREAM_BATCHES = 4
-# The latency clock's documents, one at a time: each is a prefill and its tokens' decode at batch size 1.
-LATENCY_DOCUMENTS = 8
+STREAM_BATCHES = 3
+# The latency clock's documents, one at a time: each is a prefill and its tokens' decode at batch size 1. Six and
+# a stream of three batches keep the main job's retiming under a third of its time (bench/RESULTS.md, two clocks).
+LATENCY_DOCUMENTS = 6
 # At most this share of a task's documents is retimed, so the 2 × repeats passes cost at most 3/4 of the cell's
 # own evaluation where a task has few documents (a perplexity task's document is a whole text); a task of fewer
 # than 1 / MAX_SHARE documents is not retimed at all.

@@ -57,6 +57,15 @@ def written(directory: Path, cids: list[str]) -> dict[str, Stored]:
     return {cell["cell_id"]: Stored(path, cell) for path, cell in found if cell["cell_id"] in wanted}
 
 
+def clear_stale_claims(directory: Path) -> None:
+    """Sweep away every claim in `directory` that no live process holds (see `Claim.clear_if_stale`)."""
+    if not directory.exists():
+        return
+    for name in os.listdir(directory):
+        if name.startswith(".") and name.endswith(LOCK_SUFFIX):
+            Claim(directory, name[1:-len(LOCK_SUFFIX)]).clear_if_stale()
+
+
 def write(directory: Path, cell: dict[str, Any], samples: list[dict[str, Any]] | None = None) -> Path:
     """Write a cell (and first its samples, when given) atomically; the cell file is the last thing written."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -111,6 +120,12 @@ class Claim:
         self.path.unlink(missing_ok=True)  # while still holding it, so no one locks the file we remove
         os.close(self._fd)
         self._fd = None
+
+    def clear_if_stale(self) -> None:
+        """Remove the lock file when no live process holds it: one left by a sweep killed after writing the
+        cell but before letting go of its claim would otherwise stay beside a finished cell for good."""
+        if self.path.exists() and self.acquire():
+            self.release()
 
     def __enter__(self) -> "Claim":
         return self

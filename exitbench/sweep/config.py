@@ -102,7 +102,7 @@ class RunOptions:
         "After each cell, time documents drawn across each task again this often beside full depth, "
         "alternately: a paired speed-up with its range (0: none; replay cells never).", "--timing-repeats"))
     timing_stream: Optional[int] = field(default=None, metadata=option(
-        "Documents in the throughput clock's stream (default: four batches, at most an eighth of the task); its "
+        "Documents in the throughput clock's stream (default: three batches, at most an eighth of the task); its "
         "time is the engine's steady state, while the queue still holds requests (docs/engine.md).",
         "--timing-stream"))
     backend: str = field(default="hf", metadata=option(

@@ -197,6 +197,7 @@ class ReplaySweep:
                     progress.cell_skipped(cells.cell_id(key))
             else:
                 waiting.append((t, c, key))
+        disk.clear_stale_claims(out)
         if waiting:
             out.mkdir(parents=True, exist_ok=True)
         settled: set[str] = set()
