@@ -228,6 +228,11 @@ BAD_INPUT = {
     "limit-zero": (["--limit", "0"], ["--limit", "0"]),
     "negative-fewshot": (["--num-fewshot", "-1"], ["--num-fewshot"]),
     "negative-timing-repeats": (["--timing-repeats", "-1"], ["--timing-repeats", "-1"]),
+    # issue 72: a value that does not parse as its option's type, quoted with its flag (typer's box quoted neither)
+    "timing-repeats-not-a-number": (["--timing-repeats", "abc"], ["--timing-repeats 'abc'", "integer"]),
+    "timing-repeats-in-e-notation": (["--timing-repeats", "1e9"], ["--timing-repeats '1e9'", "integer"]),
+    "batch-size-not-a-number": (["--batch-size", "abc"], ["--batch-size 'abc'", "integer"]),
+    "limit-not-a-number": (["--limit", "abc"], ["--limit 'abc'", "number"]),
     # issue 69's engine knobs
     "stream-shorter-than-the-batch": (["--timing-stream", "8"], ["--timing-stream 8", "--batch-size 16"]),
     "unknown-kv-layout": (["--kv-layout", "rolling"], ["kv_layout", "'rolling'", "first_then_shared"]),

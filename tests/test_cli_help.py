@@ -48,3 +48,15 @@ def test_every_command_function_is_at_most_40_lines():
     lengths = {c.name or c.callback.__name__: len(inspect.getsourcelines(inspect.unwrap(c.callback))[0])
                for c in app.registered_commands}
     assert len(lengths) >= len(COMMANDS) and max(lengths.values()) <= 40, sorted(lengths.items(), key=lambda i: -i[1])
+
+
+def test_version_is_the_packages_own():
+    """Issue 72: `exitbench --version` (a bug report's first line) says the version pyproject.toml declares."""
+    import re
+    from pathlib import Path
+
+    # (a pattern, not tomllib: the project supports Python 3.10)
+    declared = re.search(r'^version = "([^"]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text(),
+                         re.M).group(1)
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output == f"exitbench {declared}\n", res.output

@@ -204,6 +204,9 @@ def test_progress_off_a_terminal_is_a_line_per_cell(tmp_path, capfd):
     # so that a slow machine never looks like a hung one: the time spent, and before the end the time left
     assert re.search(r" · \d+ s elapsed, about \d+ s left$", progress[0]), progress
     assert re.search(r" · \d+ s elapsed$", progress[1]), progress
+    # and at the end, what to do next with the cells (issue 72): the two readers, on this run's folder
+    said = "\n".join(lines)
+    assert f"next: exitbench pareto {tmp_path / 'o'}" in said and f"exitbench report {tmp_path / 'o'}" in said, lines
 
 
 @pytest.mark.parametrize("mode", [[], ["--replay"]], ids=["exact", "replay"])

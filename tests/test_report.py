@@ -110,6 +110,8 @@ def test_cli_writes_the_page_into_the_directory(tmp_path):
     assert res.exit_code == 0, explain(res)
     assert (tmp_path / "report.html").read_text().startswith("<!doctype html>")
     assert "wrote" in res.stderr
+    # how to open it (issue 72): the page's own file URI, which a browser opens with no server
+    assert f"open {(tmp_path / 'report.html').resolve().as_uri()} in a browser" in " ".join(res.stderr.split())
 
 
 def test_cli_bad_input_is_one_line(tmp_path):

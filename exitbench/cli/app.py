@@ -10,14 +10,41 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from typer._click.exceptions import BadParameter
+from typer.core import TyperGroup
 from rich.text import Text
 
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from ..sweep.config import RunOptions
 
+class _OneLineGroup(TyperGroup):
+    """Typer's group, but an option's value that does not parse as its type ends the command as bad input does
+    everywhere: one line quoting the flag and the value, exit 2 (typer's own is a four-line box without the value)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BadParameter as exc:
+            if exc.param is None or not getattr(exc.param, "opts", None):
+                raise
+            err_console.print(error_line(bad_value_line(exc)), highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
+def bad_value_line(exc: BadParameter) -> str:
+    """`--flag 'VALUE': what the value should be`, the value as typed where the parse kept it."""
+    flag = max(exc.param.opts, key=len)
+    cause = exc.__cause__
+    errors = cause.errors() if hasattr(cause, "errors") else []
+    typed = f" {errors[0]['input']!r}" if errors and "input" in errors[0] else ""
+    said = exc.message or "not a value it takes"
+    where = f"{exc.ctx.command_path} --help" if exc.ctx is not None else "--help"
+    return f"{flag}{typed}: {said[:1].lower()}{said[1:]} (see {where})"
+
+
 # Plain click help: typer's rich help prints a `<bool>` type beside every flag, which reads as a value to pass.
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(cls=_OneLineGroup, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Benchmark per-token exit policies of recurrent-depth transformers.")
 # No emoji codes: a path or value such as `:fire:` is printed as typed, never as a picture.
 console = Console(emoji=False)
@@ -44,8 +71,17 @@ ModelOpt = typer.Option(None, "--model", help="The model whose cells to use, whe
                         "fingerprint (prefix), the checkpoint's path or an embedded checkpoint's name.")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from .. import __version__
+
+        console.print(f"exitbench {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print exitbench's version and exit.")) -> None:
     """Keeps `exitbench` a command group, so every command is spelled out."""
 
 

@@ -80,7 +80,8 @@ def report(directory: Path = ReportDirArg, out: Optional[Path] = ReportOutOpt, d
     out = writable_output(out or Path(directory) / "report.html", "--out")
     if out.suffix not in (".html", ".htm"):
         raise ExitbenchError(f"--out must name an .html file, got {out}")
-    say(f"wrote {write(directory, out, docs, on_skip=skip_note, model=model, compare_with=compare_with)}")
+    page = write(directory, out, docs, on_skip=skip_note, model=model, compare_with=compare_with)
+    say(f"wrote {page}; open {Path(page).resolve().as_uri()} in a browser (it needs no server)")
 
 
 def crash_is_not_a_verdict(fn):

@@ -56,6 +56,9 @@ def show_outcome(sweep, outcome) -> None:
         say(str(note))
     if outcome.verified is not None:
         console.print(replay_table(outcome.verified["rows"], title=f"replay vs exact ({sweep.out / 'verify'})"))
+    if not sweep.cfg.quiet:
+        say(f"next: exitbench pareto {sweep.out} --plot pareto.png   (frontiers, the matched-quality table)\n"
+            f"      exitbench report {sweep.out}   (one HTML page of the sweep)")
 
 
 def interrupted_note(out: Path, keys: list[dict]) -> str:
