@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
                            "mean_iterations": sum(tokens) / len(tokens), "engine_s": measured[run],
                            "simulated_s": sim, "simulated_vs_engine": sim / measured[run] - 1 if timed_ok else None,
                            "ideal": ideal,
-                           "engine_speedup": engine_speedup, "simulated_speedup": sim_full / sim,
+                           "engine_speedup": engine_speedup,
+                           # (a fit of noise can price a whole run at 0 s: no speed-up to say, and refused below)
+                           "simulated_speedup": sim_full / sim if sim > 0 else None,
                            "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
     date = datetime.date.today().isoformat()
     command = " ".join(["python bench/serving_cost.py", *(sys.argv[1:] if argv is None else argv)])
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     for c in checks:
         print(f"{c['policy'] + ' ' + format(c['threshold'], 'g'):<20}{c['refill']:>14}{c['scheduler']:>11}"
               f"{c['mean_iterations']:>7.2f}{c['engine_s']:>10.3f}{cell(c['simulated_vs_engine'], '+.1%', 9)}"
-              f"{c['ideal']:>7.2f}×{cell(c['engine_speedup'], '.2f', 8, '×')}{c['simulated_speedup']:>7.2f}×"
+              f"{c['ideal']:>7.2f}×{cell(c['engine_speedup'], '.2f', 8, '×')}"
+              f"{cell(c['simulated_speedup'], '.2f', 8, '×')}"
               f"{cell(c['engine_share_of_ideal'], '.0%', 7)}")
     # A loop step costs time on any machine; a fit that gives it none put the decodes' seconds on the tokens
     # alone, which only noise does (CI once fitted 4 requests × 3 tokens so). serve-sim could not use such a

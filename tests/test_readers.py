@@ -255,3 +255,108 @@ def test_a_damaged_samples_file_is_one_line_in_report(sampled, tmp_path, capfd, 
     victim.write_bytes(SAMPLE_DAMAGE[damage](victim.read_bytes()))
     one_line(["report", str(d), "--out", str(tmp_path / "r.html")], capfd, ["samples file", victim.name])
     assert not (tmp_path / "r.html").exists()
+
+
+# ---- a cell's timing and schedule checked against the cell itself (issue 72) ---------------------------------------
+def _timed(cell):
+    """A committed cell (no schedule, no repeats) given what a sweep since writes: its tokens' schedule, with
+    the cell's own mean, and paired repeats on the throughput clock."""
+    its = cell["iterations"]
+    its["tokens"], its["mean"], its["per_group_mean"], its["schedule"] = 4, 2.5, [2.5], "2,3;4,1"
+    cell["wall_clock"]["repeats"] = {"repeats": 3, "ratio": 1.2, "spread": 0.1, "full_depth": 16,
+                                     "ratios": [1.1, 1.2, 1.3], "clock": "throughput"}
+
+
+BAD_TIMING = {  # what a hand edit left, the field the one line names
+    "schedule-letters": ({"iterations.schedule": "a,b;3"}, "iterations.schedule"),
+    "schedule-fraction": ({"iterations.schedule": "1.5;2"}, "iterations.schedule"),
+    "schedule-negative": ({"iterations.schedule": "-5,3;2"}, "iterations.schedule"),
+    "schedule-deeper-than-the-cell": ({"iterations.schedule": "40", "iterations.mean": 40.0}, "deeper than"),
+    "schedule-not-the-cells-mean": ({"iterations.schedule": "2,3;4,5"}, "average 3.5"),
+    "a-ratio-of-zero": ({"wall_clock.repeats.ratios": [1.1, 0, 1.3]}, "wall_clock.repeats.ratios"),
+    "a-negative-ratio": ({"wall_clock.repeats.ratio": -1.2}, "wall_clock.repeats.ratio"),
+    "a-negative-corrected-ratio": ({"wall_clock.repeats.corrected_ratio": -2.0}, "corrected_ratio"),
+    "a-nan-ratio": ({"wall_clock.repeats.ratio": float("nan")}, "wall_clock.repeats.ratio"),
+    "max-steps-zero": ({"policy.max_steps": 0}, "policy.max_steps"),
+}
+TIMING_READERS = {"pareto": lambda d, t: ["pareto", str(d)], "export": lambda d, t: ["export", str(d)],
+                  "serve-sim": lambda d, t: ["serve-sim", str(d)],
+                  "report": lambda d, t: ["report", str(d), "--out", str(t / "report.html")]}
+
+
+def _scheduled(cell):
+    """A committed cell with a schedule of its own (one token at 1 iteration, one at its max_steps), its mean
+    made to match: cells serve-sim projects beside the one a test breaks."""
+    depth = cell["policy"]["max_steps"]
+    cell["iterations"].update(schedule=f"1;{depth}", mean=(1 + depth) / 2, tokens=2)
+
+
+def _edit(cell, edits):
+    _timed(cell)
+    for dotted, value in edits.items():
+        *parents, name = dotted.split(".")
+        part = cell
+        for p in parents:
+            part = part[p]
+        part[name] = value
+
+
+@pytest.mark.parametrize("reader", sorted(TIMING_READERS))
+@pytest.mark.parametrize("case", sorted(BAD_TIMING))
+def test_a_cells_timing_and_schedule_are_checked_against_the_cell(case, reader, tmp_path, capfd):
+    """Values the schema's types accept but the cell contradicts crashed readers (a schedule of "a,b;3"), or read
+    as results (a negative ratio as a negative speed-up, a token deeper than the cell can run projected as 10×):
+    every reader now refuses such a cell in one line naming the field."""
+    edits, named = BAD_TIMING[case]
+    d = copy_cells(tmp_path / "c", baseline_cells())
+    copy_cells(d, baseline_cells()[:1], lambda cell: _edit(cell, edits))
+    one_line(TIMING_READERS[reader](d, tmp_path), capfd, ["broken cell", named])
+    assert not (tmp_path / "report.html").exists()
+
+
+@pytest.mark.parametrize("edits", [{"iterations.schedule": ";", "iterations.mean": None},
+                                   {"policy.max_steps": None}], ids=["no-tokens", "no-max-steps"])
+def test_serve_sim_skips_a_cell_it_cannot_project_and_says_why(edits, tmp_path, capfd):
+    """A schedule of requests with no tokens (";" divided by zero) is skipped with a note; a cell with no
+    max_steps (read for every cell, old ones included, before any was skipped) is projected at its task's full
+    depth, which the other cells give."""
+    d = copy_cells(tmp_path / "c", baseline_cells(), _scheduled)
+    copy_cells(d, baseline_cells()[:1], lambda cell: _edit(cell, edits))
+    capfd.readouterr()
+    res = runner.invoke(app, ["serve-sim", str(d)])
+    assert res.exit_code == 0, explain(res)
+    said = res.stderr + capfd.readouterr().err
+    if "iterations.schedule" in edits:
+        assert "no tokens scored; nothing to project" in said, said
+    else:
+        assert "chains_mc" in res.stdout and "skipped" not in said, said
+
+
+def test_serve_sim_reads_a_broken_samples_file_as_a_skip(tmp_path, capfd):
+    """A cell without a recorded schedule falls back to its samples file: a line cut short, not JSON, or exit
+    steps that are not numbers skip the cell with the line named, instead of a traceback."""
+    from exitbench.store.disk import samples_path
+
+    d = copy_cells(tmp_path / "c", baseline_cells(), _scheduled)
+    first = sorted(d.glob("*.json"))[0]
+    cell = json.loads(first.read_text())
+    cell["samples"], cell["iterations"]["schedule"] = True, None
+    first.write_text(json.dumps(cell))
+    for text in ('{"doc_id": 0, "exitbench": {"exit_steps": [[3], [4]]}}\n{"doc_id": 1, "exitb',
+                 "not json\n", '{"doc_id": 0, "exitbench": {"exit_steps": [["abc"]]}}\n'):
+        samples_path(first).write_text(text)
+        capfd.readouterr()
+        res = runner.invoke(app, ["serve-sim", str(d)])
+        assert res.exit_code == 0 and "Traceback" not in res.output, explain(res)
+        assert "samples file's line" in res.stderr + capfd.readouterr().err
+
+
+def test_serve_sim_says_each_reason_to_skip_once(tmp_path, capfd):
+    """A folder of cells written before schedules printed a "skipped" line per cell (89 before its error): one
+    line per reason now, counting the cells and naming a few."""
+    d = copy_cells(tmp_path / "c", baseline_cells())
+    res = runner.invoke(app, ["serve-sim", str(d)])
+    lines = [line for line in res.stderr.splitlines() if line.startswith("skipped")]
+    assert lines == [f"skipped {len(baseline_cells())} cells (chains_mc fixed τ=16, chains_mc fixed τ=1, chains_mc "
+                     "fixed τ=2, …): no per-token exits recorded (written before schedules were recorded); rerun it "
+                     "into a new --out to project it"], res.stderr

@@ -81,6 +81,11 @@ class CostModel:
                 f"different iterations")
 
 
+# No part of one loop step costs a minute on any machine; figures near float's range would also overflow a run's
+# sum of them to inf, and every projection to nan.
+MAX_COST_S = 60.0
+
+
 def load_cost(path: Path | str | None = None) -> CostModel:
     """The cost model in `path` (default: the one fitted on the project's CPU machine, shipped with exitbench),
     or ExitbenchError in one line naming the file and what is wrong with it."""
@@ -96,8 +101,10 @@ def load_cost(path: Path | str | None = None) -> CostModel:
     figures = {}
     for name in COST_FIELDS:
         value = data.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ExitbenchError(f"--cost {path}: {name} must be a finite number of seconds ≥ 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or value > MAX_COST_S:
+            raise ExitbenchError(f"--cost {path}: {name} must be a number of seconds from 0 to {MAX_COST_S:g}, "
+                                 f"got {value!r}")
         figures[name] = float(value)
     where = "default" if path == DEFAULT_COST else str(path)
     cost = CostModel(**figures, source=f"{where} ({data.get('device', '?')}, {data.get('model', '?')}, "
@@ -193,19 +200,30 @@ def simulate(requests: Sequence[Sequence[int]], batch: int, scheduler: str, dept
 
 
 def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] | None:
-    """The cell's per-request token iterations: the cell's own record, else its samples file's exit steps (each
-    token's steps summed over loop groups), else None."""
+    """The cell's per-request token iterations: the cell's own record (its grammar, depth and mean checked with
+    the cell, store/schema.py), else its samples file's exit steps (each token's steps summed over loop groups),
+    else None. ValueError saying why when the samples file cannot give them."""
     recorded = cell["iterations"].get("schedule")
     if recorded is not None:  # "5,6;16,3": requests by ";", tokens by "," (store/cells.py)
         return [[int(k) for k in r.split(",") if k] for r in recorded.split(";")] if recorded else []
     if path is None or not cell.get("samples") or not samples_path(path).exists():
         return None
     out = []
-    for line in samples_path(path).read_text().splitlines():
-        steps = json.loads(line).get("exitbench", {}).get("exit_steps")
-        if steps is None:
-            return None
-        out.append([sum(s) for s in steps])
+    text = samples_path(path).read_text(errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+            steps = sample.get("exitbench", {}).get("exit_steps") if isinstance(sample, dict) else None
+            if steps is None:
+                return None
+            tokens = [sum(s) for s in steps]
+            if not all(type(k) is int and k >= 1 for k in tokens):
+                raise TypeError
+        except (json.JSONDecodeError, TypeError, AttributeError):
+            raise ValueError(f"its samples file's line {number} has no exit steps as whole numbers ≥ 1") from None
+        out.append(tokens)
     return out
 
 
@@ -259,14 +277,23 @@ def project_cells(found: Iterable[tuple[Path, dict[str, Any]]], batches: Sequenc
     found = list(found)
     depths: dict[str, int] = {}
     for _, cell in found:
-        depths[cell["task"]["name"]] = max(depths.get(cell["task"]["name"], 0), full_depth(cell))
+        if cell["policy"]["max_steps"] is not None:
+            depths[cell["task"]["name"]] = max(depths.get(cell["task"]["name"], 0), full_depth(cell))
     rows, skipped = [], []
     for path, cell in found:
         label = f"{cell['task']['name']} {cellmod.series(cell['policy'])} τ={cell['policy']['threshold']}"
-        requests = schedule(cell, path)
-        if not requests:
+        try:
+            requests = schedule(cell, path)
+        except ValueError as exc:
+            skipped.append(f"{label}: {exc}; rerun it into a new --out to project it")
+            continue
+        if requests is None:
             why = "a replay cell" if cellmod.mode(cell) == "replay" else "written before schedules were recorded"
             skipped.append(f"{label}: no per-token exits recorded ({why}); rerun it into a new --out to project it")
+            continue
+        if not any(requests) or cell["task"]["name"] not in depths:
+            skipped.append(f"{label}: " + ("no tokens scored" if not any(requests) else "no max_steps recorded")
+                           + "; nothing to project")
             continue
         depth = depths[cell["task"]["name"]]
         for b in batches:
@@ -278,6 +305,23 @@ def project_cells(found: Iterable[tuple[Path, dict[str, Any]]], batches: Sequenc
     rows.sort(key=lambda p: (p.task, p.batch_size, p.policy != "fixed", p.policy,
                              -math.inf if p.threshold is None else p.threshold))
     return rows, skipped
+
+
+def skip_lines(skipped: Sequence[str], named: int = 3) -> list[str]:
+    """`project_cells`' notes ("LABEL: reason") as lines, one per reason: a folder of cells written before
+    schedules says so once, naming a few of them, not once per cell."""
+    by_reason: dict[str, list[str]] = {}
+    for note in skipped:
+        label, _, reason = note.partition(": ")
+        by_reason.setdefault(reason, []).append(label)
+    lines = []
+    for reason, labels in by_reason.items():
+        if len(labels) == 1:
+            lines.append(f"skipped {labels[0]}: {reason}")
+        else:
+            shown = ", ".join(labels[:named]) + (", …" if len(labels) > named else "")
+            lines.append(f"skipped {len(labels)} cells ({shown}): {reason}")
+    return lines
 
 
 def parse_batches(text: str) -> list[int]:

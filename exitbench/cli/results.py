@@ -162,8 +162,8 @@ def serve_sim(directories: list[Path] = DirectoriesArg, batch_size: str = Batche
         raise ExitbenchError(f"--format must be rich or json, got {fmt!r}")
     batches, cost = serving.parse_batches(batch_size), serving.load_cost(cost_file)
     rows, skipped = serving.project_cells(load_paths(directories, on_skip=skip_note, model=model), batches, cost)
-    for note in skipped:
-        say(f"skipped {note}")
+    for line in serving.skip_lines(skipped):
+        say(line)
     if not rows:
         raise ExitbenchError(f"no cell under {', '.join(map(str, directories))} has per-token exits recorded; "
                              "rerun the sweep into a new --out")

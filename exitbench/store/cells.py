@@ -122,7 +122,13 @@ def validate(cell: dict[str, Any], path: Path | str) -> dict[str, Any]:
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(map(str, first["loc"]))
-        problem = f"it lacks {where}" if first["type"] == "missing" else f"{describe(exc)}"
+        if first["type"] == "missing":
+            problem = f"it lacks {where}"
+        elif first["type"] == "value_error":  # a check of the cell against itself (schema.py), said as it is
+            said = first["msg"].removeprefix("Value error, ")
+            problem = f"{where}: {said}" if where else said
+        else:
+            problem = describe(exc)
         raise ExitbenchError(f"{path} is a broken cell: {problem}; delete it or rerun the cell") from None
     return cell
 

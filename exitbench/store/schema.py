@@ -7,9 +7,11 @@ a boolean by coercion, since a cell is only ever written by exitbench and a coer
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Number = Union[int, float]  # strict float already accepts an int; named for what readers mean by it
 
@@ -63,7 +65,7 @@ class RulePart(_Part):
 class PolicyPart(_Part):
     policy: str
     threshold: float  # the resolved one: every rule has a number here (fixed depth: the depth)
-    max_steps: Optional[int]
+    max_steps: Optional[int] = Field(ge=1)
     relative: bool
     min_steps: int = 1
     patience: Optional[int] = None
@@ -95,6 +97,40 @@ class IterationsPart(_Part):
     # ("5,6;16,3"): the exit schedule `serve-sim` replays. Cells written before it have none.
     schedule: Optional[str] = None
 
+    @field_validator("schedule")
+    @classmethod
+    def _schedule_grammar(cls, text: Optional[str]) -> Optional[str]:
+        if text is not None and not SCHEDULE.fullmatch(text):
+            raise ValueError("a schedule is requests separated by ';', each its tokens' iterations as whole numbers "
+                             "≥ 1 separated by ',' (e.g. '5,6;16,3')")
+        return text
+
+    @model_validator(mode="after")
+    def _schedule_is_the_cells(self) -> "IterationsPart":
+        """The schedule's tokens are the cell's: their mean is its mean iterations (the writer derives both from
+        the same records, so they agree to float rounding)."""
+        tokens = schedule_tokens(self.schedule)
+        if tokens and self.mean is not None and not math.isclose(sum(tokens) / len(tokens), self.mean,
+                                                                 rel_tol=1e-9, abs_tol=1e-9):
+            raise ValueError(f"iterations.schedule's {len(tokens)} tokens average {sum(tokens) / len(tokens):.6g} "
+                             f"iterations, the cell's mean is {self.mean:.6g}")
+        return self
+
+
+# A schedule: requests by ";", tokens by ",", each a whole number ≥ 1 (a request that generated nothing has none).
+SCHEDULE = re.compile(r"(?:[1-9]\d*(?:,[1-9]\d*)*)?(?:;(?:[1-9]\d*(?:,[1-9]\d*)*)?)*")
+
+
+def schedule_tokens(text: Optional[str]) -> list[int]:
+    """Every token's iterations in a schedule that passed SCHEDULE, in order."""
+    return [int(k) for k in re.split("[,;]", text) if k] if text else []
+
+
+def _positive_finite(value, what: str):
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{what} must be a finite number > 0 (a time ratio), got {value}")
+    return value
+
 
 class RepeatsPart(_Part):
     """A cell's paired retiming beside full depth on one clock (harness/retime.py); cells written before the draw
@@ -119,6 +155,26 @@ class RepeatsPart(_Part):
     clock: Optional[Literal["throughput", "latency"]] = None
     batch_size: Optional[int] = None
     measured: Optional[str] = None
+
+    @field_validator("ratio", "full_depth", "flops_ratio", "overhead", "whole_flops_ratio", "corrected_ratio",
+                     "steps_ratio", "schedule")
+    @classmethod
+    def _ratios_are_positive(cls, value, info):
+        return _positive_finite(value, info.field_name)
+
+    @field_validator("ratios")
+    @classmethod
+    def _each_ratio_is_positive(cls, values):
+        for value in values:
+            _positive_finite(value, "each of ratios")
+        return values
+
+    @field_validator("spread")
+    @classmethod
+    def _spread_is_a_share(cls, value):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"spread must be a finite number ≥ 0, got {value}")
+        return value
 
 
 class WallClockPart(_Part):
@@ -166,6 +222,17 @@ class Cell(_Part):
     samples: bool = False
     mode: Literal["exact", "replay"] = "exact"
     replay: dict = {}
+
+    @model_validator(mode="after")
+    def _schedule_within_depth(self) -> "Cell":
+        """No token of the schedule ran deeper than the cell can: max_steps in each of its loop groups."""
+        tokens = schedule_tokens(self.iterations.schedule)
+        if tokens and self.policy.max_steps is not None:
+            depth = self.policy.max_steps * max(1, len(self.iterations.per_group_mean))
+            if max(tokens) > depth:
+                raise ValueError(f"iterations.schedule has a token at {max(tokens)} iterations, deeper than the "
+                                 f"cell's full depth {depth}")
+        return self
 
 
 class SampleExits(_Part):
