@@ -201,6 +201,13 @@ def test_paired_repeats_give_speedups_their_spread_and_catch_a_drifting_machine(
     note = notes.spread_note(cell_list)
     assert note.startswith("1 of 7 cells' repeated timings spread more than 50%") and "up to 100%" in note
     assert "t kl τ=0.001" in note
+    # What to do about it names only what the run did not already use (issue 72: a one-thread run at the most
+    # repeats was told to use --threads 1 or more --timing-repeats).
+    assert note.endswith("rerun them on an idle machine, with --threads 1 or more --timing-repeats"), note
+    kl["run"]["machine"] = {"cpu_threads": 1}
+    assert note_end(notes.spread_note(cell_list)) == "on an idle machine, with more --timing-repeats"
+    kl["wall_clock"]["repeats"]["repeats"] = 20
+    assert note_end(notes.spread_note(cell_list)) == "on an idle machine"
     # The two evaluations divided say 1.25×, the repeats beside full depth 0.4×: the machine changed speed
     # between the cells.
     paired(kl, [2.4, 2.5, 2.6])
@@ -326,3 +333,8 @@ def test_every_table_names_the_depth_full_depth_means():
     assert re.search(r"full depth here is r = 4, the policies' max steps \(quality 0\.5\); r = 16 ran beside them "
                      r"and scores 0\.9", shown), shown
     assert "full depth r = 4" in render(tables.summary_table(summary_rows(capped), "cells"))
+
+
+def note_end(note: str) -> str:
+    """Where a spread note says to rerun: what follows its last "rerun them "."""
+    return note.rpartition("rerun them ")[2]

@@ -224,6 +224,20 @@ def test_the_schema_knows_the_engines_exit_modes():
     assert set(get_args(ExitMode)) == set(EXIT_MODES)
 
 
+def test_the_schema_knows_the_backends_and_refuses_another(tmp_path, capfd):
+    """A key naming a backend no exitbench has ("bogus", 5) was read silently, as hf (issue 72)."""
+    from typing import get_args
+
+    from exitbench.store.schema import Backend
+    from exitbench.sweep.config import BACKENDS
+
+    assert set(get_args(Backend)) == set(BACKENDS)
+    for value in ("bogus", 5):
+        d = copy_cells(tmp_path / str(value), baseline_cells())
+        copy_cells(d, baseline_cells()[:1], lambda cell: cell["key"].update(backend=value))
+        one_line(["pareto", str(d)], capfd, ["broken cell", "key.backend", repr(value)])
+
+
 def sampled_sweep(tmp: Path) -> Path:
     """A small sweep with samples files: two policies on one task."""
     out = tmp / "sampled"

@@ -173,7 +173,8 @@ def test_a_task_too_small_to_retime_says_so():
     sample = retime.draw({"generate_until": docs("t", 7)}, evaluated("t", [0.5] * 7), "t", 16, FULL)
     assert sample.work == [] and sample.of == 7
     assert retime.too_small("t", 7) == ("t: 7 documents are too few to retime (at least 8: the repeats time an "
-                                        "eighth of a task); its cells have no speed-up")
+                                        "eighth of a task); its cells have no paired speed-up: those shown "
+                                        "(marked *) divide the cells' own evaluations, one pass each")
 
 
 def test_timed_documents_off_the_task_correct_the_ratio_by_flops():
@@ -268,7 +269,8 @@ def test_a_sweep_of_a_task_too_small_to_retime_says_so_once_and_keeps_its_cells(
     assert res.exit_code == 0, explain(res)
     said = [line for line in res.output.splitlines() if "too few to retime" in line]
     assert said == ["note: chains_lambada: 4 documents are too few to retime (at least 8: the repeats time an eighth "
-                    "of a task); its cells have no speed-up"]
+                    "of a task); its cells have no paired speed-up: those shown (marked *) divide the cells' own "
+                    "evaluations, one pass each"]
     made = load_cells(tmp_path / "out")
     assert len(made) == 2
     for cell in made.values():

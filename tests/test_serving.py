@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +117,13 @@ def test_cost_file_round_trip_and_refusals(tmp_path):
             serving.load_cost(bad)
     with pytest.raises(ExitbenchError, match="not a readable cost file"):
         serving.load_cost(tmp_path / "missing.json")
+    # (issue 72) figures near float's range overflowed every projection to nan×; an empty --cost read as "."
+    huge = {"schema": serving.COST_SCHEMA, **{f: 1e308 for f in serving.COST_FIELDS}}
+    bad.write_text(json.dumps(huge))
+    with pytest.raises(ExitbenchError, match="fixed_s must be a number of seconds from 0 to 60"):
+        serving.load_cost(bad)
+    with pytest.raises(ExitbenchError, match=r"--cost '' \(read as the current folder\) is a folder"):
+        serving.load_cost(Path(""))
 
 
 def test_batch_sizes_parse_or_say_what_is_wrong():

@@ -13,6 +13,7 @@ from exitbench.models.checkpoint import open_checkpoint
 from exitbench.serving.vllm.forward import check_servable
 
 from helpers.cli import assert_one_line_error, run_cli
+from helpers.paths import REPO
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -56,11 +57,14 @@ def test_plugin_refuses_what_it_cannot_run(raven, config, words):
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words)
 
 
-def test_plugin_refuses_architectures_it_does_not_serve():
-    gpt2 = open_checkpoint("tiny-looped-gpt2").model
-    with pytest.raises(ExitbenchError, match="vLLM backend serves models with one loop group") as err:
-        check_servable(gpt2, ExitConfig("second_order", threshold=1.0, exit_mode="freeze"))
-    assert "--backend hf" in str(err.value)
+@pytest.mark.parametrize("checkpoint", ["tiny-looped-gpt2", "tiny-ouro", "tests/fixtures/nanbeige-tiny"])
+def test_plugin_refuses_architectures_it_does_not_serve(checkpoint):
+    """The plugin registers Raven's model type alone: Ouro and Nanbeige have one loop group with a freeze step,
+    and passed this check under --exit-mode freeze, then failed inside vLLM on their config (issue 72)."""
+    model = open_checkpoint(REPO / checkpoint if "/" in checkpoint else checkpoint).model
+    with pytest.raises(ExitbenchError, match="vLLM backend serves huginn_raven checkpoints") as err:
+        check_servable(model, ExitConfig("second_order", threshold=1.0, exit_mode="freeze"))
+    assert model.architecture in str(err.value) and "--backend hf" in str(err.value)
 
 
 def test_plugin_refuses_a_decoding_rule_whose_readout_attends():

@@ -87,8 +87,8 @@ def overhead(value: float | None, timing: str | None = None) -> str:
 # Said under every table that marks one.
 PLAIN_OVERHEAD = "overhead: time ratio ÷ FLOP ratio to full depth; * from the cells' own timings, not paired repeats"
 # Said under every table with a schedule column (harness/retime.py).
-SCHEDULE = ("schedule: the part of the overhead a batch waiting on its slowest row sets: loop steps ÷ the steps its "
-            "tokens' iterations need, against full depth; overhead ÷ schedule is a loop step's own cost")
+SCHEDULE = ("schedule: loop steps the batches ran per step their tokens' iterations need, against full depth (1.00: "
+            "no row waited on a slower one); overhead ÷ schedule: what a step cost beyond a full-depth step")
 
 
 def depth_said(entry: dict[str, Any]) -> str:

@@ -164,7 +164,20 @@ def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> s
             f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
             f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
             f"{config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their speed-ups are unreliable; "
-            "rerun them on an idle machine, with --threads 1 or more --timing-repeats")
+            f"rerun them {spread_advice(wide)}")
+
+
+def spread_advice(cell_list: list[dict[str, Any]]) -> str:
+    """Where to rerun cells whose repeats spread: an idle machine, and what the cells did not already use, one
+    thread and more repeats (never advice a run took: --threads 1 to a one-thread run, more repeats past the most)."""
+    from ..harness.retime import MAX_REPEATS
+
+    ways = []
+    if any(((c.get("run") or {}).get("machine") or {}).get("cpu_threads") != 1 for c in cell_list):
+        ways.append("--threads 1")
+    if any((c["wall_clock"].get("repeats") or {}).get("repeats", 0) < MAX_REPEATS for c in cell_list):
+        ways.append("more --timing-repeats")
+    return "on an idle machine" + (f", with {' or '.join(ways)}" if ways else "")
 
 
 def drift_note(rep: dict[str, Any], cell_list: list[dict[str, Any]] | None = None) -> str | None:
@@ -201,7 +214,7 @@ def timing_cause(cell: dict[str, Any] | None) -> str:
     if cell is not None and busy(cell.get("run", {}).get("load")):
         return "the cell was timed on a busy machine; rerun it on an idle one"
     if cell is not None and wide_spread(cell):
-        return "the repeats spread widely; rerun with --threads 1 or more --timing-repeats"
+        return f"the repeats spread widely; rerun it {spread_advice([cell])}"
     return ("the machine's speed changed between the two evaluations, minutes apart; the repeats, timed side by "
             "side, are the number shown")
 

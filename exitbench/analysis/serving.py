@@ -90,6 +90,10 @@ def load_cost(path: Path | str | None = None) -> CostModel:
     """The cost model in `path` (default: the one fitted on the project's CPU machine, shipped with exitbench),
     or ExitbenchError in one line naming the file and what is wrong with it."""
     path = Path(path) if path is not None else DEFAULT_COST
+    if path.is_dir():  # an empty --cost '' reaches here as "."
+        shown = "'' (read as the current folder)" if str(path) == "." else str(path)
+        raise ExitbenchError(f"--cost {shown} is a folder; name a cost file, written by "
+                             "`python bench/serving_cost.py --out FILE`, or leave --cost out for the shipped one")
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -89,7 +89,8 @@ def sample_size(batch_size: int, available: int, clock: str = "throughput", stre
 def too_small(task: str, documents: int) -> str:
     """Why a task's cells carry no speed-up: too few documents to time an eighth of them."""
     return (f"{task}: {documents} documents are too few to retime (at least {math.ceil(1 / MAX_SHARE)}: the "
-            f"repeats time an eighth of a task); its cells have no speed-up")
+            f"repeats time an eighth of a task); its cells have no paired speed-up: those shown (marked *) divide "
+            f"the cells' own evaluations, one pass each")
 
 
 # FLOPs of `tokens` tokens whose contexts sum to `context_sum`, at full depth (`full_depth_flops`).

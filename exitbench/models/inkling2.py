@@ -1,6 +1,6 @@
 """Inkling 2 Mini (Thinking Machines, 2026; text model), a looped sparse-MoE transformer, written from the release's
-checkpoint layout (`model.llm.*`, the names `save_pretrained` writes) with no remote code. Facts:
-shared/reference/inkling2.md; the reference is transformers' `inkling2_loop`.
+checkpoint layout (`model.llm.*`, the names `save_pretrained` writes) with no remote code. The reference is
+transformers' `inkling2_loop` (its model file; tests/test_inkling2.py holds parity with its outputs).
 
     prelude   layers [0, s)                      once
     core      layers [s, e), P passes (3)        every pass restarts from the prelude's output; pass p ≥ 2 reads

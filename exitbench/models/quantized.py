@@ -8,7 +8,7 @@ library, no quantised compute. Two block formats (Inkling 2 Mini's routed expert
   U8, or as F8_E8M0, whose value is that power already).
 
 Both are dequantised in float32 and cast once to the run's dtype, in the order transformers' loader computes them
-(shared/reference/inkling2.md), so a dequantised weight equals the reference's bit for bit.
+(transformers' `inkling2_loop` loader), so a dequantised weight equals the reference's bit for bit.
 A checkpoint's parts are grouped under the logical key into one entry (`shards.group_quantized`), which
 `shards.read_tensors` reads part by part and dequantises here, and which `info` counts from the headers alone.
 """

@@ -53,6 +53,15 @@ class QualityPart(_Part):
 ExitMode = Literal["physical", "select", "weighted", "freeze"]
 
 
+# The backends a cell's key may name (sweep.config.BACKENDS; "hf" is written as no backend at all), spelled out
+# for the same reason and held equal by the same test.
+Backend = Literal["hf", "vllm"]
+
+
+class KeyPart(_Part):
+    backend: Backend = "hf"
+
+
 class RulePart(_Part):
     """One member rule of an all_of conjunction, as its labels read it."""
     policy: str
@@ -208,7 +217,7 @@ class RunPart(_Part):
 
 class Cell(_Part):
     cell_id: str
-    key: dict
+    key: KeyPart
     model: ModelPart
     task: TaskPart
     quality: QualityPart

@@ -32,7 +32,12 @@ SERVED_MODES = ("freeze",)
 def check_servable(model: LoopedLM, config: ExitConfig) -> None:
     """Refuse, in one line, what the plugin cannot serve: it runs one loop group under exit mode freeze (or a
     fixed depth, where no token exits), with readouts that attend to no other token when the rule decodes."""
+    from . import MODEL_TYPES
+
     groups = model.loop_groups()
+    if model.architecture not in MODEL_TYPES:  # the plugin registers these alone: vLLM would fail on the config
+        raise ExitbenchError(f"the vLLM backend serves {', '.join(MODEL_TYPES)} checkpoints (Raven's layout: "
+                             f"tiny-raven, Huginn-0125); this is a {model.architecture} model: use --backend hf")
     if len(groups) != 1 or groups[0].frozen_step is None:
         raise ExitbenchError(f"the vLLM backend serves models with one loop group that has a freeze step (Raven's "
                              f"layout: tiny-raven, Huginn-0125); this {model.architecture} model has "
