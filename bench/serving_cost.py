@@ -5,8 +5,8 @@
 
 1. Fit. The engine generates `--tokens` tokens for each of `--requests` chains prompts at fixed depths r (4, 16)
    and batch sizes (1, 4, 16, 64), and under three exit rules (second_order τ=1 and 0.01, kl τ=0.01) at batch
-   sizes 16 and 64 with each of two refill rules (`wave`, the default: static batching; `eager`: continuous depth
-   batching), every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
+   sizes 16 and 64 with each of two refill rules (`wave`: static batching; `continuous`, the default: continuous
+   depth batching on fixed places), every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
    machine's speed hits them alike). Each run is timed again cut to one token per request (the prompt's prefill and its
    first token), and the difference is the decode the simulation models. For each run the simulation
    (exitbench/analysis/serving.py) counts, from the engine's recorded per-token iterations, the loop steps,
@@ -17,7 +17,7 @@
    A fit that gives a loop step no cost (noise, on too few tokens) is refused and --out left as it was.
 2. Check. Held out from the fit: two other rules (second_order τ=0.1, first_order τ=0.01) at batch size 16 on
    the same prompts, timed in the same repeats, each under both refill rules. Each run's simulated time under
-   its scheduler (static for `wave`, continuous for `eager`), from the engine's own per-token exits of that run,
+   its scheduler (static for `wave`, continuous for `continuous`), from the engine's own per-token exits of that run,
    against the engine's measured time; and the engine's speed-up over full depth as a share of the ideal (the
    iteration ratio).
 
@@ -50,8 +50,8 @@ from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 DEPTHS = (4, 16)
 BATCHES = (1, 4, 16, 64)
 # The fit's rules bracket the held-out ones in mean iterations (3.4 and 6.7, then 13.3, around 11.1–11.4 on the
-# first 64 chains prompts). Under `eager` a step whose rows sit at different iterations and a refill of exited rows
-# come nearly one for one in the early-exit rules alone, so their costs were not told apart and a held-out rule,
+# first 64 chains prompts). Under continuous refill a step whose rows sit at different iterations and a refill of
+# exited rows come nearly one for one in the early-exit rules alone, so their costs were not told apart and a held-out rule,
 # with more of the first per refill, was extrapolated along that line (7–15% over the engine); a late-exit rule
 # has the ratio the held-out ones have.
 FIT_RULES = [("second_order", 1.0), ("kl", 0.01), ("second_order", 0.01)]
@@ -59,9 +59,10 @@ FIT_RULE_BATCHES = (16, 64)
 CHECKS = [("second_order", 0.1), ("first_order", 0.01)]
 CHECK_BATCH = 16
 # The engine's refill rules and the simulated scheduler each one is: `wave` finishes a batch's exited tokens
-# together once the last has exited (static batching), `eager` at the next step (continuous depth batching).
-# Both drop an exited row from the loop steps that remain, as the simulation does.
-REFILLS = {"wave": "static", "eager": "continuous"}
+# together once the last has exited (static batching), `continuous` (the engine's default, issue 69) hands an
+# exited token's place to waiting work at once, on fixed places (continuous depth batching). Both drop an exited
+# row from the loop steps that remain, as the simulation does.
+REFILLS = {"wave": "static", "continuous": "continuous"}
 # Beyond this median spread of a run's repeats the machine was too busy for its medians to fit or check a cost
 # model to 15%: the quiet runs of RESULTS.md spread about 20%, the ones that missed by 15–35% about 50%.
 NOISY = 0.35

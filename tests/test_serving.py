@@ -200,7 +200,7 @@ def run_cost_bench(bench, cost_file, figures_file) -> str | None:
 
 def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
     # bench/serving_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
-    # scheduler its refill rule is (no step at mixed iterations outside `eager`, readouts for kl only), and every
+    # scheduler its refill rule is (no step at mixed iterations outside `continuous`, readouts for kl only), and every
     # held-out rule is checked under both schedulers. (No figure is asserted: 3 tokens of 4 requests time noise.)
     bench = cost_bench()
     cost_file, figures_file = tmp_path / "cost.json", tmp_path / "figures.json"
@@ -216,7 +216,7 @@ def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
     for run in figures["runs"]:
         steps, row_steps, tokens, leaves, regroups, requests, readouts, mixed = run["counts"]
         assert (tokens, requests) == (4 * 2, 4), run["run"]  # the decode: each request's tokens after its first
-        assert (mixed > 0) <= ("refill=eager" in run["run"]), run["run"]
+        assert (mixed > 0) <= ("refill=continuous" in run["run"]), run["run"]
         assert (readouts > 0) == run["run"].startswith("kl"), run["run"]
         assert run["run"].startswith("fixed") <= (leaves == regroups), run["run"]
         assert run["spread"] == 0  # one repeat: nothing to spread (the busy-machine warning reads the median)
