@@ -3,24 +3,20 @@ give it exactly, in the readers (pareto, run's table, the report, export) and fr
 from __future__ import annotations
 
 import copy
-import io
 import re
 
 import pytest
-from rich.console import Console
 
 from exitbench.analysis import export, frontier, labels, report, tables
 from exitbench.harness import retime
 from exitbench.sweep.run import summary_rows
 
 from helpers.cells import ACC, hand_made_cell, paired
+from helpers.cli import rendered as render_at
 
 
-def rendered(renderables, width: int = 140) -> str:
-    console = Console(width=width, file=io.StringIO(), color_system=None)
-    for r in renderables:
-        console.print(r)
-    return console.file.getvalue()
+def rendered(renderables, width: int = 140) -> str:  # (this file's tables at 140 columns)
+    return render_at(renderables, width)
 
 
 def cell_of(cell_list, policy, tau):

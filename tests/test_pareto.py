@@ -338,3 +338,29 @@ def test_every_table_names_the_depth_full_depth_means():
 def note_end(note: str) -> str:
     """Where a spread note says to rerun: what follows its last "rerun them "."""
     return note.rpartition("rerun them ")[2]
+
+
+def test_an_unreliable_timing_is_no_number_and_no_point_on_the_wall_clock_frontier():
+    """Issue 72: on a busy machine pareto's matched table read a 0.17× speed-up as the policy's, and the wall-clock
+    frontier ranked it. A speed-up whose timing a warning discredits shows `?` in every table and leaves the
+    wall-clock frontier; its cell keeps its quality and iterations on the others."""
+    import copy
+
+    from exitbench.analysis.tables import _matched_table
+
+    from helpers.cli import rendered
+
+    cell_list = copy.deepcopy(ACC)
+    kl = cell_list[2]  # kl τ=1e-3
+    paired(kl, [0.5, 1.0, 6.0])  # spread 550%: no ratio can be read
+    ((name, entry),) = frontier.report(cell_list).items()
+    (row,) = [r for r in entry["matched_quality"] if r["policy"] == "kl" and r["tolerance"] == 0.01]
+    assert row["timing_warnings"] and "spread" in row["timing_warnings"][0]
+    shown = rendered([_matched_table(name, entry)], width=160)
+    kl_line = next(line for line in shown.splitlines() if " kl " in line)
+    assert "? (0.17–2.00) !" in kl_line, shown
+    assert all(p["policy"] != "kl" or p["threshold"] != 1e-3 for p in entry["frontiers"]["wall_clock"])
+    paired(kl, [0.76, 0.8, 0.84])  # the control: repeats that agree put it back on that frontier, with its number
+    ((name, entry),) = frontier.report(cell_list).items()
+    assert any(p["policy"] == "kl" and p["threshold"] == 1e-3 for p in entry["frontiers"]["wall_clock"])
+    assert "1.25× (1.19–1.32)" in rendered([_matched_table(name, entry)], width=160)

@@ -4,11 +4,9 @@ of lm-eval's hints for its own command line."""
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import re
 
-from rich.console import Console
 
 from exitbench import presets
 from exitbench.analysis import frontier, labels, plot, report, tables
@@ -18,13 +16,11 @@ from exitbench.sweep.run import summary_rows
 
 from helpers.cells import ACC, paired, write_cells
 from helpers.paths import BASELINE, REPO
+from helpers.cli import rendered as render_at
 
 
-def rendered(renderables, width: int = 100) -> str:
-    console = Console(width=width, file=io.StringIO(), color_system=None)
-    for r in renderables:
-        console.print(r)
-    return console.file.getvalue()
+def rendered(renderables, width: int = 100) -> str:  # (this file's tables at 100 columns)
+    return render_at(renderables, width)
 
 
 def test_metrics_fixed_depths_and_directions_in_words():

@@ -110,6 +110,22 @@ def test_a_directory_of_two_models_is_refused_unless_one_is_picked(tmp_path, cap
     one_line(["pareto", str(mixed), "--model", "nope"], capfd, ["--model", "'nope'"])
 
 
+def test_cells_of_two_backends_are_never_paired(tmp_path):
+    """hf's and vLLM's clocks are two clocks (docs/serving.md): pareto once divided hf's full depth by vLLM's cells
+    with only the generic note; each backend is now a setup of its own, with its own full depth (issue 72)."""
+    from exitbench.store import cells as cellmod
+
+    def served_by_vllm(cell):
+        cell["key"]["backend"] = "vllm"
+        cell["cell_id"] = cellmod.cell_id(cell["key"])
+    d = copy_cells(tmp_path / "c", baseline_cells())
+    copy_cells(d, baseline_cells(), served_by_vllm, renamed=True)
+    res = runner.invoke(app, ["pareto", str(d), "--format", "json"])
+    assert res.exit_code == 0, explain(res)
+    assert sorted(json.loads(res.stdout)) == ["chains_mc · acc,none · backend hf", "chains_mc · acc,none · backend vllm"]
+    assert "different setups (backend)" in " ".join(res.stderr.split())
+
+
 def test_pareto_names_the_model(tmp_path):
     res = runner.invoke(app, ["pareto", str(copy_cells(tmp_path / "c", baseline_cells())), "--format", "json"])
     assert res.exit_code == 0 and "model: embedded:tiny-raven" in res.stderr

@@ -201,14 +201,15 @@ def test_a_cell_says_why_its_timing_is_unreliable():
 
 def test_the_run_table_shows_the_paired_speedup_and_marks_an_unreliable_one():
     """As a speed-up (full depth's time ÷ the cell's: a ratio of 0.4 is 2.50×) with its repeats' range, the
-    convention of every table; red and marked where a warning says not to trust it."""
+    convention of every table; red, marked and without a number where a warning says not to trust it."""
     from exitbench.analysis.speedup import NONE, SpeedUp
     from exitbench.analysis.tables import _speedup_cell
 
     assert _speedup_cell({"speedup": NONE}) == "-"  # timed once, no full depth to divide by
     assert _speedup_cell({"speedup": SpeedUp(2.5, "paired", 2.4, 2.6, 8.0), "warnings": []}) == "2.50× (2.40–2.60)"
     marked = _speedup_cell({"speedup": SpeedUp(2.5, "paired", 1.5, 4.0, 8.0), "warnings": ["spread"]})
-    assert marked == "[red]2.50× (1.50–4.00) ![/red]"
+    # no number where none can be read (issue 72): `?` and the repeats' range
+    assert marked == "[red]? (1.50–4.00) ![/red]"
 
 
 def reordered_chains(root):

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 from .labels import metric_name
-from .speedup import estimate, record
+from .speedup import clock_warnings, estimate, record
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
          "flops": ("flops", "per_token")}
@@ -74,9 +74,10 @@ MEASURED = (("limit", lambda k: k.get("limit")), ("few-shot", lambda k: k.get("n
             ("window", lambda k: k.get("exit", {}).get("kv_window")),
             ("prefill", lambda k: k.get("exit", {}).get("prefill")),
             ("prompt", lambda k: json.dumps(k["prompt"], sort_keys=True) if k.get("prompt") else None))
-# Only the timings differ with these (answers never change with batch size or sharding).
+# Only the timings differ with these (answers never change with batch size or sharding, nor between exitbench's
+# engine and vLLM serving the same rules: docs/serving.md): two backends' clocks are two clocks, never one pair.
 TIMED = (("device", lambda k: k.get("device")), ("batch", lambda k: k.get("batch_size")),
-         ("ranks", lambda k: k.get("world_size", 1)))
+         ("ranks", lambda k: k.get("world_size", 1)), ("backend", lambda k: k.get("backend", "hf")))
 SETUP = MEASURED + TIMED
 
 Group = tuple  # (task, metric, ((setup field, value), …))
@@ -110,7 +111,8 @@ def price_wall_clock(points: list[Point]) -> None:
     for p in points:
         p.speed = estimate(p.cell, ref.cell)
         own = p.cell["wall_clock"].get("per_token_s")
-        if p.speed.flagged:
+        # a speed-up above its bound, or one whose timing cannot be read (issue 72), is no point on the frontier
+        if p.speed.flagged or p is not ref and clock_warnings(p.cell):
             p.wall = None
         elif p.speed.basis in ("paired", "corrected", "first requests", "reference") and ref_time:
             p.wall = ref_time / p.speed.value
@@ -243,6 +245,8 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 # where the cell was retimed beside this full depth (harness/retime.py), with their range, its
                 # basis and its iteration bound (analysis/speedup.py); else its evaluation's over full depth's.
                 **speed.to_dict(), **latency_fields(best.cell, ref.cell),
+                # why its timings cannot be read as results (a busy machine, repeats spread wide), on each clock
+                "timing_warnings": clock_warnings(best.cell), "latency_warnings": clock_warnings(best.cell, "latency"),
                 "evaluation_speedup": evaluated,
                 "paired_speedup": 1 / paired["ratio"] if paired else None,
                 "speedup_spread": paired["spread"] if paired else None,

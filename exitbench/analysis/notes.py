@@ -14,6 +14,7 @@ from ..store import cells
 from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, report, split_setups
 from .labels import config_label
+from .speedup import on_clock
 
 # How far a speed-up from two evaluations may stray from its paired repeats' before the two say different things:
 # the repeats time both sides within seconds of each other on documents drawn across the task, the evaluations
@@ -134,22 +135,6 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
             f"wall-clock and speed-ups are unreliable; {threads_advice(1 if used == {1} else None)}")
 
 
-def on_clock(cell: dict[str, Any], clock: str) -> dict[str, Any]:
-    """The cell as retime's readers (`warnings`, `wide_spread`) see its repeats, with `clock`'s repeats
-    (analysis/speedup.py `record`) standing as them: those readers know one clock."""
-    from .speedup import record
-
-    return {**cell, "wall_clock": {**(cell.get("wall_clock") or {}), "repeats": record(cell, clock)}}
-
-
-def clock_warnings(cell: dict[str, Any], clock: str = "throughput") -> list[str]:
-    """Why a cell's speed-up on `clock` is not to be trusted, one reason each (a busy machine, that clock's
-    repeats spread too far: harness/retime.py `warnings`). Empty when neither."""
-    from ..harness.retime import warnings
-
-    return warnings(on_clock(cell, clock))
-
-
 def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> str | None:
     """A warning line when some cells' repeated timings on `clock` spread too far for their ratio to be read."""
     from ..harness.retime import UNRELIABLE_SPREAD, wide_spread
@@ -163,8 +148,9 @@ def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> s
     return (f"{len(wide)} of {len(cell_list)} cells' repeated timings{on} spread more than "
             f"{100 * UNRELIABLE_SPREAD:.0f}% around their ratio to full depth (up to "
             f"{100 * worst['wall_clock']['repeats']['spread']:.0f}%, {worst['task']['name']} "
-            f"{config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their speed-ups are unreliable; "
-            f"rerun them {spread_advice(wide)}")
+            f"{config_label(worst['policy']['policy'], worst['policy']['threshold'])}): their speed-ups are unreliable "
+            f"(shown as ?, their repeats' range beside it, and off the wall-clock frontier); rerun them "
+            f"{spread_advice(wide)}")
 
 
 def spread_advice(cell_list: list[dict[str, Any]]) -> str:

@@ -221,11 +221,12 @@ def matched_table(entry: dict[str, Any]) -> str:
         main = rs.get(MATCHED_TOLERANCE, {})
         speed, bs1 = SpeedUp.from_row(main), SpeedUp.from_row(main, "speedup_latency")
         rows.append([policy, _setting(policy, main.get("threshold")), main.get("quality"), main.get("mean_iterations"),
-                     *_speedup_cells(speed), speed.basis,
+                     *_speedup_cells(speed, main.get("timing_warnings")), speed.basis,
                      # a plain one as text, marked, so it never reads as the paired kind
                      main.get("overhead") if main.get("overhead_timing") != "plain"
                      else overhead(main["overhead"], "plain"),
-                     main.get("schedule"), *_speedup_cells(bs1), main.get("overhead_latency"),
+                     main.get("schedule"), *_speedup_cells(bs1, main.get("latency_warnings")),
+                     main.get("overhead_latency"),
                      main.get("iterations_over_oracle"),
                      *[rs[t]["mean_iterations"] if t in rs else None for t in others]])
     rows.sort(key=lambda r: (r[3] is None, r[3] or 0, r[0]))
@@ -248,9 +249,12 @@ def matched_table(entry: dict[str, Any]) -> str:
                  shown={headers.index(h): f for h, f in formats.items() if h in headers})
 
 
-def _speedup_cells(speed: SpeedUp) -> list[Any]:
+def _speedup_cells(speed: SpeedUp, warnings: list[str] | None = None) -> list[Any]:
     """A speed-up and its repeats' range as two cells: the value a number (sortable), except a flagged one or
-    replay's estimate, as text, marked, so it never sorts or reads as a result."""
+    replay's estimate, as text, marked, and one whose timing a warning discredits, `? !` (as `pareto` shows it),
+    so none of them sorts or reads as a result."""
+    if warnings and speed.value is not None and speed.basis != "reference" and not speed.flagged:
+        return ["? !", None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×"]
     value = speedup_text(speed, interval=False) if speed.flagged or speed.basis in UNTIMED else speed.value
     return [value, None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×"]
 

@@ -114,6 +114,20 @@ def record(cell: dict[str, Any], clock: str = "throughput") -> dict[str, Any] | 
     return wall.get("repeats" if clock == "throughput" else "latency") or None
 
 
+def on_clock(cell: dict[str, Any], clock: str) -> dict[str, Any]:
+    """The cell as retime's readers (`warnings`, `wide_spread`) see its repeats, with `clock`'s repeats (`record`)
+    standing as them: those readers know one clock."""
+    return {**cell, "wall_clock": {**(cell.get("wall_clock") or {}), "repeats": record(cell, clock)}}
+
+
+def clock_warnings(cell: dict[str, Any], clock: str = "throughput") -> list[str]:
+    """Why a cell's speed-up on `clock` is not to be trusted, one reason each (a busy machine, that clock's
+    repeats spread too far: harness/retime.py `warnings`). Empty when neither."""
+    from ..harness.retime import warnings
+
+    return warnings(on_clock(cell, clock))
+
+
 def repeats_clock(cell: dict[str, Any]) -> str | None:
     """Which clock the cell's `wall_clock.repeats` (its `speed-up` and `overhead`) were timed on: "throughput",
     BEFORE_CLOCKS for a cell written before the two clocks, None for a cell without repeats."""

@@ -149,7 +149,12 @@ def _speedup_cell(row: dict[str, Any]) -> str:
         return f"[red]{escape(shown)}[/red]"
     # (full depth's own row is the reference, whatever its self-paired repeats spread: the warning names it)
     unreliable = row.get("warnings") and est.value is not None and est.basis != "reference"
-    return f"[red]{escape(shown)} ![/red]" if unreliable else escape(shown)
+    if not unreliable:
+        return escape(shown)
+    # No number where none can be read (issue 72: a busy machine's 0.17× read as a result): `?`, and the
+    # repeats' range where there are repeats, so the reader sees how far apart they fell.
+    spread = f" ({est.low:.2f}–{est.high:.2f})" if est.low is not None and est.high is not None else ""
+    return f"[red]?{spread} ![/red]"
 
 
 def replay_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -215,7 +220,8 @@ def _matched_table(group: str, entry: dict[str, Any]) -> Table:
         eps = f"{100 * r['tolerance']:g}" + (f"–{100 * r['max_tolerance']:g}" if r["max_tolerance"] > r["tolerance"]
                                              else "")
         shown.append([f"{eps}%", _marked(r), setting(r["policy"], r["threshold"]), f"{r['quality']:.4g}",
-                      f"{r['mean_iterations']:.2f}", _speedup_cell({"speedup": r["speedup"]}),
+                      f"{r['mean_iterations']:.2f}",
+                      _speedup_cell({"speedup": r["speedup"], "warnings": r.get("timing_warnings")}),
                       overhead(r.get("overhead"), r.get("overhead_timing")),
                       *([overhead(r.get("schedule"))] if scheduled else []),
                       *(_latency_cells(r) if bs1 else []),

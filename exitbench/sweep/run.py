@@ -142,7 +142,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     cell ids in `reused`) and cells computed by replay. Speed-ups and overheads on both clocks: `speedup` and
     `overhead` the throughput clock's, `latency` and `overhead_latency` the latency clock's."""
     from ..analysis.frontier import overhead_fields, references
-    from ..analysis.notes import clock_warnings
+    from ..analysis.speedup import clock_warnings
     from ..analysis.speedup import clock_basis, estimate
 
     full = references(cell_list)

@@ -157,3 +157,15 @@ def written_full_size(tmp_path_factory, name: str, script: str, args: list[str],
         yield out
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def rendered(renderables, width: int = 120) -> str:
+    """Rich renderables as plain text at `width` columns, as a terminal of that width shows them."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    for r in renderables:
+        console.print(r)
+    return console.file.getvalue()
