@@ -364,3 +364,19 @@ def test_an_unreliable_timing_is_no_number_and_no_point_on_the_wall_clock_fronti
     ((name, entry),) = frontier.report(cell_list).items()
     assert any(p["policy"] == "kl" and p["threshold"] == 1e-3 for p in entry["frontiers"]["wall_clock"])
     assert "1.25× (1.19–1.32)" in rendered([_matched_table(name, entry)], width=160)
+
+
+def test_full_depth_beside_itself_is_stated_as_the_clocks_noise():
+    """Issue 72: full depth's own row read an overhead of 0.95× quiet and 56× under load, as if a result. It is
+    1 by definition; what its self-pairing measures, the clocks' noise, is said in a note."""
+    import copy
+
+    cell_list = copy.deepcopy(ACC)
+    full = next(c for c in cell_list if c["policy"]["policy"] == "fixed" and c["policy"]["threshold"] == 16)
+    assert notes.noise_note(cell_list) is None  # nothing timed beside itself: nothing to say
+    paired(full, [0.95, 1.0, 1.08], full_depth=16)
+    said = notes.noise_note(cell_list)
+    assert said.startswith("full depth timed beside itself: its paired ratios span 0.95–1.08 on the throughput clock")
+    assert any(n.text == said for n in notes.timing_notes(cell_list))
+    (row,) = [r for r in frontier.matched_quality(one_group(cell_list), (0.01,)) if r["policy"] == "fixed"]
+    assert row["overhead"] == 1.0 and row["overhead_timing"] == "reference"

@@ -136,3 +136,24 @@ def test_run_backend_vllm_matches_hf_cells(tmp_path):
         assert cell["key"]["backend"] == "vllm" and "backend" not in hf["key"]
         assert cell["quality"]["value"] == hf["quality"]["value"]
         assert cell["iterations"]["mean"] == pytest.approx(hf["iterations"]["mean"], rel=0.02)
+
+
+def test_a_vllm_run_keeps_vllms_logs_off_the_table(tmp_path):
+    """Issue 72: vLLM logged 48 lines to stdout in the middle of the result table (a 15-line chat template
+    warm-up traceback among them, in a run that succeeded). In its own process, as a user runs it: stdout is
+    exitbench's progress and table alone, the table names the backend, and vLLM's start-up warnings are gone."""
+    import subprocess
+    import sys
+
+    from helpers.cli import subprocess_env
+
+    out = tmp_path / "vllm"
+    done = subprocess.run([sys.executable, "-m", "exitbench", "run", "-c", "tiny-raven", "--backend", "vllm", "-p",
+                           "second_order", "--thresholds", "1", "--baselines", "16", "--tasks", "chains", "--limit",
+                           "8", "--exit-mode", "freeze", "--timing-repeats", "0", "--out", str(out)],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(backend vllm)" in " ".join(done.stdout.split())  # (the title may fold)
+    for line in done.stdout.splitlines():
+        assert "WARNING" not in line and "INFO" not in line and "Traceback" not in line, done.stdout
+    assert "Chat template warmup failed" not in done.stderr

@@ -27,10 +27,12 @@ def import_vllm():
     """vLLM's LLM and SamplingParams, or one line saying what to install."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on the CPU build; a GPU sizes its own
-    # vLLM logs to stdout at INFO by default: dozens of lines in the middle of the result table a script reads.
-    # Its warnings and errors go to stderr, beside exitbench's own lines (either variable set by the user wins).
+    # vLLM logs to stdout at INFO by default: dozens of lines in the middle of the result table a script reads,
+    # and its warnings at start-up are about vLLM's own setup (a chat template warm-up's traceback among them,
+    # in a run that succeeds). Its errors go to stderr, beside exitbench's own lines; either variable set by the
+    # user wins.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         from vllm import LLM, SamplingParams
     except ImportError:
