@@ -31,6 +31,29 @@ def test_page_is_self_contained(tmp_path):
         assert f'id="{section}"' in page
     # What is missing is said, not left blank.
     assert "rerun the sweep with --log-samples" in page and "no geometry report here" in page
+    # (issue 72) frontiers at the page's width, not half of it, and every table in a box that scrolls sideways
+    # rather than being cut off at the page's edge
+    assert len(re.findall(r'<img class="figure" alt="frontier over', page)) == 3
+    assert "img.figure { width: 100%; }" in page
+    assert page.count('<table class="sortable">') == page.count('<div class="wide"><table class="sortable">') > 0
+
+
+def test_the_wall_clock_figure_is_points_under_the_frontier():
+    """Measured times do not fall in threshold order: a line through a policy's cells zigzagged across the time
+    axis (issue 72). On wall-clock its cells are points, the frontier's band the one line; the legend stands
+    beside the axes, not over them."""
+    from exitbench.analysis.plot import draw
+
+    fig = draw(ACC, "wall_clock")
+    ax = fig.axes[0]
+    series = [line for line in ax.get_lines()
+              if not line.get_label().startswith("_") and line.get_label() != "frontier"]
+    assert series and all(line.get_linestyle() == "None" for line in series)
+    legend = ax.get_legend()
+    fig.canvas.draw()
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # right of the axes
+    assert all(line.get_linestyle() != "None" for line in draw(ACC, "iterations").axes[0].get_lines()
+               if line.get_label() == "fixed depth")
 
 
 def test_matched_table_is_sorted_by_iterations(tmp_path):

@@ -39,7 +39,8 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     by_key = groups(cell_list)
     names, titles = group_names(by_key), group_names(by_key, said=True)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
-    fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    # (a panel's legend stands beside it, right of the axes, never over its points)
+    fig, axes = plt.subplots(1, len(grouped), figsize=(8 * len(grouped), 4.5), squeeze=False)
     labels = []
     for ax, (key, points) in zip(axes[0], grouped):
         metric = key[1]
@@ -54,6 +55,10 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             style = (dict(color="black", linestyle="--", marker="s") if name.startswith("fixed")
                      else dict(marker="o", color=colours[i % len(colours)]))
             label = "fixed depth" if name == "fixed" else series_label(name)
+            if axis == "wall_clock":
+                # Measured times do not fall in threshold order (a deeper cell may time faster): a line through
+                # them zigzags. Points alone, and the frontier's band, read as what is fastest at each quality.
+                style["linestyle"] = "none"
             ax.plot([p.cost(axis) for p in pts], [p.quality for p in pts], label=label, zorder=2, **style)
             estimated = [p for p in pts if p.mode == "replay"] if axis == "wall_clock" else []
             if estimated:  # replay's times are its cost model's: drawn hollow, so none reads as a timing
@@ -62,7 +67,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         front = frontier(points, axis, higher)
         # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality);
         # where a label goes is settled once the figure is laid out (place_labels).
-        labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=6,
+        labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=8,
                                alpha=0.8, xytext=LABEL_OFFSETS[0][:2], textcoords="offset points") for p in front]
         # A wide grey band under the curves: no policy's colour (the palette has no grey), so it reads as its own.
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color=FRONTIER_COLOUR, linewidth=7,
@@ -80,7 +85,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             ax.set_yscale("log")
             readable_log_ticks(ax.yaxis)
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     place_labels(fig, labels)
     return fig

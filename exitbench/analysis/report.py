@@ -139,7 +139,8 @@ def png_uri(fig) -> str:
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    # drawn at 130 dpi and shown at the page's width (STYLE's img.figure): labels stay legible when scaled
+    fig.savefig(buf, format="png", dpi=130)
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
@@ -202,7 +203,9 @@ def table(headers: list[str], rows: list[list[Any]], numeric: set[int] = frozens
             else:
                 tds.append(f"<td>{html.escape('' if v is None else str(v))}</td>")
         body.append("<tr>" + "".join(tds) + "</tr>")
-    return f'<table class="sortable"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    # (in a box that scrolls sideways: a wide table is scrolled, never cut off at the page's edge)
+    return (f'<div class="wide"><table class="sortable"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
+            "</tbody></table></div>")
 
 
 def _fmt(v: float) -> str:
@@ -314,6 +317,8 @@ h1 { font-size: 1.4em; margin-bottom: .2em; } h2 { font-size: 1.15em; border-bot
 h4 small, .muted { color: #777; font-weight: normal; }
 nav a { margin-right: 1em; font-size: .9em; }
 img { max-width: 100%; height: auto; display: block; margin: .4em 0; }
+img.figure { width: 100%; }
+div.wide { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; font-size: 12.5px; margin: .4em 0 1em; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; white-space: nowrap; }
 th { background: #f6f6f6; cursor: pointer; user-select: none; } td.num, th.num { text-align: right; }
@@ -401,7 +406,7 @@ def frontier_parts(cell_list: list[dict[str, Any]], grouped: list[tuple[frontier
         if not any(p.cost(axis) is not None for _, pts in grouped for p in pts):
             parts.append(f'<p class="note">no cell measured {title}</p>')
             continue
-        parts.append(f'<h3>quality against {title}</h3><img alt="frontier over {axis}" '
+        parts.append(f'<h3>quality against {title}</h3><img class="figure" alt="frontier over {axis}" '
                      f'src="{png_uri(draw(cell_list, axis))}">')
     return parts
 

@@ -106,6 +106,15 @@ class IterationsPart(_Part):
     # ("5,6;16,3"): the exit schedule `serve-sim` replays. Cells written before it have none.
     schedule: Optional[str] = None
 
+    @field_validator("histogram")
+    @classmethod
+    def _histogram_counts_iterations(cls, counts: dict[str, int]) -> dict[str, int]:
+        for key, n in counts.items():
+            if not key.isdigit() or n < 0:
+                raise ValueError(f"the histogram counts tokens (≥ 0) per iteration count (a whole number), got "
+                                 f"{key!r}: {n}")
+        return counts
+
     @field_validator("schedule")
     @classmethod
     def _schedule_grammar(cls, text: Optional[str]) -> Optional[str]:
