@@ -1,4 +1,5 @@
-"""`pareto --plot`: quality against cost, one panel per (task, metric), a curve per policy and the frontier."""
+"""`pareto --plot`: quality against cost, one panel per (task, metric), a curve per policy (points alone on
+wall-clock) and the frontier."""
 from __future__ import annotations
 
 from pathlib import Path
