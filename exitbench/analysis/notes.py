@@ -14,7 +14,7 @@ from ..store import cells
 from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, report, split_setups
 from .labels import config_label
-from .speedup import on_clock
+from .speedup import CLOCKS, on_clock, record
 
 # How far a speed-up from two evaluations may stray from its paired repeats' before the two say different things:
 # the repeats time both sides within seconds of each other on documents drawn across the task, the evaluations
@@ -230,8 +230,6 @@ def corrected_note(cell_list: list[dict[str, Any]]) -> str | None:
 def noise_note(cell_list: list[dict[str, Any]]) -> str | None:
     """What full depth timed beside itself says: its paired ratios' span on each clock is the clock's noise on this
     machine (issue 72: its overhead, 1 by definition, once read 0.95× quiet and 56× under load)."""
-    from .speedup import CLOCKS, record
-
     spans = []
     for clock in CLOCKS:
         ratios = [r for c in cell_list if c["policy"]["policy"] == "fixed"

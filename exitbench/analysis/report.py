@@ -28,7 +28,7 @@ from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
 from .labels import deeper_said, depth_said, direction, overhead, setting
-from .speedup import BEFORE_CLOCKS, SpeedUp
+from .speedup import BEFORE_CLOCKS, SpeedUp, unreadable
 from .speedup import text as speedup_text
 from .plot import draw
 
@@ -256,7 +256,7 @@ def _speedup_cells(speed: SpeedUp, warnings: list[str] | None = None) -> list[An
     """A speed-up and its repeats' range as two cells: the value a number (sortable), except a flagged one or
     replay's estimate, as text, marked, and one whose timing a warning discredits, `? !` (as `pareto` shows it),
     so none of them sorts or reads as a result."""
-    if warnings and speed.value is not None and speed.basis != "reference" and not speed.flagged:
+    if unreadable(speed, warnings):
         return ["? !", None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×"]
     value = speedup_text(speed, interval=False) if speed.flagged or speed.basis in UNTIMED else speed.value
     return [value, None if speed.low is None else f"{speed.low:.2f}–{speed.high:.2f}×"]

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Sequence
 from ..errors import ExitbenchError
 from ..store import cells as cellmod
 from ..store.disk import samples_path
+from ..store.schema import schedule_requests
 
 SCHEDULERS = ("full", "static", "continuous")
 DEFAULT_COST = Path(__file__).with_name("serving_cost.json")
@@ -208,8 +209,8 @@ def schedule(cell: dict[str, Any], path: Path | None = None) -> list[list[int]] 
     the cell, store/schema.py), else its samples file's exit steps (each token's steps summed over loop groups),
     else None. ValueError saying why when the samples file cannot give them."""
     recorded = cell["iterations"].get("schedule")
-    if recorded is not None:  # "5,6;16,3": requests by ";", tokens by "," (store/cells.py)
-        return [[int(k) for k in r.split(",") if k] for r in recorded.split(";")] if recorded else []
+    if recorded is not None:
+        return schedule_requests(recorded)
     if path is None or not cell.get("samples") or not samples_path(path).exists():
         return None
     out = []

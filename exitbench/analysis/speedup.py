@@ -128,6 +128,12 @@ def clock_warnings(cell: dict[str, Any], clock: str = "throughput") -> list[str]
     return warnings(on_clock(cell, clock))
 
 
+def unreadable(s: SpeedUp, warnings: list[str] | None) -> bool:
+    """Whether `warnings` (`clock_warnings`: a busy machine, repeats spread wide) leave `s` no number to read: the
+    tables show `?` in its place. Never full depth's own (the reference) nor one already flagged above its bound."""
+    return bool(warnings) and s.value is not None and s.basis != "reference" and not s.flagged
+
+
 def repeats_clock(cell: dict[str, Any]) -> str | None:
     """Which clock the cell's `wall_clock.repeats` (its `speed-up` and `overhead`) were timed on: "throughput",
     BEFORE_CLOCKS for a cell written before the two clocks, None for a cell without repeats."""

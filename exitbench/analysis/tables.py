@@ -20,6 +20,7 @@ from .speedup import NONE as NO_SPEEDUP
 from .speedup import SpeedUp
 from .speedup import legend
 from .speedup import text as speedup_text
+from .speedup import unreadable
 
 TABLES = ("frontier", "matched")
 
@@ -148,8 +149,7 @@ def _speedup_cell(row: dict[str, Any]) -> str:
     if est.flagged:
         return f"[red]{escape(shown)}[/red]"
     # (full depth's own row is the reference, whatever its self-paired repeats spread: the warning names it)
-    unreliable = row.get("warnings") and est.value is not None and est.basis != "reference"
-    if not unreliable:
+    if not unreadable(est, row.get("warnings")):
         return escape(shown)
     # No number where none can be read (issue 72: a busy machine's 0.17× read as a result): `?`, and the
     # repeats' range where there are repeats, so the reader sees how far apart they fell.

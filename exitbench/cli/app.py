@@ -10,13 +10,14 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.text import Text
 from typer._click.exceptions import BadParameter
 from typer.core import TyperGroup
-from rich.text import Text
 
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
 from ..sweep.config import RunOptions
+
 
 class _OneLineGroup(TyperGroup):
     """Typer's group, but an option's value that does not parse as its type ends the command as bad input does

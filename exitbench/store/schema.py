@@ -139,9 +139,14 @@ class IterationsPart(_Part):
 SCHEDULE = re.compile(r"(?:[1-9]\d*(?:,[1-9]\d*)*)?(?:;(?:[1-9]\d*(?:,[1-9]\d*)*)?)*")
 
 
+def schedule_requests(text: Optional[str]) -> list[list[int]]:
+    """A schedule that passed SCHEDULE as its requests, each its tokens' iterations ("5,6;16,3" → [[5, 6], [16, 3]])."""
+    return [[int(k) for k in r.split(",") if k] for r in text.split(";")] if text else []
+
+
 def schedule_tokens(text: Optional[str]) -> list[int]:
     """Every token's iterations in a schedule that passed SCHEDULE, in order."""
-    return [int(k) for k in re.split("[,;]", text) if k] if text else []
+    return [k for request in schedule_requests(text) for k in request]
 
 
 def _positive_finite(value, what: str):

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..harness import retime
 from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..policies.learned import check_fitted_for
@@ -142,8 +141,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     cell ids in `reused`) and cells computed by replay. Speed-ups and overheads on both clocks: `speedup` and
     `overhead` the throughput clock's, `latency` and `overhead_latency` the latency clock's."""
     from ..analysis.frontier import overhead_fields, references
-    from ..analysis.speedup import clock_warnings
-    from ..analysis.speedup import clock_basis, estimate
+    from ..analysis.speedup import clock_basis, clock_warnings, estimate
 
     full = references(cell_list)
     rows = []
@@ -165,5 +163,5 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
                      **overhead_fields(c, full.get(c["cell_id"])),
                      # the latency clock's speed-up beside the throughput one's (`overhead_latency` above)
                      "latency": estimate(c, full.get(c["cell_id"]), "latency"),
-                     "warnings": retime.warnings(c), "latency_warnings": clock_warnings(c, "latency")})
+                     "warnings": clock_warnings(c), "latency_warnings": clock_warnings(c, "latency")})
     return sorted(rows, key=lambda r: (r["task"], r["policy"] != "fixed", r["policy"], r["threshold"]))

@@ -120,8 +120,8 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
             waiting.append((t, exit_cfg, key))
     if rank0:
         disk.clear_stale_claims(out)
-    if waiting and rank0:
-        out.mkdir(parents=True, exist_ok=True)
+        if waiting:
+            out.mkdir(parents=True, exist_ok=True)
     settled: set[str] = set()
     while waiting:
         computed_any = False
