@@ -21,6 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from exitbench.analysis.plot import LABEL_PT
+from exitbench.analysis.report import FIGURE_DPI
+
+from helpers.browser import console_errors, layout_problems, load, screenshot
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -259,10 +264,33 @@ def test_the_commands_of_the_page_run_as_written(page, tmp_path):
     """Each `exitbench` command of the page's ```bash blocks, in order, in one fresh working directory (each may
     read what the one before wrote). The README's main job runs on 24 documents: its 600 take minutes (most of
     it retiming), and what this test guards is the spelling of its options, which --limit does not change.
-    Everything else runs exactly as the page says. (The fast twin: test_the_docs_commands_are_found.)"""
+    Everything else runs exactly as the page says. (The fast twin: test_the_docs_commands_are_found.)
+    The README's report page is then looked at in headless Chromium (reader_sees_the_report)."""
     commands = doc_commands(ROOT / page)
     assert commands
     for argv in commands:
         if page == "README.md" and argv[:2] == ["exitbench", "run"] and "--limit" not in argv:
             argv = [*argv, "--limit", "24"]   # the only change this test makes to a command (see above)
         run_exitbench(argv, tmp_path)
+    if page == "README.md":
+        report_argv = next(argv for argv in commands if argv[1] == "report")
+        reader_sees_the_report(tmp_path / report_argv[2] / "report.html", tmp_path)
+
+
+def reader_sees_the_report(page: Path, tmp: Path) -> None:
+    """The page the README's `exitbench report` wrote, in a laptop-wide headless Chromium window: it loads
+    cleanly, shows exit maps (samples are on by default), frontier figures at the page's width with labels of a
+    legible size, and no table cut off at the window's edge. A screenshot is kept beside it (and copied to
+    $EXITBENCH_SCREENSHOTS, where set, for a person to look at)."""
+    found, stderr = load(page, tmp)
+    assert found["errors"] == [] and console_errors(stderr) == [], (found["errors"], console_errors(stderr))
+    assert found["images"] == found["decoded"] > 0, found
+    assert found["maps"] and all(declared == shown > 0 for m in found["maps"] for declared, shown in m["rows"]), \
+        found["maps"]
+    assert sum(img["figure"] for img in found["layout"]["images"]) == 3  # iterations, wall-clock, FLOPs
+    assert layout_problems(found, LABEL_PT, FIGURE_DPI) == []
+    png = screenshot(page, tmp / "report.png", height=5000)
+    if os.environ.get("EXITBENCH_SCREENSHOTS"):
+        target = Path(os.environ["EXITBENCH_SCREENSHOTS"])
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "readme-report.png").write_bytes(png.read_bytes())

@@ -107,6 +107,20 @@ def test_exit_maps_put_disagreement_first(tmp_path):
     assert "no samples at the operating point" not in page  # fixed depth is never asked for
 
 
+def test_with_one_policy_the_maps_shown_are_its_misses_then_its_most_varied(tmp_path):
+    """Samples are on by default, so a one-rule sweep has full depth's too: the documents it shows first are
+    those where the rule's score differs from full depth's, then those whose exit steps spread widest (before
+    this, every document tied and the last ids were shown, whatever they held)."""
+    cells = [c for c in ACC if c["policy"]["policy"] in ("fixed", "second_order")]
+    paths = write_cells(tmp_path, cells)
+    write_samples(paths[_cell("second_order", 0.1)["cell_id"]],
+                  {0: (1, [3, 3]), 1: (1, [2, 9, 5]), 2: (0, [4]), 3: (1, [4, 4]), 4: (1, [6, 7])})
+    write_samples(paths[_cell("fixed", 16.0)["cell_id"]], {d: (1, [16] * n) for d, n in enumerate([2, 3, 1, 2, 2])})
+    page = report.build(tmp_path, docs=3)
+    assert re.findall(r'<div class="doc" data-doc="(\d+)">', page) == ["2", "1", "4"]
+    assert "(scores differ, mean iterations spread 0.00)" in page
+
+
 def test_replay_cells_get_a_column(tmp_path):
     cells = [dict(c) for c in ACC]
     cells[2] = {**cells[2], "mode": "replay"}

@@ -10,11 +10,14 @@ import pytest
 
 from exitbench.analysis import report
 from exitbench.models.checkpoint import open_checkpoint
+from exitbench.cli import app
 
-from helpers.browser import console_errors, load
+from exitbench.analysis.plot import LABEL_PT
+from exitbench.analysis.report import FIGURE_DPI
+
+from helpers.browser import console_errors, layout_problems, load
 from helpers.cli import explain, run_ok, runner
 from helpers.paths import REPO
-from exitbench.cli import app
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +35,8 @@ def test_baseline_report_loads_in_a_browser(tmp_path):
     assert found["images"] == 3 + 3  # frontiers per cost axis, a histogram figure per task
     assert found["maps"] == []  # the committed baseline has no samples: the page says so instead
     assert "rerun the sweep with --log-samples" in page.read_text()
+    # three tasks: each frontier panel gets its own row at the page's width, its labels legible
+    assert layout_problems(found, LABEL_PT, FIGURE_DPI) == []
 
 
 def test_sweep_exit_maps_show_every_scored_token(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exitbench.store import cells
+from exitbench.store import cells, disk
 from exitbench.sweep import schedule
 
 from helpers.cells import by_config, cell_files, check_cell, computed, load_cells, snapshot
@@ -76,7 +76,8 @@ def test_sweep_writes_one_schema_cell_per_task_and_config(swept):
     # chains answers are a digit then EOS (two generated tokens), the LAMBADA-style task scores one token
     assert gen["iterations"]["tokens"] == 2 * LIMIT and gen["iterations"]["requests"] == LIMIT
     assert lam["iterations"]["tokens"] == LIMIT and lam["iterations"]["requests"] == LIMIT
-    no_tmp = [p for p in out.iterdir() if p.suffix != ".json"]
+    # each cell and (samples being on by default) its samples, and no temporary file
+    no_tmp = [p for p in out.iterdir() if p.suffix != ".json" and not p.name.endswith(disk.SAMPLES_SUFFIX)]
     assert no_tmp == []
 
 
@@ -380,8 +381,9 @@ def test_kill_9_mid_sweep_then_resume(tmp_path):
         check_cell(cell, out / name)
     assert {(c["policy"]["policy"], float(c["policy"]["threshold"])) for c in found.values()} == \
         {("fixed", float(r)) for r in (1, 2, 4, 8)} | {("second_order", t) for t in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)}
-    # whatever the kill left behind is not a cell: only the 10 cells end in .json
-    assert all(p.suffix == ".tmp" for p in out.iterdir() if p.suffix != ".json")
+    # whatever the kill left behind is not a cell: only the 10 cells end in .json (beside samples files)
+    assert all(p.suffix == ".tmp" or p.name.endswith(disk.SAMPLES_SUFFIX) for p in out.iterdir()
+               if p.suffix != ".json")
 
 
 # ---- torchrun (two CPU processes, gloo) -------------------------------------------------------------------------

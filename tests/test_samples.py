@@ -1,5 +1,6 @@
-"""`--log-samples`: a cell is complete only with its samples file (a cell computed without one is computed again
-when samples are asked for), each sample carries its exited tokens' steps, text, log p and greedy flag, and the
+"""Samples: on by default for the cells a run computes, without recomputing a finished cell that has none;
+`--log-samples` by name makes a cell complete only with its samples file (a cell computed without one is computed
+again); `--no-log-samples` writes none. Each sample carries its exited tokens' steps, text, log p and greedy flag, and the
 samples file is written first and the cell last, so a sweep killed in between leaves no cell to skip on resume.
 Damaged samples files at a reader's door: tests/test_readers.py."""
 from __future__ import annotations
@@ -19,10 +20,18 @@ from helpers.cli import invoke
 from helpers.sweeps import SMALL
 
 
-def test_log_samples_recomputes_a_cell_that_has_none(tmp_path, capfd):
+def test_samples_are_written_by_default_and_asked_for_by_name_recompute_a_cell_that_has_none(tmp_path, capfd):
     out = tmp_path / "out"
+    assert invoke(["run", *SMALL, "--out", str(out), "--no-log-samples"], capfd)[0] == 0
+    assert not list(out.glob("*.samples.jsonl"))
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    # the default writes samples for what it computes, and a finished cell without them is left as it is
     assert invoke(["run", *SMALL, "--out", str(out)], capfd)[0] == 0
     assert not list(out.glob("*.samples.jsonl"))
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")} == before
+    fresh = tmp_path / "fresh"
+    assert invoke(["run", *SMALL, "--out", str(fresh)], capfd)[0] == 0
+    assert len(list(fresh.glob("*.samples.jsonl"))) == len(before) > 0
     assert invoke(["run", *SMALL, "--out", str(out), "--log-samples"], capfd)[0] == 0
     for name, cell in load_cells(out).items():
         samples = results.samples_path(out / name)

@@ -29,9 +29,15 @@ def plot(cell_list: list[dict[str, Any]], path: Path, axis: str = "iterations"):
     return fig
 
 
-def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
+# Point labels and legends, in points. The report shows a panel at about its drawn width (LABEL_PT at its dpi is
+# 14 px there); its browser test holds that size legible.
+LABEL_PT = 8
+
+
+def draw(cell_list: list[dict[str, Any]], axis: str = "iterations", columns: int | None = None):
     """Quality against cost, one panel per (task, metric): a curve per policy over its thresholds, the
-    fixed-depth baselines as their own curve, the overall frontier highlighted. Returns the figure."""
+    fixed-depth baselines as their own curve, the overall frontier highlighted. `columns`: panels per row (all in
+    one row by default; the report draws one per row, so each is as wide as its page). Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,9 +47,13 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
     names, titles = group_names(by_key), group_names(by_key, said=True)
     grouped = sorted(by_key.items(), key=lambda kv: names[kv[0]])
     # (a panel's legend stands beside it, right of the axes, never over its points)
-    fig, axes = plt.subplots(1, len(grouped), figsize=(8 * len(grouped), 4.5), squeeze=False)
+    cols = min(columns or len(grouped), len(grouped))
+    rows = -(-len(grouped) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(grouped):]:
+        ax.set_visible(False)
     labels = []
-    for ax, (key, points) in zip(axes[0], grouped):
+    for ax, (key, points) in zip(axes.flat, grouped):
         metric = key[1]
         higher = points[0].cell["quality"]["higher_is_better"]
         by_policy: dict[str, list[Point]] = {}
@@ -68,7 +78,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
         front = frontier(points, axis, higher)
         # Thresholds are labelled on the overall frontier only (every policy's points pile up at full quality);
         # where a label goes is settled once the figure is laid out (place_labels).
-        labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=8,
+        labels += [ax.annotate(point_label(p.policy, p.threshold), (p.cost(axis), p.quality), fontsize=LABEL_PT,
                                alpha=0.8, xytext=LABEL_OFFSETS[0][:2], textcoords="offset points") for p in front]
         # A wide grey band under the curves: no policy's colour (the palette has no grey), so it reads as its own.
         ax.plot([p.cost(axis) for p in front], [p.quality for p in front], color=FRONTIER_COLOUR, linewidth=7,
@@ -86,7 +96,7 @@ def draw(cell_list: list[dict[str, Any]], axis: str = "iterations"):
             ax.set_yscale("log")
             readable_log_ticks(ax.yaxis)
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax.legend(fontsize=LABEL_PT, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     place_labels(fig, labels)
     return fig

@@ -17,6 +17,7 @@ import base64
 import html
 import io
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -97,12 +98,28 @@ def read_samples(path: Path) -> dict[Any, dict[str, Any]]:
     return out
 
 
-def disagreement(samples: list[dict[str, Any]], metric: str | None) -> tuple[bool, float]:
-    """How much the policies disagree on one document: whether their scores differ, then the spread of their
-    mean iterations. Sorting on this puts first the documents where one rule is wrong and another right."""
-    scores = {s.get(metric) for s in samples} if metric else set()
+def disagreement(samples: list[dict[str, Any]], metric: str | None, reference: dict[str, Any] | None = None
+                 ) -> tuple[bool, float, float]:
+    """How much the policies disagree on one document: whether their scores differ (full depth's `reference`
+    sample among them, where there is one), then the spread of their mean iterations, then the spread of exit
+    steps inside the document. Sorting on this puts first the documents where one rule is wrong and another
+    right; with one policy alone, those it gets wrong, then those whose map varies most."""
+    scores = {s.get(metric) for s in samples + ([reference] if reference else [])} if metric else set()
     means = [s.get("exitbench", {}).get("mean") or 0.0 for s in samples]
-    return len(scores) > 1, max(means) - min(means)
+    steps = [e for s in samples for e in _exit_totals(s)]
+    return len(scores) > 1, max(means) - min(means), (max(steps) - min(steps)) if steps else 0.0
+
+
+def _exit_totals(sample: dict[str, Any]) -> list[float]:
+    """Each token's iterations summed over loop groups (exit_steps holds a step per group); an entry that is no
+    list of finite numbers counts for nothing (exit maps draw what they can of a damaged file)."""
+    out = []
+    for entry in (sample.get("exitbench") or {}).get("exit_steps") or []:
+        parts = entry if isinstance(entry, list) else [entry]
+        if parts and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                         for x in parts):
+            out.append(float(sum(parts)))
+    return out
 
 
 def doc_maps(points: dict[str, frontier.Point], paths: dict[str, Path], docs: int) -> tuple[list[str], str | None]:
@@ -119,14 +136,20 @@ def doc_maps(points: dict[str, frontier.Point], paths: dict[str, Path], docs: in
     if not shown:
         return [], note or "no samples files here: rerun the sweep with --log-samples to see exit maps"
     loaded = {name: read_samples(samples_path(paths[p.cell["cell_id"]])) for name, p in shown.items()}
+    # full depth's scores, where it has samples and is not drawn itself: a document a rule gets wrong ranks first
+    reference = (read_samples(samples_path(paths[with_samples["fixed"].cell["cell_id"]]))
+                 if "fixed" in with_samples and "fixed" not in shown else {})
     common = set.intersection(*(set(s) for s in loaded.values()))
     metric = score_metric([s for by_doc in loaded.values() for s in by_doc.values()])
-    ranked = sorted(common, key=lambda d: (disagreement([loaded[n][d] for n in loaded], metric), str(d)),
-                    reverse=True)
+
+    def rank(d):
+        return disagreement([loaded[n][d] for n in loaded], metric, reference.get(d)), str(d)
+
+    ranked = sorted(common, key=rank, reverse=True)
     blocks = []
     for doc in ranked[:docs]:
         maps = [exitmap.from_sample(loaded[name][doc], p.cell["policy"], metric) for name, p in shown.items()]
-        differ, spread = disagreement([loaded[n][doc] for n in loaded], metric)
+        differ, spread, _ = disagreement([loaded[n][doc] for n in loaded], metric, reference.get(doc))
         why = ("scores differ" if differ else "same score") + f", mean iterations spread {spread:.2f}"
         blocks.append(f'<div class="doc" data-doc="{html.escape(str(doc))}"><h4>document {html.escape(str(doc))} '
                       f'<small>({why})</small></h4>{exitmap.html_fragment(maps)}</div>')
@@ -134,13 +157,15 @@ def doc_maps(points: dict[str, frontier.Point], paths: dict[str, Path], docs: in
 
 
 # ---- figures --------------------------------------------------------------------------------------------------
+FIGURE_DPI = 130  # an 8-inch frontier panel is 1040 px: about the page's width (STYLE's max-width)
+
 def png_uri(fig) -> str:
     """A figure as an inline PNG data URI (closed after drawing: a report draws many)."""
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    # drawn at 130 dpi and shown at the page's width (STYLE's img.figure): labels stay legible when scaled
-    fig.savefig(buf, format="png", dpi=130)
+    # drawn at FIGURE_DPI and shown at the page's width (STYLE's img.figure): labels stay legible when scaled
+    fig.savefig(buf, format="png", dpi=FIGURE_DPI)
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
@@ -407,7 +432,7 @@ def frontier_parts(cell_list: list[dict[str, Any]], grouped: list[tuple[frontier
             parts.append(f'<p class="note">no cell measured {title}</p>')
             continue
         parts.append(f'<h3>quality against {title}</h3><img class="figure" alt="frontier over {axis}" '
-                     f'src="{png_uri(draw(cell_list, axis))}">')
+                     f'src="{png_uri(draw(cell_list, axis, columns=1))}">')
     return parts
 
 

@@ -61,8 +61,10 @@ class RunOptions:
     shard: Optional[str] = field(default=None, metadata=option("Run only cells j with j % n == i, as i/n."))
     data_dir: Optional[Path] = field(default=None, metadata=option("Local GSM8K copy (train.jsonl, test.jsonl)."))
     include_path: list[Path] = field(default_factory=list, metadata=option("More lm-eval task folders."))
-    log_samples: bool = field(default=False, metadata=option(
-        "Also write each cell's samples with per-sample exits.", "--log-samples"))
+    log_samples: Optional[bool] = field(default=None, metadata=option(
+        "Write each cell's samples with per-token exits beside it, what the report's exit maps draw (default: "
+        "on for the cells this run computes; --log-samples also recomputes finished cells that have none).",
+        "--log-samples/--no-log-samples"))
     add_bos_token: Optional[bool] = field(default=None, metadata=option(
         "Force BOS on (or off) every request, as lm-eval's hf model's add_bos_token (default: the tokenizer "
         "decides).", "--add-bos-token/--no-add-bos-token"))
@@ -129,6 +131,9 @@ class SweepConfig:
     seed: int = 0
     shard: tuple[int, int] = (0, 1)
     log_samples: bool = False
+    # A finished cell without a samples file is computed again only when samples were asked for by name: on by
+    # default, they must not make a resumed sweep recompute every cell an older exitbench wrote.
+    samples_required: bool = False
     # Exit knobs every cell shares (ExitConfig fields other than policy and threshold, which the sweep varies).
     exit: dict[str, Any] = field(default_factory=dict)
     bootstrap_iters: int = 1000
@@ -178,7 +183,8 @@ class SweepConfig:
                   thresholds=None if quantiles else parse_thresholds(o.thresholds), quantiles=quantiles,
                   baselines=parse_depths(o.baselines, "--baselines"),
                   limit=parse_limit(o.limit), num_fewshot=o.num_fewshot, batch_size=o.batch_size, seed=o.seed,
-                  shard=parse_shard(o.shard), log_samples=o.log_samples, exit=knobs, quiet=o.quiet,
+                  shard=parse_shard(o.shard), log_samples=o.log_samples is not False,
+                  samples_required=o.log_samples is True, exit=knobs, quiet=o.quiet,
                   add_bos_token=o.add_bos_token, replay=o.replay, preset=chosen,
                   prompting=Prompting(o.chat_template or o.apply_chat_template, o.system_instruction,
                                       o.fewshot_as_multiturn, o.gen_kwargs),

@@ -62,7 +62,7 @@ def plan(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: st
     mine = [cell for j, cell in enumerate(everything) if j % n == i]
     # A cell asked for with samples is finished only with its samples file beside it.
     done = {cid: stored for cid, stored in disk.existing(out).items()
-            if stored.has_samples or not cfg.log_samples}
+            if stored.has_samples or not cfg.samples_required}
     full = full_depth(configs, ck.model.loop_groups())
     return SweepPlan(mine, done, model, n_docs=n_docs, full=full, configs=configs)
 
@@ -130,7 +130,7 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
             # takes the next group instead of idling. Rank 0 claims; every rank then runs the same cells,
             # since lm-eval's calls are collective.
             claims = [disk.Claim(out, cells.cell_id(key)) for _, _, key in group] if rank0 else []
-            granted = _agree(claim_cells(claims, out, cfg.log_samples) if rank0 else None)
+            granted = _agree(claim_cells(claims, out, cfg.samples_required) if rank0 else None)
             mine = [(*item, claims[j] if rank0 else None) for j, item in enumerate(group) if granted[j]]
             try:
                 if mine:
@@ -150,7 +150,7 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
             if cid in settled:
                 continue
             there = stored.get(cid)
-            if _agree(there is not None and (there.has_samples or not cfg.log_samples)):
+            if _agree(there is not None and (there.has_samples or not cfg.samples_required)):
                 if there is not None:
                     finished[cid] = there.cell
                 if progress:
@@ -164,7 +164,7 @@ def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, devic
     return [finished[cells.cell_id(key)] for _, _, key in sweep.cells if cells.cell_id(key) in finished]
 
 
-def claim_cells(claims: list[disk.Claim], out: Path, log_samples: bool) -> list[bool]:
+def claim_cells(claims: list[disk.Claim], out: Path, samples_required: bool) -> list[bool]:
     """Which cells this process now owns. A cell written by another run between our look at the directory and
     our claim is let go: it is done, and left for the collection step."""
     granted = [c.acquire() for c in claims]
@@ -172,7 +172,7 @@ def claim_cells(claims: list[disk.Claim], out: Path, log_samples: bool) -> list[
         stored = disk.written(out, [c.cid for c, ok in zip(claims, granted) if ok])
         for j, claim in enumerate(claims):
             there = stored.get(claim.cid)
-            if granted[j] and there is not None and (there.has_samples or not log_samples):
+            if granted[j] and there is not None and (there.has_samples or not samples_required):
                 claim.release()
                 granted[j] = False
     return granted

@@ -209,7 +209,7 @@ class ReplaySweep:
                 computed_any = False
                 for cid, task_keys in _by_config(waiting).items():
                     claims = [disk.Claim(out, cells.cell_id(key)) for _, key in task_keys]
-                    granted = claim_cells(claims, out, cfg.log_samples)
+                    granted = claim_cells(claims, out, cfg.samples_required)
                     mine = [(tk, claim) for tk, claim, ok in zip(task_keys, claims, granted) if ok]
                     if not mine:
                         continue
@@ -248,7 +248,7 @@ class ReplaySweep:
         still = []
         for t, c, key in left:
             there = stored.get(cells.cell_id(key))
-            if there is not None and (there.has_samples or not self.cfg.log_samples):
+            if there is not None and (there.has_samples or not self.cfg.samples_required):
                 finished[there.cell["cell_id"]] = there.cell
                 if self.progress:
                     self.progress.cell_finished(f"{exit_config_label(c)} on {self.tasks.names[t]} "

@@ -47,7 +47,7 @@ def verify_frontier(replayer: ReplaySweep, cell_list: list[dict[str, Any]], out:
                     named: list[tuple[str, float]] = ()) -> dict[str, Any]:
     """Rerun the chosen replay cells exactly into OUT/verify/ and write the comparison there."""
     sweep, tasks, cfg, ck = replayer.sweep, replayer.tasks, replayer.cfg, replayer.ck
-    exact_cfg = dataclasses.replace(cfg, replay=False, log_samples=False)
+    exact_cfg = dataclasses.replace(cfg, replay=False, log_samples=False, samples_required=False)
     index = {name: i for i, name in enumerate(tasks.names)}
     todo: dict[str, list[dict]] = {}
     for c in chosen([c for c in cell_list if c.get("mode") == "replay"], list(named)):
