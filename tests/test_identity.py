@@ -525,13 +525,24 @@ def test_a_result_names_an_embedded_model_by_name_and_any_other_by_its_path(tmp_
 
 
 def test_the_shipped_cells_name_their_embedded_model_not_a_machines_path():
-    """Every committed cell (the gates' baselines, the shipped sweeps) names its model as any machine would.
-    (results/exit-models keep the path they were fitted from: each learned cell's key holds the file's sha256.)"""
+    """Every committed cell (the gates' baselines, the shipped sweeps) names its model as any machine would, and
+    so does every committed exit model (they once held the fitting machine's paths); each learned cell's key
+    holds its exit model's sha256 as the file is now."""
     found, _ = cells.scan((REPO / "results").rglob("*.json"))
     assert len(found) > 900
     for path, cell in found:
         model = cell["model"]
         assert model["source"] == f"embedded:{model['path']}", (path, model["path"])
+    digests = {}
+    for path in sorted((REPO / "results" / "exit-models").glob("*.json")):
+        fitted = json.loads(path.read_text())
+        assert fitted["checkpoint"]["path"] == path.stem, path
+        assert not str(fitted["source"].get("data_dir") or "").startswith("/"), path
+        digests[f"results/exit-models/{path.name}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    learned = [(p, c) for p, c in found if c["policy"]["policy"] == "learned"]
+    assert len(learned) >= 20
+    for path, cell in learned:
+        assert cell["policy"]["exit_model_sha256"] == digests[cell["policy"]["exit_model"]], path
 
 
 def _git(repo: Path, *args: str) -> str:
