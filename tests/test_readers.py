@@ -246,7 +246,7 @@ def test_the_schema_knows_the_backends_and_refuses_another(tmp_path, capfd):
     from typing import get_args
 
     from exitbench.store.schema import Backend
-    from exitbench.sweep.config import BACKENDS
+    from exitbench.sweep.backends import BACKENDS
 
     assert set(get_args(Backend)) == set(BACKENDS)
     for value in ("bogus", 5):

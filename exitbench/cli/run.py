@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from ..sweep.backends import backend
 from ..sweep.config import RunOptions, SweepConfig
 from .app import (KNOBS_SHARED_BY_A_SWEEP, app, console, err_console, exit_knobs, given_on_command_line,
                   one_line_errors, options_from, say)
@@ -37,10 +38,7 @@ def run(options: RunOptions = None, knobs: dict = None, ctx: typer.Context = Non
         raise typer.Exit(143 if isinstance(stop, Terminated) else 130) from None
     if sweep.rank0:
         show_outcome(sweep, outcome)
-    if cfg.backend == "vllm":
-        from ..serving.vllm.engine import shutdown
-
-        shutdown()
+    backend(cfg.backend).teardown()
     finish_distributed()
 
 
@@ -51,9 +49,8 @@ def show_outcome(sweep, outcome) -> None:
     from ..sweep.run import summary_rows
 
     reused = {c["cell_id"] for c in sweep.plan.reused()}
-    backend = "" if sweep.cfg.backend == "hf" else f" (backend {sweep.cfg.backend})"
     console.print(summary_table(summary_rows(outcome.cells, reused),
-                                title=f"{len(outcome.cells)} cells in {sweep.out}{backend}"))
+                                title=f"{len(outcome.cells)} cells in {sweep.out}{backend(sweep.cfg.backend).title()}"))
     for note in timing_notes(outcome.cells):
         say(str(note))
     if outcome.verified is not None:

@@ -53,7 +53,7 @@ class QualityPart(_Part):
 ExitMode = Literal["physical", "select", "weighted", "freeze"]
 
 
-# The backends a cell's key may name (sweep.config.BACKENDS; "hf" is written as no backend at all), spelled out
+# The backends a cell's key may name (sweep.backends.BACKENDS; "hf" is written as no backend at all), spelled out
 # for the same reason and held equal by the same test.
 Backend = Literal["hf", "vllm"]
 

@@ -21,8 +21,8 @@ from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least
+from . import backends
 
-BACKENDS = ("hf", "vllm")  # --backend: exitbench's own engine, or its rules inside vLLM (exitbench.serving.vllm)
 
 
 def option(help: str, *flags: str) -> dict[str, Any]:
@@ -199,11 +199,7 @@ class SweepConfig:
         return cfg
 
     def check_counts(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ExitbenchError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "vllm" and (self.replay or self.compile_step):
-            raise ExitbenchError("--backend vllm runs cells exactly, in vLLM's own loop: drop --replay and "
-                                 "--compile, or use --backend hf")
+        backends.check_options(self.backend, self)
         at_least("--batch-size", self.batch_size)
         at_least("--timing-repeats", self.timing_repeats, 0)
         if self.timing_repeats > retime.MAX_REPEATS:  # each repeat reruns an eighth of every task twice

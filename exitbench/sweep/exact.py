@@ -17,6 +17,7 @@ from ..models import Checkpoint
 from ..policies import ExitPolicy
 from ..runtime.provenance import machine_load, run_metadata
 from ..store import cells
+from . import backends
 from .config import SweepConfig
 
 
@@ -36,7 +37,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     from ..harness.quiet import lm_eval_output
 
     names = [tasks.names[i] for i in indices]
-    lm = backend_lm(cfg.backend)(ck, exit_config=exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
+    lm = backends.backend(cfg.backend).lm_class()(ck, exit_config=exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
                      add_bos_token=cfg.add_bos_token)
     started = run_metadata(seed=cfg.seed, run_id=run_id, batch_size=cfg.batch_size, device=str(lm.device),
                            dtype=ck.dtype, world_size=lm.world_size)
@@ -61,9 +62,8 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     if results is None or lm.rank != 0:
         return []
     elapsed = time.perf_counter() - t0
-    # (vLLM's cells are not retimed against the hf engine's full depth: two engines' clocks are no pair)
     timings = retimed(ck, lm, names, full, cfg) if full is not None and lm.world_size == 1 \
-        and cfg.backend == "hf" else {}
+        and backends.backend(cfg.backend).retimed else {}
     started["load"]["end"] = machine_load()
     # lm-eval pads a rank that got fewer documents with copies of its last request (and repeats requests
     # for repeats > 1): each (task, doc, request) counts once, as it does in the metrics.
@@ -98,17 +98,6 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
         for cell, _ in made:
             cell["preset"] = record(cfg.preset, cell["task"]["name"])
     return made
-
-
-def backend_lm(backend: str) -> type:
-    """The lm-eval model class that runs a sweep's cells on `backend` (SweepConfig.backend)."""
-    if backend == "vllm":
-        from ..serving.vllm.lm import VllmLM
-
-        return VllmLM
-    from ..harness.model import ExitbenchLM
-
-    return ExitbenchLM
 
 
 def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: SweepConfig

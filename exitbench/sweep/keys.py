@@ -15,6 +15,7 @@ from ..engine import ExitConfig
 from ..models import Checkpoint
 from ..runtime.provenance import package_version
 from ..store.identity import checkpoint_identity
+from . import backends
 from .config import SweepConfig
 
 
@@ -62,8 +63,7 @@ def cell_key(model: dict[str, Any], task: str, task_fingerprint: str, exit_cfg: 
     # 45 (engine/probe_cache.py); before, in the run's final ones. Named only there, so other cells keep their ids.
     probe = {"probe": "own_readouts"} if model.get("readout_attends") and (
         exit_cfg.build_policy().needs_logits or exit_cfg.exit_mode == "weighted") else {}
-    # The engine, only when not exitbench's own (hf), so the hf cells keep their ids.
-    backend = {"backend": cfg.backend} if cfg.backend != "hf" else {}
+    backend = backends.backend(cfg.backend).key_part()
     return {**mode, **backend, **probe, "model": model["fingerprint"], "dtype": model["dtype"], **compiled, **prompt, "task": task,
             "task_fingerprint": task_fingerprint,
             "limit": key_limit(cfg.limit, n_docs), "num_fewshot": cfg.num_fewshot, "exit": exit_cfg.key_dict(),

@@ -16,6 +16,7 @@ from ..models import Checkpoint
 from ..policies.learned import check_fitted_for
 from ..runtime.distributed import init_distributed
 from ..store import cells
+from . import backends
 from .config import SweepConfig, check_named
 from .replay import ReplaySweep, verify_frontier
 from .schedule import SweepPlan, exit_configs, plan, run_cells
@@ -48,10 +49,7 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
     from ..models.embedded import resolve
     from ..runtime.devices import resolve_device
 
-    if cfg.backend == "vllm":  # before anything is read or written
-        from ..serving.vllm.engine import import_vllm
-
-        import_vllm()
+    backends.backend(cfg.backend).prepare()  # before anything is read or written
     device = resolve_device(cfg.device) if ck is None else ck.model.device.type
     rank0 = init_distributed()[0] == 0
     out = cfg.out or Path("results") / resolve(cfg.checkpoint).name
@@ -64,11 +62,7 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
     ck = ck or _open_checkpoint(cfg, device)
     configs = exit_configs(ck, cfg)  # bad thresholds fail here, before the checkpoint's fingerprint
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
-    if cfg.backend == "vllm":
-        from ..serving.vllm.forward import check_servable
-
-        for c in configs:
-            check_servable(ck.model, c)
+    backends.backend(cfg.backend).check_configs(ck.model, configs)
     if cfg.compile_step:
         ck.model.compile_loops()
     if cfg.memory_check:  # before any pass; it reads the configs' depths, which no threshold changes
