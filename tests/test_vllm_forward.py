@@ -73,3 +73,31 @@ def test_plugin_forward_generates_the_engines_tokens_and_exits(ck, policy, thres
         assert steps == [r.exit_steps[0] for r in want.records]
         if policy != "fixed":
             assert min(steps) < 16  # the rule did let tokens go
+
+
+def test_the_plugin_and_the_engine_read_a_rule_through_one_probe_sequence(ck, monkeypatch):
+    """The probe (float64 log-probabilities, the signal, `read`, `decide`) is written once, on the policy
+    (policies/base.py), and both the engine and the plugin's forward go through it: neither computes a rule's
+    log-probabilities itself."""
+    from exitbench.policies import ExitPolicy
+
+    calls = {"signal": 0, "read": 0}
+    signal, read = ExitPolicy.probe_signal, ExitPolicy.read
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ExitPolicy, "probe_signal", counted("signal", signal))
+    monkeypatch.setattr(ExitPolicy, "read", counted("read", read))
+    prompt = ck.tokenizer.encode("f=3 X=0 c=X G=3 V=c")
+    config = ExitConfig("second_order", threshold=1.0, exit_mode="freeze")  # read from its third iteration on
+    ExitEngine(ck.model, config).generate([prompt], 2)
+    assert calls["signal"] > 0 and calls["read"] > 0
+    calls.update(signal=0, read=0)
+    generate(ck, config, prompt, 2)
+    assert calls["signal"] > 0 and calls["read"] > 0
+    sources = [p for p in (ROOT / "exitbench").rglob("*.py") if "log_softmax(logits.double()" in p.read_text()]
+    assert [p.relative_to(ROOT).as_posix() for p in sources] == ["exitbench/policies/base.py"]

@@ -466,15 +466,15 @@ def matched_parts(rep: dict[str, Any]) -> list[str]:
 
 def serving_parts(found: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     """Each cell's decode throughput under static and continuous depth batching, replayed from its exit schedule
-    (analysis/serving.py), beside its iterations and wall-clock; a line saying why where no cell has one."""
-    from . import serving
+    (analysis/serve_sim.py), beside its iterations and wall-clock; a line saying why where no cell has one."""
+    from . import serve_sim
 
-    cost = serving.load_cost()
-    rows, _ = serving.project_cells(found, serving.REPORT_BATCHES, cost)
+    cost = serve_sim.load_cost()
+    rows, _ = serve_sim.project_cells(found, serve_sim.REPORT_BATCHES, cost)
     if not rows:
         return ['<p class="note">No cell here recorded its per-token exit schedule (cells written before '
                 "serve-sim); rerun the sweep into a new --out to project its serving throughput.</p>"]
-    headers, body = serving.wide(rows)
+    headers, body = serve_sim.wide(rows)
     intro = ("<p>Decode throughput relative to full depth when a server runs these requests with static batching "
              "(a batch step waits for its slowest row) or continuous depth batching (a row whose token exits moves "
              "to its next token at once), simulated from each cell's recorded per-token exits at each batch size "

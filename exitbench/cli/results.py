@@ -47,7 +47,7 @@ def pareto(directories: list[Path] = DirectoriesArg, fmt: str = ParetoFormatOpt,
     for note in notes.notes(cell_list, rep, notes.PARETO):
         say(str(note))
     if cost == "serving":  # beside iterations and wall-clock: what the frontier's points buy a server
-        from ..analysis.serving import projected_table
+        from ..analysis.serve_sim import projected_table
         console.print(projected_table(cell_list))
     published = published_rows(cell_list)
     if published and fmt == "rich":
@@ -145,7 +145,7 @@ def check(run_dir: Path = RunArg, baseline: Path = BaselineOpt, quality_tol: flo
 
 
 BatchesOpt = typer.Option("1,8,64", "--batch-size", help="Rows of the simulated server, comma-separated.")
-CostFileOpt = typer.Option(None, "--cost", help="A cost file from bench/serving_cost.py [the one fitted on the "
+CostFileOpt = typer.Option(None, "--cost", help="A cost file from bench/serve_sim_cost.py [the one fitted on the "
                            "project's CPU machine].")
 SimFormatOpt = typer.Option("rich", "--format", help="rich or json.")
 
@@ -155,22 +155,22 @@ def serve_sim(directories: list[Path] = DirectoriesArg, batch_size: str = Batche
               cost_file: Optional[Path] = CostFileOpt, fmt: str = SimFormatOpt, model: Optional[str] = ModelOpt):
     """Decode throughput relative to full depth under static and continuous depth batching, simulated from each
     cell's recorded exit schedule."""
-    from ..analysis import serving
+    from ..analysis import serve_sim
     from ..store.loading import load_paths
 
     if fmt not in ("rich", "json"):
         raise ExitbenchError(f"--format must be rich or json, got {fmt!r}")
-    batches, cost = serving.parse_batches(batch_size), serving.load_cost(cost_file)
-    rows, skipped = serving.project_cells(load_paths(directories, on_skip=skip_note, model=model), batches, cost)
-    for line in serving.skip_lines(skipped):
+    batches, cost = serve_sim.parse_batches(batch_size), serve_sim.load_cost(cost_file)
+    rows, skipped = serve_sim.project_cells(load_paths(directories, on_skip=skip_note, model=model), batches, cost)
+    for line in serve_sim.skip_lines(skipped):
         say(line)
     if not rows:
         raise ExitbenchError(f"no cell under {', '.join(map(str, directories))} has per-token exits recorded; "
                              "rerun the sweep into a new --out")
     if fmt == "json":
-        print(serving.as_json(rows))
+        print(serve_sim.as_json(rows))
     else:
-        console.print(serving.table(rows, cost))
+        console.print(serve_sim.table(rows, cost))
 
 
 ExportFormatOpt = typer.Option("csv", "--format", help="csv or json.")

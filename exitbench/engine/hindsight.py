@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
-from ..policies import ExitPolicy
+from ..policies import ExitPolicy, log_probs
 from .records import Token
 
 Record = dict[str, torch.Tensor]  # per token: its record of every iteration
@@ -57,7 +57,7 @@ class Hindsight:
         """What the rule reads of the iteration each token just ran: its state, argmax and target's log-prob."""
         rows = torch.arange(len(k), device=logits.device)
         at = torch.tensor(k, device=logits.device) - 1  # each token's own iteration
-        logp = torch.log_softmax(logits.double(), -1)
+        logp = log_probs(logits)
         record["states"][rows, at] = s[:, 0]
         record["top"][rows, at] = logp.argmax(-1)
         record["picked"][rows, at] = logp.gather(1, record["target"].clamp(min=0).unsqueeze(1)).squeeze(1)

@@ -234,10 +234,7 @@ class TokenLoop:
         if self.hindsight:
             self.hindsight.record(self.record_of, self.s, self.k, logits)
             return logits, [k >= self.K for k in self.k]
-        # float64: KL and entropy differences near their thresholds (1e-5 and below) sit at float32's rounding
-        # noise, which varies with batch shape; in float64 batching cannot flip an exit.
-        logp = torch.log_softmax(logits.double(), -1) if self.decodes else None
-        signal = policy.signal(self.s[:, 0], self.memory, logp)
+        signal = policy.probe_signal(self.s[:, 0], self.memory, logits)
         if self.late:  # the rule's decision at the previous iteration, acted on now (horizon late)
             ruled, values = [k - 1 for k in self.k], self._late_values(signal)
             now = signal.tolist() if self.record or policy.counts_stalls else []
@@ -245,8 +242,8 @@ class TokenLoop:
             ruled = self.k
             values = now = signal.tolist()  # the iteration's one host read
         if policy.defined_from > 1 or self.late:  # (iteration 0: a token's first, with no decision before it)
-            values = [policy.defined(k, v) for k, v in zip(ruled, values)]
-            now = [policy.defined(k, v) for k, v in zip(self.k, now)] if self.late else values
+            values = policy.read(ruled, values)
+            now = policy.read(self.k, now) if self.late else values
         if self.record:
             for trace, v, token in zip(self.trace, now, self.tokens):
                 if token is not None:

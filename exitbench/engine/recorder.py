@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ExitbenchError
 from ..models import AttnContext, LoopedLM
-from ..policies import ExitPolicy
+from ..policies import ExitPolicy, log_probs
 from .config import ExitConfig
 from .noise import PositionNoise
 
@@ -243,7 +243,7 @@ class Recorder:
         logits = model.head(x[chunk.rows, chunk.cols])
         # As the engine: float32 log-probabilities for quality, float64 for the rules and the oracle.
         logp32 = torch.log_softmax(logits.float(), -1)
-        logp64 = torch.log_softmax(logits.double(), -1)
+        logp64 = log_probs(logits)
         readings.top[g].append(logp32.argmax(-1))
         for m, tgt in enumerate(targets):
             readings.picked[m][g].append(logp64.gather(1, tgt.unsqueeze(1)).squeeze(1))

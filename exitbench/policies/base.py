@@ -57,6 +57,13 @@ def log_grid(lo: float, hi: float, per_decade: int = 1) -> tuple[float, ...]:
     return tuple(float(f"{lo * 10 ** (i / per_decade):.3g}") for i in range(n + 1))
 
 
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities a rule reads, in float64: KL and entropy differences near their thresholds (1e-5
+    and below) sit at float32's rounding noise, which varies with batch shape; in float64 batching cannot flip
+    an exit."""
+    return torch.log_softmax(logits.double(), -1)
+
 class ExitPolicy:
     name: ClassVar[str]
     source: ClassVar[str]
@@ -255,6 +262,19 @@ class ExitPolicy:
     @property
     def counts_stalls(self) -> bool:
         return type(self).stalled is not ExitPolicy.stalled
+
+    # ---- the probe: one sequence for every engine that runs a rule -----------------------------------------
+    # After an iteration, exitbench's TokenLoop, its recorder and hindsight, and the vLLM plugin's forward all
+    # read a rule the same way: `probe_signal` (the readout's float64 log-probabilities, the signal), then
+    # `read` (each value as the rule reads it at its token's iteration), then `decide`.
+    def probe_signal(self, s: torch.Tensor, memory: Memory, logits: torch.Tensor | None) -> torch.Tensor:
+        """The rule's signal for tokens at states s (n, d) whose readout gave `logits` (n, V), None where the
+        rule reads none; updates `memory`."""
+        return self.signal(s, memory, None if logits is None else log_probs(logits))
+
+    def read(self, k: list[int], values: list) -> list:
+        """`defined` for each token j at its iteration k[j]: the values `decide` reads."""
+        return [self.defined(kj, v) for kj, v in zip(k, values)]
 
     # ---- the shared exit rule, on the host ---------------------------------------------------------------
     @property

@@ -228,7 +228,7 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             **{name: sum(s[name] for s in stats) for name in ("attention_token_steps", "mlp_token_steps")},
             # each request's tokens' iterations, in the task's order (its documents', then their requests'), not
             # the order a run took them, which torchrun's ranks change: what a serving simulation replays
-            # (analysis/serving.py); as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists
+            # (analysis/serve_sim.py); as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists
             # indents to a line a token
             "schedule": ";".join(",".join(map(str, s["iterations"])) for s in sorted(stats, key=task_order))},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,

@@ -148,14 +148,9 @@ class ExitForward:
         """The rule after iteration k, as exitbench's TokenLoop probes (its signal in float64 from the readout's
         log-probabilities; `decide` with its hit streaks): a ruled token it lets go is pinned here."""
         policy = self.policy
-        logp = None
-        if policy.needs_logits:
-            logits = self.model.readout(0, s, AttnContext(), self.readout_steps)[:, 0]
-            logp = torch.log_softmax(logits.double(), -1)
-        values = policy.signal(s[:, 0], memory, logp).tolist()
-        if policy.defined_from > 1:
-            values = [policy.defined(k, v) for v in values]
-        leave = policy.decide([k] * len(values), values, streak)
+        logits = self.model.readout(0, s, AttnContext(), self.readout_steps)[:, 0] if policy.needs_logits else None
+        at = [k] * s.shape[0]
+        leave = policy.decide(at, policy.read(at, policy.probe_signal(s[:, 0], memory, logits).tolist()), streak)
         for j in ruled:
             if leave[j] and j not in chosen:
                 chosen[j] = (k, s[j].clone())

@@ -1,4 +1,4 @@
-"""serve-sim (exitbench/analysis/serving.py): the discrete-event replay of recorded exit schedules, its cost file,
+"""serve-sim (exitbench/analysis/serve_sim.py): the discrete-event replay of recorded exit schedules, its cost file,
 its refusals, and the command on copies of committed cells given schedules."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from scipy.optimize import nnls
 from typer.testing import CliRunner
 
-from exitbench.analysis import serving
-from exitbench.analysis.serving import CostModel, Counts, simulate
+from exitbench.analysis import serve_sim
+from exitbench.analysis.serve_sim import CostModel, Counts, simulate
 from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 from exitbench.store import cells
@@ -62,13 +62,13 @@ def test_full_depth_is_one_and_exits_are_bounded(batch):
     # at every exit, static once per batch step): what the engine's measured cost says decides.
     for seed in range(5):
         reqs = random_schedules(seed)
-        throughput, ideal = serving.project(reqs, 16, batch, STEPS_ONLY)
+        throughput, ideal = serve_sim.project(reqs, 16, batch, STEPS_ONLY)
         assert throughput["full"] == 1.0
         assert throughput["continuous"] >= throughput["static"] >= 1.0
         if batch == 1:  # one row: static is continuous, and per-token and per-request costs keep it below ideal
             assert throughput["continuous"] == throughput["static"] < ideal
-        at_full, _ = serving.project([[16] * len(r) for r in reqs], 16, batch, COST)
-        regrouped, _ = serving.project(reqs, 16, batch, COST)
+        at_full, _ = serve_sim.project([[16] * len(r) for r in reqs], 16, batch, COST)
+        regrouped, _ = serve_sim.project(reqs, 16, batch, COST)
         assert regrouped["continuous"] < throughput["continuous"]
         assert at_full == {"full": 1.0, "static": 1.0, "continuous": 1.0}
 
@@ -80,57 +80,57 @@ def test_a_rule_that_decodes_pays_a_readout_per_row_step_and_its_baseline_none()
         assert (plain.readouts, read.readouts) == (0, read.row_steps)
         assert read == Counts(**{**plain.__dict__, "readouts": plain.row_steps})
     assert simulate(reqs, 16, "full", 16, decodes=True).readouts == 0  # full depth decides nothing
-    latent, _ = serving.project(reqs, 16, 16, COST)
-    decoding, _ = serving.project(reqs, 16, 16, COST, decodes=True)
+    latent, _ = serve_sim.project(reqs, 16, 16, COST)
+    decoding, _ = serve_sim.project(reqs, 16, 16, COST, decodes=True)
     assert decoding["full"] == 1.0 and decoding["continuous"] < latent["continuous"]
 
 
 def test_the_wide_table_shows_both_batchers_beyond_batch_one():
-    rows = [serving.Projection("t", "kl", 0.1, 4.0, b, {"full": 1.0, "static": 1.5 + b, "continuous": 1.2 + b}, 4.0)
+    rows = [serve_sim.Projection("t", "kl", 0.1, 4.0, b, {"full": 1.0, "static": 1.5 + b, "continuous": 1.2 + b}, 4.0)
             for b in (1, 16)]
-    headers, body = serving.wide(rows)
+    headers, body = serve_sim.wide(rows)
     assert headers[6:] == ["batch 1", "static 16", "continuous 16", "ideal"]
     assert body == [["t", "kl", 0.1, None, 4.0, None, 2.5, 17.5, 17.2, 4.0]]
 
 
 def test_all_cost_per_row_reaches_the_iteration_ratio_at_batch_one():
     reqs = random_schedules(7)
-    throughput, ideal = serving.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+    throughput, ideal = serve_sim.project(reqs, 16, 1, CostModel(0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
     assert throughput["continuous"] == pytest.approx(ideal, rel=1e-12)  # float rounding only
 
 
 def test_cost_file_round_trip_and_refusals(tmp_path):
     good = tmp_path / "cost.json"
-    serving.save_cost(good, COST, device="cpu", model="tiny-raven", date="2026-12-05")
-    loaded = serving.load_cost(good)
-    assert [getattr(loaded, f) for f in serving.COST_FIELDS] == [3e-4, 2e-5, 1e-4, 2e-5, 5e-5, 1e-3, 1e-5, 1e-5]
+    serve_sim.save_cost(good, COST, device="cpu", model="tiny-raven", date="2026-12-05")
+    loaded = serve_sim.load_cost(good)
+    assert [getattr(loaded, f) for f in serve_sim.COST_FIELDS] == [3e-4, 2e-5, 1e-4, 2e-5, 5e-5, 1e-3, 1e-5, 1e-5]
     assert "tiny-raven" in loaded.source
-    assert serving.load_cost().fixed_s > 0  # the shipped default reads
+    assert serve_sim.load_cost().fixed_s > 0  # the shipped default reads
     bad = tmp_path / "bad.json"
     for text, says in [("{", "not a readable cost file"), ('{"schema": "x"}', "not a serving cost file"),
-                       (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": -1, "row_s": 0, "token_s": 0,
+                       (json.dumps({"schema": serve_sim.COST_SCHEMA, "fixed_s": -1, "row_s": 0, "token_s": 0,
                                     "leave_s": 0, "regroup_s": 0, "prefill_s": 0}), "fixed_s must be"),
-                       (json.dumps({"schema": serving.COST_SCHEMA, "fixed_s": 1, "row_s": 0, "token_s": 0,
+                       (json.dumps({"schema": serve_sim.COST_SCHEMA, "fixed_s": 1, "row_s": 0, "token_s": 0,
                                     "regroup_s": 0, "prefill_s": 0}), "leave_s must be")]:
         bad.write_text(text)
         with pytest.raises(ExitbenchError, match=says):
-            serving.load_cost(bad)
+            serve_sim.load_cost(bad)
     with pytest.raises(ExitbenchError, match="not a readable cost file"):
-        serving.load_cost(tmp_path / "missing.json")
+        serve_sim.load_cost(tmp_path / "missing.json")
     # (issue 72) figures near float's range overflowed every projection to nan×; an empty --cost read as "."
-    huge = {"schema": serving.COST_SCHEMA, **{f: 1e308 for f in serving.COST_FIELDS}}
+    huge = {"schema": serve_sim.COST_SCHEMA, **{f: 1e308 for f in serve_sim.COST_FIELDS}}
     bad.write_text(json.dumps(huge))
     with pytest.raises(ExitbenchError, match="fixed_s must be a number of seconds from 0 to 60"):
-        serving.load_cost(bad)
+        serve_sim.load_cost(bad)
     with pytest.raises(ExitbenchError, match=r"--cost '' \(read as the current folder\) is a folder"):
-        serving.load_cost(Path(""))
+        serve_sim.load_cost(Path(""))
 
 
 def test_batch_sizes_parse_or_say_what_is_wrong():
-    assert serving.parse_batches("1, 16,64") == [1, 16, 64]
+    assert serve_sim.parse_batches("1, 16,64") == [1, 16, 64]
     for text, says in [("0", "≥ 1, got 0"), ("1,x", "got 'x'"), ("-3", "≥ 1")]:
         with pytest.raises(ExitbenchError, match=says):
-            serving.parse_batches(text)
+            serve_sim.parse_batches(text)
     with pytest.raises(ExitbenchError, match="≥ 1"):
         simulate([[1]], 0, "continuous")
 
@@ -143,7 +143,7 @@ def test_a_cell_records_its_schedule_in_request_order():
                                     for i, k in enumerate(steps)], 0.01)
     cell = {"iterations": cells.summarize([request(3, 5), request(16)])["iterations"]}
     assert cell["iterations"]["schedule"] == "3,5;16"
-    assert serving.schedule(cell) == [[3, 5], [16]]
+    assert serve_sim.schedule(cell) == [[3, 5], [16]]
 
 
 def with_schedule(cell):
@@ -159,7 +159,7 @@ def test_serve_sim_command(tmp_path):
     d = copy_cells(tmp_path / "run", paths[:-1], change=with_schedule)
     copy_cells(d, paths[-1:])  # one cell as written before schedules: skipped with a note
     cost = tmp_path / "cost.json"
-    serving.save_cost(cost, STEPS_ONLY, device="cpu", model="tiny-raven", date="2026-12-05")
+    serve_sim.save_cost(cost, STEPS_ONLY, device="cpu", model="tiny-raven", date="2026-12-05")
     res = CliRunner().invoke(app, ["serve-sim", str(d), "--batch-size", "1,16", "--format", "json", "--cost",
                                    str(cost)])
     assert res.exit_code == 0, res.output
@@ -179,14 +179,14 @@ def test_serve_sim_command(tmp_path):
 
 
 def cost_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving_cost", REPO / "bench" / "serving_cost.py")
+    spec = importlib.util.spec_from_file_location("bench_serve_sim_cost", REPO / "bench" / "serve_sim_cost.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
 
 
 def run_cost_bench(bench, cost_file, figures_file) -> str | None:
-    """bench/serving_cost.py on 4 requests × 3 tokens: None, or the error it exited with."""
+    """bench/serve_sim_cost.py on 4 requests × 3 tokens: None, or the error it exited with."""
     threads = torch.get_num_threads()
     try:
         bench.main(["--requests", "4", "--tokens", "3", "--repeats", "1", "--out", str(cost_file),
@@ -199,7 +199,7 @@ def run_cost_bench(bench, cost_file, figures_file) -> str | None:
 
 
 def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
-    # bench/serving_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
+    # bench/serve_sim_cost.py end to end on a few requests: the fitted file reads back, each run's counts are the
     # scheduler its refill rule is (no step at mixed iterations outside `continuous`, readouts for kl only), and every
     # held-out rule is checked under both schedulers. (No figure is asserted: 3 tokens of 4 requests time noise.)
     bench = cost_bench()
@@ -208,7 +208,7 @@ def test_the_cost_bench_fits_and_checks_what_the_engine_ran(tmp_path):
     # On a loaded worker the fit of so few tokens can give a loop step no cost; the bench then refuses to write a
     # model serve-sim cannot use (the next test forces that path). Otherwise the file reads back.
     if refused is None:
-        cost = serving.load_cost(cost_file)
+        cost = serve_sim.load_cost(cost_file)
         assert cost.fixed_s + cost.row_s > 0 and "tiny-raven" in cost.source
     else:
         assert "loop step no cost" in refused and not cost_file.exists()

@@ -22,7 +22,7 @@ every exit, static once per batch step, full depth once per token), admitting a 
 a rule that decodes (kl, entropy, confidence...), each row's readout of the next-token distribution at every
 step `readout_s`, and each step whose rows sit at different iterations of their tokens `mixed_s` (each row's
 cache slot is looked up on its own, where rows at one iteration share one: only continuous batching has such
-steps): the `CostModel`, fitted from the engine's own timings by bench/serving_cost.py. Throughput is relative
+steps): the `CostModel`, fitted from the engine's own timings by bench/serve_sim_cost.py. Throughput is relative
 to `full` on the same requests, so a cell's figures do not depend on how many requests it had; the ideal is the
 iteration ratio (full depth ÷ mean iterations), what a step whose cost were all per row would give.
 """
@@ -40,7 +40,7 @@ from ..store.disk import samples_path
 from ..store.schema import schedule_requests
 
 SCHEDULERS = ("full", "static", "continuous")
-DEFAULT_COST = Path(__file__).with_name("serving_cost.json")
+DEFAULT_COST = Path(__file__).with_name("serve_sim_cost.json")
 COST_SCHEMA = "exitbench.serving-cost"
 COST_FIELDS = ("fixed_s", "row_s", "token_s", "leave_s", "regroup_s", "prefill_s", "readout_s", "mixed_s")
 
@@ -94,15 +94,15 @@ def load_cost(path: Path | str | None = None) -> CostModel:
     if path.is_dir():  # an empty --cost '' reaches here as "."
         shown = "'' (read as the current folder)" if str(path) == "." else str(path)
         raise ExitbenchError(f"--cost {shown} is a folder; name a cost file, written by "
-                             "`python bench/serving_cost.py --out FILE`, or leave --cost out for the shipped one")
+                             "`python bench/serve_sim_cost.py --out FILE`, or leave --cost out for the shipped one")
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ExitbenchError(f"--cost {path} is not a readable cost file ({exc}); write one with "
-                             "`python bench/serving_cost.py --out FILE`") from None
+                             "`python bench/serve_sim_cost.py --out FILE`") from None
     if not isinstance(data, dict) or data.get("schema") != COST_SCHEMA:
         raise ExitbenchError(f"--cost {path} is not a serving cost file (schema {COST_SCHEMA!r} expected); write "
-                             "one with `python bench/serving_cost.py --out FILE`")
+                             "one with `python bench/serve_sim_cost.py --out FILE`")
     figures = {}
     for name in COST_FIELDS:
         value = data.get(name)

@@ -1,7 +1,7 @@
 """The serving simulation's cost model, fitted from the engine's own timings, and the simulation checked against it.
 
-    python bench/serving_cost.py                       # tiny-raven on this CPU; writes the default cost file
-    python bench/serving_cost.py --out my-cost.json --device cuda --checkpoint /path/to/huginn-0125
+    python bench/serve_sim_cost.py                       # tiny-raven on this CPU; writes the default cost file
+    python bench/serve_sim_cost.py --out my-cost.json --device cuda --checkpoint /path/to/huginn-0125
 
 1. Fit. The engine generates `--tokens` tokens for each of `--requests` chains prompts at fixed depths r (4, 16)
    and batch sizes (1, 4, 16, 64), and under three exit rules (second_order τ=1 and 0.01, kl τ=0.01) at batch
@@ -9,7 +9,7 @@
    depth batching on fixed places), every run timed `--repeats` times (median; the runs take turns within a repeat, so a drift in the
    machine's speed hits them alike). Each run is timed again cut to one token per request (the prompt's prefill and its
    first token), and the difference is the decode the simulation models. For each run the simulation
-   (exitbench/analysis/serving.py) counts, from the engine's recorded per-token iterations, the loop steps,
+   (exitbench/analysis/serve_sim.py) counts, from the engine's recorded per-token iterations, the loop steps,
    rows × steps, tokens, steps with exits, entries of new tokens among those in flight, requests, (kl, which
    decodes) rows' readouts and steps whose rows sit at different iterations, under the scheduler the engine
    ran; a non-negative least-squares fit of the measured seconds on those eight counts gives the cost model
@@ -21,7 +21,7 @@
    against the engine's measured time; and the engine's speed-up over full depth as a share of the ideal (the
    iteration ratio).
 
-Figures go to --json (default bench/serving-results.json). One torch thread (--threads): one core times more
+Figures go to --json (default bench/serve-sim-results.json). One torch thread (--threads): one core times more
 steadily on a shared machine.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from scipy.optimize import nnls
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from exitbench.analysis import serving  # noqa: E402
+from exitbench.analysis import serve_sim  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 
@@ -88,7 +88,7 @@ def name(run) -> str:
     return f"{policy} {threshold:g}{'' if policy == 'fixed' else ' refill=' + refill} batch={batch}"
 
 
-def counts_row(c: serving.Counts) -> list[float]:
+def counts_row(c: serve_sim.Counts) -> list[float]:
     return [c.steps, c.row_steps, c.tokens, c.leaves, c.regroups, c.requests, c.readouts, c.mixed]
 
 
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=serving.DEFAULT_COST)
-    ap.add_argument("--json", type=Path, default=REPO / "bench" / "serving-results.json")
+    ap.add_argument("--out", type=Path, default=serve_sim.DEFAULT_COST)
+    ap.add_argument("--json", type=Path, default=REPO / "bench" / "serve-sim-results.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ck = open_checkpoint(args.checkpoint, device=args.device)
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(swamped)} run(s) timed a decode ≤ 0 s (noise above the decode; raise --tokens or --repeats): "
               + ", ".join(name(run) for run in swamped))
 
-    def counts(run) -> serving.Counts:  # what the engine did in the run: its refill rule's scheduler
-        return serving.simulate(schedules[run], run[1], REFILLS[run[0][2]],
+    def counts(run) -> serve_sim.Counts:  # what the engine did in the run: its refill rule's scheduler
+        return serve_sim.simulate(schedules[run], run[1], REFILLS[run[0][2]],
                                 decodes=engines[run[0]].policies[0].needs_logits)
 
     fit_runs = [run for run in fit_runs if run not in swamped]
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     # relative least squares (each run weighed by 1/its time, so the short runs count as much as the long ones),
     # non-negative: a cost below zero would be the fit's noise, not a saving
     coef, _ = nnls(X / y[:, None], np.ones_like(y))
-    cost = serving.CostModel(*map(float, coef), source=str(args.out))
+    cost = serve_sim.CostModel(*map(float, coef), source=str(args.out))
     fit_error = [float(cost.seconds(counts(run)) / measured[run] - 1) for run in fit_runs]
 
     full_s = measured[(("fixed", full, "wave"), CHECK_BATCH)] if full in DEPTHS else None
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             run = ((policy, threshold, refill), CHECK_BATCH)
             sched = schedules[run]
             sim = cost.seconds(counts(run))
-            sim_full = cost.seconds(serving.simulate(sched, CHECK_BATCH, "full", full))
+            sim_full = cost.seconds(serve_sim.simulate(sched, CHECK_BATCH, "full", full))
             tokens = [k for r in sched for k in r]
             ideal = full * len(tokens) / sum(tokens)
             timed_ok = measured[run] > 0
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                            "simulated_speedup": sim_full / sim if sim > 0 else None,
                            "engine_share_of_ideal": engine_speedup / ideal if engine_speedup else None})
     date = datetime.date.today().isoformat()
-    command = " ".join(["python bench/serving_cost.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python bench/serve_sim_cost.py", *(sys.argv[1:] if argv is None else argv)])
     provenance = {"device": args.device, "model": args.checkpoint or "tiny-raven", "date": date, "command": command,
                   "machine": f"{platform.machine()} {os.cpu_count()} cores, {args.threads} torch thread(s)",
                   "load": [round(x, 2) for x in loads], "requests": args.requests, "tokens": args.tokens,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                   "fit_relative_error": {name(run): round(e, 4) for run, e in zip(fit_runs, fit_error)}}
     raw = [{"run": name(run), "seconds": seconds[run], "spread": spreads[run], "counts": counts_row(counts(run))}
            for run in runs]
-    figures = {**provenance, "cost": {k: getattr(cost, k) for k in serving.COST_FIELDS}, "runs": raw,
+    figures = {**provenance, "cost": {k: getattr(cost, k) for k in serve_sim.COST_FIELDS}, "runs": raw,
                "full_depth_s": full_s, "checks": checks}
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: the fit gives a loop step no cost (fixed_s and row_s 0): the timings are noise at "
                  f"{args.requests} requests × {args.tokens} tokens; raise --tokens or --repeats, or rerun on an "
                  f"idle machine. {args.out} not written; the runs' figures are in {args.json}")
-    serving.save_cost(args.out, cost, **provenance)
+    serve_sim.save_cost(args.out, cost, **provenance)
     print(f"wrote {args.out} and {args.json}")
 
 
