@@ -1,4 +1,4 @@
-"""Host work per loop step: aten ops per batched loop step of greedy generation, per policy (exitbench/engine/
+"""Host work per loop step: aten ops per batched loop step of greedy generation, per policy (exitbench/harness/
 opcount.py says what is counted). Counts, not times: the same on any machine.
 
     python bench/ops.py                       # tiny-raven, the table
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from exitbench.engine import ExitConfig  # noqa: E402
-from exitbench.engine.opcount import chains_prompts, count_generate  # noqa: E402
+from exitbench.harness.opcount import chains_prompts, count_generate  # noqa: E402
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 
 POLICIES = {"fixed": None, "second_order": 1e-2, "first_order": 1e-2, "kl": 1e-3, "confidence": 0.5}

@@ -10,7 +10,7 @@ Per model (the embedded tiny-looped-gpt2 and tiny-raven; `wide`: bench/engine.py
 4 core layers, where arithmetic dominates), one torch thread: the rolling perplexity of the first --docs GSM8K
 test documents under each policy at its default threshold, at --batch-size rows, after one untimed pass, timed
 `--repeats` times paired with full depth (the fixed depth at the policies' max steps), in alternating order, by
-the sweep's own retiming (exitbench/harness/retime.py): the median of the paired time ratios, the FLOP ratio and
+the sweep's own retiming (exitbench/timing/retime.py): the median of the paired time ratios, the FLOP ratio and
 the iteration ratio of the same passes (the engine's cost model and its exits), and overhead = time ratio ÷ FLOP
 ratio (time ÷ iterations beside it). A rule whose untimed pass took over --slow seconds is timed once.
 Issue 45's targets: overhead ≤ 1.5 for every policy at batch size 1 on both embedded models; ≤ 1.25 at width 1024,
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.depth_major import gsm8k_texts, rolling  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
-from exitbench.harness import retime  # noqa: E402
+from exitbench.timing import retime  # noqa: E402
 from exitbench.harness.model import ExitbenchLM  # noqa: E402
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 from exitbench.policies import REGISTRY  # noqa: E402

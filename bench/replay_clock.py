@@ -4,7 +4,7 @@ one run.
 A replay cell runs no loop: its ms/token is the replay cost model's price of its exits (per-token prelude and coda,
 per-iteration core and probe costs, timed by the exact engine on a few requests: sweep/replay/costs.py), and its
 speed-up is full depth's estimate over its own. This runs the same sweep twice on the shipped tasks, exactly (each
-cell timed in its evaluation and again beside full depth on documents drawn across the task: harness/retime.py)
+cell timed in its evaluation and again beside full depth on documents drawn across the task: timing/retime.py)
 and by replay, and prints per cell and per task how far the estimate is from the timing:
 
 - ms/token: replay's estimate against the exact cell's evaluation;
@@ -56,7 +56,7 @@ def point(cell: dict) -> tuple:
 def compare(exact: list[dict], replay: list[dict]) -> list[dict]:
     """One row per cell both sweeps made: replay's ms/token and speed-up against the exact cell's."""
     from exitbench.analysis.frontier import references
-    from exitbench.analysis.speedup import estimate
+    from exitbench.timing.speedup import estimate
 
     full_e, full_r = references(exact), references(replay)
     by_point = {point(c): c for c in replay}

@@ -1,9 +1,9 @@
-"""The noise floor of `exitbench run`'s paired repeated timings (exitbench/harness/retime.py) on this machine.
+"""The noise floor of `exitbench run`'s paired repeated timings (exitbench/timing/retime.py) on this machine.
 
 Full depth is paired with itself (a ratio that should be 1) and with a shallower fixed depth, `--trials` times
 over each sample size, each trial `--repeats` alternating repeats as a sweep runs them. It prints each
 trial's median ratio and spread (range over median): the spread of the self-pairing is what this machine
-adds to any ratio, and what `retime.UNRELIABLE_SPREAD` must stay above for the warning to mean something.
+adds to any ratio, and what `trust.UNRELIABLE_SPREAD` must stay above for the warning to mean something.
 
     python bench/timing_noise.py --limit 64 --sizes 16,64 --trials 5
 """
@@ -31,7 +31,7 @@ def main() -> None:
     import lm_eval
 
     from exitbench.engine import ExitConfig
-    from exitbench.harness import retime
+    from exitbench.timing import retime
     from exitbench.harness.model import ExitbenchLM
     from exitbench.harness.quiet import lm_eval_output
     from exitbench.harness.task_set import resolve_tasks

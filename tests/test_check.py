@@ -175,7 +175,7 @@ def test_a_degraded_policy_fails_the_gate(tmp_path, monkeypatch):
 
 def test_wall_clock_compares_paired_repeats_where_both_sides_have_them(tmp_path, base):
     """A cell's ratio over the full-depth cell moves with whatever the machine did between the two; its paired
-    repeats (harness/retime.py) time both within seconds. Where run and baseline have them, they decide."""
+    repeats (timing/retime.py) time both within seconds. Where run and baseline have them, they decide."""
     def with_repeats(cell_list, ratio):
         for c in cell_list:
             c["wall_clock"]["repeats"] = {"repeats": 3, "full_depth": 16, "ratio": ratio if c is cell_list[2] else

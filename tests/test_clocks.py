@@ -12,7 +12,7 @@ import re
 import pytest
 
 from exitbench.analysis import frontier, notes, report, tables
-from exitbench.analysis.speedup import BEFORE_CLOCKS, estimate, repeats_clock, text
+from exitbench.timing.speedup import BEFORE_CLOCKS, estimate, repeats_clock, text
 from exitbench.cli import app
 from exitbench.sweep.run import summary_rows
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from exitbench.engine import ExitConfig
-from exitbench.engine.opcount import chains_prompts, count_generate
+from exitbench.harness.opcount import chains_prompts, count_generate
 from exitbench.models.attention import apply_rope, rope_reference, rope_table, spread_rope
 from exitbench.models.checkpoint import open_checkpoint
 from exitbench.models.linear import FlatLinear

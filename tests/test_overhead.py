@@ -8,7 +8,7 @@ import re
 import pytest
 
 from exitbench.analysis import export, frontier, labels, report, tables
-from exitbench.harness import retime
+from exitbench.timing import retime
 from exitbench.sweep.run import summary_rows
 
 from helpers.cells import ACC, hand_made_cell, paired

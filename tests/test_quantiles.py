@@ -10,7 +10,7 @@ from exitbench.engine import ExitConfig
 from exitbench.engine.recorder import Recorder, Sequence_, variant_key
 from exitbench.errors import ExitbenchError
 from exitbench.models.checkpoint import open_checkpoint
-from exitbench.sweep.config import MAX_QUANTILES, parse_quantiles
+from exitbench.policies.grids import MAX_QUANTILES, parse_quantiles
 from exitbench.sweep.quantiles import derive_grids, quantile_grid, signal_values, trajectories
 from helpers.cli import assert_one_line_error, run_cli, run_ok, runner
 from helpers.paths import REPO

@@ -1,4 +1,4 @@
-"""Repeated, interleaved timing of a cell beside full depth (exitbench/harness/retime.py), on stand-in models
+"""Repeated, interleaved timing of a cell beside full depth (exitbench/timing/retime.py), on stand-in models
 whose per-token times are set, so the pairing and the order can be checked exactly."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from exitbench.harness import retime
+from exitbench.timing import retime, trust
 
 
 class Timed:
@@ -133,7 +133,7 @@ def test_the_timed_documents_cost_what_the_whole_task_does_in_any_order(order):
     assert sample.whole_flops_ratio == pytest.approx(whole_ratio(costs))
     drawn = sum(costs[d] for d in sample.documents) / len(sample.documents)
     assert sample.expected_flops_ratio == pytest.approx(drawn)
-    assert abs(drawn / whole_ratio(costs) - 1) <= retime.MAX_SAMPLE_OFF, (order, sample.documents)
+    assert abs(drawn / whole_ratio(costs) - 1) <= trust.MAX_SAMPLE_OFF, (order, sample.documents)
     assert sample.documents != list(range(6))
     assert [r.doc_id for _, reqs in sample.work for r in reqs] == sample.documents
 
@@ -189,20 +189,20 @@ def test_timed_documents_off_the_task_correct_the_ratio_by_flops():
 def test_a_cell_says_why_its_timing_is_unreliable():
     cell = {"run": {"load": {"start": 0.4, "end": 0.6, "cpus": 2}},
             "wall_clock": {"repeats": {"repeats": 3, "ratio": 0.4, "spread": 0.1}}}
-    assert retime.warnings(cell) == []
+    assert trust.warnings(cell) == []
     cell["run"]["load"]["end"] = 6.0
-    cell["wall_clock"]["repeats"]["spread"] = retime.UNRELIABLE_SPREAD + 0.1
-    reasons = retime.warnings(cell)
+    cell["wall_clock"]["repeats"]["spread"] = trust.UNRELIABLE_SPREAD + 0.1
+    reasons = trust.warnings(cell)
     assert len(reasons) == 2
     assert "busy machine (load 6 on 2 cores)" in reasons[0]
     assert "3 repeated timings spread 60%" in reasons[1] and "0.4 to full depth" in reasons[1]
-    assert retime.warnings({"run": {}, "wall_clock": {}}) == []  # a cell timed once, before repeats existed
+    assert trust.warnings({"run": {}, "wall_clock": {}}) == []  # a cell timed once, before repeats existed
 
 
 def test_the_run_table_shows_the_paired_speedup_and_marks_an_unreliable_one():
     """As a speed-up (full depth's time ÷ the cell's: a ratio of 0.4 is 2.50×) with its repeats' range, the
     convention of every table; red, marked and without a number where a warning says not to trust it."""
-    from exitbench.analysis.speedup import NONE, SpeedUp
+    from exitbench.timing.speedup import NONE, SpeedUp
     from exitbench.analysis.tables import _speedup_cell
 
     assert _speedup_cell({"speedup": NONE}) == "-"  # timed once, no full depth to divide by
@@ -309,7 +309,7 @@ def shown(rows) -> str:
 def test_run_table_shows_the_schedule_only_where_cells_have_one():
     """run's table puts the schedule beside the overhead and explains it; for cells retimed before it existed the
     column is left out. (The slow test below renders it from a real sweep.)"""
-    from exitbench.analysis.speedup import SpeedUp
+    from exitbench.timing.speedup import SpeedUp
 
     def row(threshold, schedule):
         return {"task": "chains", "metric": "exact_match", "higher_is_better": True, "policy": "second_order",

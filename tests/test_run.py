@@ -442,7 +442,7 @@ def test_torchrun_iteration_stats_match_one_process(distributed):
 
 
 def test_each_cell_is_retimed_beside_full_depth_and_changes_no_other_number(swept, tmp_path):
-    """Every cell of the shared sweep carries its paired repeats (harness/retime.py); a sweep without them
+    """Every cell of the shared sweep carries its paired repeats (timing/retime.py); a sweep without them
     makes the same cells, ids and numbers alike, since the repeats run after the evaluation."""
     import statistics
 

@@ -1,4 +1,4 @@
-"""A cell's speed-up as every reader states it (exitbench/analysis/speedup.py): its basis, its interval, its
+"""A cell's speed-up as every reader states it (exitbench/timing/speedup.py): its basis, its interval, its
 iteration bound, and the flag on one above that bound, in every table, export, figure and the report; and replay
 cells' wall-clock labelled an estimate wherever it is shown."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 import pytest
 
 from exitbench.analysis import export, frontier, notes, plot, report, tables
-from exitbench.analysis.speedup import BEFORE_CLOCKS, clock_basis, estimate, text
+from exitbench.timing.speedup import BEFORE_CLOCKS, clock_basis, estimate, text
 from exitbench.sweep.run import summary_rows
 
 from helpers.cells import ACC, paired, write_cells

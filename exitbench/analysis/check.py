@@ -87,7 +87,7 @@ def _relative_time(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
 
 
 def _paired_ratio(cell: dict[str, Any], full: dict[str, Any]) -> float | None:
-    """The cell's time ratio from its repeats paired with `full`'s depth (harness/retime.py), if it has them."""
+    """The cell's time ratio from its repeats paired with `full`'s depth (timing/retime.py), if it has them."""
     rep = paired_timing(cell, full["policy"]["threshold"])
     return (rep.get("corrected_ratio") or rep["ratio"]) if rep else None
 

@@ -27,9 +27,9 @@ def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) ->
     """The cell's columns; `full`, its full-depth cell (`frontier.references`), gives its overhead. `speedup` and
     `overhead` are the throughput clock's, or a cell's one clock before the two (`clock` says which);
     `speedup_throughput` and `overhead_throughput` are the throughput clock's paired repeats alone, the
-    `_latency` columns the latency clock's (analysis/speedup.py)."""
+    `_latency` columns the latency clock's (timing/speedup.py)."""
     from .frontier import latency_fields, overhead_fields
-    from .speedup import REPEATED, clock_basis, estimate, record, repeats_clock
+    from ..timing.speedup import REPEATED, clock_basis, estimate, record, repeats_clock
 
     policy, wall = cell["policy"], cell.get("wall_clock", {})
     per_token = wall.get("per_token_s")

@@ -9,7 +9,7 @@ The matched-quality table answers "what does each policy save at (almost) no los
 (relative to full-depth quality, i.e. the fixed-depth cell at the policies' max steps), each policy's cheapest
 point within ε, its iterations, its wall-clock speed-up over full depth, its overhead (time ratio ÷ FLOP ratio to
 full depth, `overhead`) and its iterations over the oracle's. Speed-ups and overheads are on both clocks
-(analysis/speedup.py): the throughput clock's (`speedup`, `overhead`) and the latency clock's beside them
+(timing/speedup.py): the throughput clock's (`speedup`, `overhead`) and the latency clock's beside them
 (`speedup_latency`, `overhead_latency`); the wall-clock frontier is on the throughput clock.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ExitbenchError
 from ..store import cells
 from .labels import metric_name
-from .speedup import clock_warnings, estimate, record
+from ..timing.speedup import clock_warnings, estimate, record
 
 COSTS = {"iterations": ("iterations", "mean"), "wall_clock": ("wall_clock", "per_token_s"),
          "flops": ("flops", "per_token")}
@@ -35,7 +35,7 @@ class Point:
     # retimed beside it (one run, alternately: robust to the machine changing speed between cells), else its own
     # evaluation's; None for a speed-up above its iteration bound, which is no result (`price_wall_clock`).
     wall: float | None = None
-    speed: Any = None  # the cell's speed-up estimate (analysis/speedup.py), once its group's reference is known
+    speed: Any = None  # the cell's speed-up estimate (timing/speedup.py), once its group's reference is known
 
     @property
     def policy(self) -> str:
@@ -242,8 +242,8 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
                 "mode": best.mode, "cell_id": best.cell["cell_id"], **late(best.cell),
                 "full_depth_quality": target, "mean_iterations": best.cost("iterations"),
                 # The speed-up shown (full depth's time ÷ the cell's), as `run` shows it: its paired repeats'
-                # where the cell was retimed beside this full depth (harness/retime.py), with their range, its
-                # basis and its iteration bound (analysis/speedup.py); else its evaluation's over full depth's.
+                # where the cell was retimed beside this full depth (timing/retime.py), with their range, its
+                # basis and its iteration bound (timing/speedup.py); else its evaluation's over full depth's.
                 **speed.to_dict(), **latency_fields(best.cell, ref.cell),
                 # why its timings cannot be read as results (a busy machine, repeats spread wide), on each clock
                 "timing_warnings": clock_warnings(best.cell), "latency_warnings": clock_warnings(best.cell, "latency"),
@@ -260,13 +260,13 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
 
 
 def paired_timing(cell: dict[str, Any], depth: Any) -> dict[str, Any] | None:
-    """The cell's repeated timings (harness/retime.py) where they were paired with fixed depth `depth`."""
+    """The cell's repeated timings (timing/retime.py) where they were paired with fixed depth `depth`."""
     rep = cell.get("wall_clock", {}).get("repeats")
     return rep if rep and rep.get("full_depth") == depth else None
 
 
 def overhead(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "throughput") -> dict[str, Any] | None:
-    """The cell's overhead against its full-depth cell `full` on `clock` (analysis/speedup.py CLOCKS): its time
+    """The cell's overhead against its full-depth cell `full` on `clock` (timing/speedup.py CLOCKS): its time
     ratio to full depth ÷ its FLOP ratio (1 when its time is what its FLOPs say; far above 1, an
     implementation's defect rather than the rule's cost), with both ratios and `timing`: "paired" where the
     cell's repeats were timed beside this full depth (one run, alternately: the fair ratio), "plain" (the
@@ -295,7 +295,7 @@ def overhead(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "th
 
 def overhead_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
     """`overhead` as a row's fields: its value, which timing it comes from, and the part of it the batches'
-    schedule sets (harness/retime.py: paired timings only; None, None, None without them); then the latency
+    schedule sets (timing/retime.py: paired timings only; None, None, None without them); then the latency
     clock's, `overhead_latency` (None without its repeats)."""
     o, bs1 = overhead(cell, full), overhead(cell, full, "latency")
     return {"overhead": o and o["overhead"], "overhead_timing": o and o["timing"], "schedule": o and o["schedule"],
@@ -304,7 +304,7 @@ def overhead_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[s
 
 def latency_fields(cell: dict[str, Any], full: dict[str, Any] | None) -> dict[str, Any]:
     """The latency clock's speed-up as a row's fields (`speedup_latency`, its range, basis, flag and documents:
-    analysis/speedup.py), None where the cell has no latency repeats."""
+    timing/speedup.py), None where the cell has no latency repeats."""
     return estimate(cell, full, "latency").to_dict("speedup_latency")
 
 

@@ -86,7 +86,7 @@ def overhead(value: float | None, timing: str | None = None) -> str:
 
 # Said under every table that marks one.
 PLAIN_OVERHEAD = "overhead: time ratio ÷ FLOP ratio to full depth; * from the cells' own timings, not paired repeats"
-# Said under every table with a schedule column (harness/retime.py).
+# Said under every table with a schedule column (timing/retime.py).
 SCHEDULE = ("schedule: loop steps the batches ran per step their tokens' iterations need, against full depth (1.00: "
             "no row waited on a slower one); overhead ÷ schedule: what a step cost beyond a full-depth step")
 

@@ -14,7 +14,7 @@ from ..store import cells
 from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, report, split_setups
 from .labels import config_label
-from .speedup import CLOCKS, on_clock, record
+from ..timing.speedup import CLOCKS, on_clock, record
 
 # How far a speed-up from two evaluations may stray from its paired repeats' before the two say different things:
 # the repeats time both sides within seconds of each other on documents drawn across the task, the evaluations
@@ -114,14 +114,14 @@ def nonfinite_note(cell_list: list[dict[str, Any]]) -> str | None:
 
 def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cells timed while other work competed for the cores (their run's recorded load)."""
-    from ..runtime.provenance import busy
+    from ..timing.trust import busy
 
     return [c for c in cell_list if busy(c.get("run", {}).get("load"))]
 
 
 def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     """A warning line when some cells were timed on a busy machine (None when none were)."""
-    from ..runtime.provenance import threads_advice
+    from ..timing.trust import threads_advice
 
     hot = busy_cells(cell_list)
     if not hot:
@@ -137,7 +137,7 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
 
 def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> str | None:
     """A warning line when some cells' repeated timings on `clock` spread too far for their ratio to be read."""
-    from ..harness.retime import UNRELIABLE_SPREAD, wide_spread
+    from ..timing.trust import UNRELIABLE_SPREAD, wide_spread
 
     seen = [on_clock(c, clock) for c in cell_list]
     wide = [c for c in seen if wide_spread(c)]
@@ -156,7 +156,7 @@ def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> s
 def spread_advice(cell_list: list[dict[str, Any]]) -> str:
     """Where to rerun cells whose repeats spread: an idle machine, and what the cells did not already use, one
     thread and more repeats (never advice a run took: --threads 1 to a one-thread run, more repeats past the most)."""
-    from ..harness.retime import MAX_REPEATS
+    from ..timing.trust import MAX_REPEATS
 
     ways = []
     if any(((c.get("run") or {}).get("machine") or {}).get("cpu_threads") != 1 for c in cell_list):
@@ -187,8 +187,8 @@ def timing_cause(cell: dict[str, Any] | None) -> str:
     """Why a cell's evaluation and its paired repeats may time it differently, the likeliest cause first: a
     sample that stands for part of the task, a busy machine, repeats spread wide, else the machine's speed
     between the two evaluations."""
-    from ..harness.retime import wide_spread
-    from ..runtime.provenance import busy
+    from ..timing.trust import wide_spread
+    from ..timing.trust import busy
 
     rep = ((cell or {}).get("wall_clock") or {}).get("repeats") or {}
     if rep and "documents" not in rep:
@@ -220,7 +220,7 @@ def corrected_note(cell_list: list[dict[str, Any]]) -> str | None:
     off = [c for c in cell_list if ((c["wall_clock"].get("repeats") or {}).get("representative")) is False]
     if not off:
         return None
-    from ..harness.retime import MAX_SAMPLE_OFF
+    from ..timing.trust import MAX_SAMPLE_OFF
 
     return (f"{len(off)} cells' timed documents have a FLOP ratio to full depth more than {100 * MAX_SAMPLE_OFF:g}% "
             "from their whole task's (tasks of few documents, whose strata are coarse): their speed-ups are carried "

@@ -29,8 +29,8 @@ from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
 from . import compare, exitmap, frontier, notes
 from .labels import deeper_said, depth_said, direction, overhead, setting
-from .speedup import BEFORE_CLOCKS, SpeedUp, unreadable
-from .speedup import text as speedup_text
+from ..timing.speedup import BEFORE_CLOCKS, SpeedUp, unreadable
+from ..timing.speedup import text as speedup_text
 from .plot import draw
 
 # Bases whose speed-up is no timing of this run's: shown as text (≈2.13×), never sorted among timed ones.

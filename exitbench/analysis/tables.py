@@ -15,12 +15,12 @@ from ..store.cells import conjunction
 from .frontier import collapse_tolerances, table_rows
 from .labels import (PLAIN_OVERHEAD, SCHEDULE, config_label, deeper_said, depth_said, direction, metric_with_direction,
                      overhead, setting)
-from .speedup import BEFORE_CLOCKS
-from .speedup import NONE as NO_SPEEDUP
-from .speedup import SpeedUp
-from .speedup import legend
-from .speedup import text as speedup_text
-from .speedup import unreadable
+from ..timing.speedup import BEFORE_CLOCKS
+from ..timing.speedup import NONE as NO_SPEEDUP
+from ..timing.speedup import SpeedUp
+from ..timing.speedup import legend
+from ..timing.speedup import text as speedup_text
+from ..timing.speedup import unreadable
 
 TABLES = ("frontier", "matched")
 
@@ -142,7 +142,7 @@ def _estimates(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _speedup_cell(row: dict[str, Any]) -> str:
-    """The row's speed-up over full depth (`analysis.speedup.text`), in red with a mark when a warning says its
+    """The row's speed-up over full depth (`timing.speedup.text`), in red with a mark when a warning says its
     timing is unreliable (a busy machine, a wide spread) or it is above its iteration bound."""
     est = row.get("speedup") or NO_SPEEDUP
     shown = speedup_text(est)
@@ -263,7 +263,7 @@ def _wall_clock_table(group: str, entry: dict[str, Any]) -> Table:
 
 def wall_clock_said(rows: list[dict[str, Any]]) -> str:
     """Which clock a wall-clock frontier's points were timed on, as its title says it: the throughput clock,
-    or the one clock of cells written before the two (analysis/speedup.py BEFORE_CLOCKS) where all were."""
+    or the one clock of cells written before the two (timing/speedup.py BEFORE_CLOCKS) where all were."""
     clocks = {r.get("clock") for r in rows if r.get("clock")}
     return "batch clock (before two clocks)" if clocks == {BEFORE_CLOCKS} else "throughput clock"
 

@@ -14,6 +14,6 @@ from .config import ExitConfig
 from .engine import ExitEngine
 from .noise import PositionNoise
 from .records import SequenceResult, TokenRecord
-from .timing import PHASES
+from ..timing.clocks import PHASES
 
 __all__ = ["PHASES", "ExitConfig", "ExitEngine", "PositionNoise", "SequenceResult", "TokenRecord"]

@@ -40,7 +40,7 @@ from .noise import PositionNoise
 from .prefixes import PrefixStore
 from .probe_cache import ProbeCache
 from .records import SequenceResult, Token, TokenRecord
-from .timing import PHASES, PhaseClock
+from ..timing.clocks import PHASES, PhaseClock
 from .waves import DepthMajor, block_positions, depth_major_blocker
 
 # consume(request, position, log-probabilities (V,) (scoring; None in generation, which reads none), their argmax,

@@ -28,7 +28,7 @@ from .hindsight import Hindsight
 from .places import PlaceContext
 from .probe_cache import ProbeCache
 from .records import Token
-from .timing import PhaseClock
+from ..timing.clocks import PhaseClock
 
 
 @dataclass

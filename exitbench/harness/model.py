@@ -137,7 +137,7 @@ class ExitbenchLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self.request_stats: list[dict[str, Any]] = []
         # Each request type's requests as lm-eval last handed them over, so a sweep can time some of them
-        # again (harness/retime.py) without asking lm-eval to build its tasks a second time.
+        # again (timing/retime.py) without asking lm-eval to build its tasks a second time.
         self.received: dict[str, list] = {}
         self._chat: ChatTemplate | None = None  # built when lm-eval first asks for the chat template
         exit_statistics.register(self)  # for `exitbench lm-eval run`'s tables (kept only while one runs)

@@ -54,34 +54,6 @@ def machine_load() -> float | None:
         return None
 
 
-def busy(load: dict[str, Any] | None) -> bool:
-    """Whether a timing's recorded load says other work competed for the cores, at its start or its end. A run
-    using every core puts the load near the core count by itself, so only a load well above it (a quarter
-    more, and half a process) says something else was running."""
-    if not load or not load.get("cpus"):
-        return False
-    limit = 1.25 * load["cpus"] + 0.5
-    return any(v is not None and v > limit for v in (load.get("start"), load.get("end")))
-
-
-def threads_advice(threads: int | None) -> str:
-    """What to do about timings taken beside other work: fewer threads helps only a run that used several (or
-    whose threads were not recorded, None)."""
-    if threads == 1:
-        return "rerun on an idle machine"
-    return "rerun on an idle machine, or with --threads 1 (one core per run times more steadily)"
-
-
-def busy_at_start(threads: int | None) -> str | None:
-    """A warning line when other work already holds every core as a run starts (its 1-minute load above the
-    core count): the run's wall-clock will be unreliable, so say so before it is spent, not only after."""
-    load, cpus = machine_load(), os.cpu_count()
-    if load is None or not cpus or load <= cpus:
-        return None
-    return (f"the machine is busy as this run starts (load {load:g} on {cpus} cores): its wall-clock timings "
-            f"will be unreliable (quality and iterations are not); {threads_advice(threads)}")
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_model() -> str | None:
     """The CPU's model name ("AMD EPYC …"), where the OS says it. Float32 results differ in their last bits

@@ -22,7 +22,7 @@ Schema `exitbench.cell` version 2 (documented in the README):
                ratios, ratio, spread, flops_ratio, overhead, documents, of_documents, drawn, whole_flops_ratio,
                expected_flops_ratio, representative, corrected_ratio, steps_ratio, schedule}: the throughput
                clock, documents drawn across the task timed again beside full depth at the run's batch size
-               over a stream (harness/retime.py; absent when not; measured: "steady state", "whole pass" or
+               over a stream (timing/retime.py; absent when not; measured: "steady state", "whole pass" or
                "phases"; cells written before the draw have no `documents` and timed the task's first requests;
                schedule: loop steps ÷ what the tokens' iterations need, against full depth, absent before it);
                latency: the latency clock, the same fields at batch size 1 (clock "latency", batch_size 1);

@@ -156,7 +156,7 @@ def _positive_finite(value, what: str):
 
 
 class RepeatsPart(_Part):
-    """A cell's paired retiming beside full depth on one clock (harness/retime.py); cells written before the draw
+    """A cell's paired retiming beside full depth on one clock (timing/retime.py); cells written before the draw
     across the task have no `documents` (they timed the task's first requests) and no fields after it; cells
     written before the two clocks have no `clock`, `batch_size` or `measured` (their one clock: a batch of
     documents at the run's batch size, the scored tokens' loop phases only)."""

@@ -155,7 +155,7 @@ def split(docs: Sequence[list[int]], test_fraction: float, seed: int) -> tuple[l
 def check_calibratable(policy: str, threshold: float | None = None, grid: str | None = None) -> None:
     """Refused before the checkpoint loads: a rule with no threshold to choose, a threshold already chosen, or a
     grid of quantiles (`grid`, calibrate's --thresholds)."""
-    from ..sweep.config import parse_quantiles
+    from ..policies.grids import parse_quantiles
 
     if grid is not None and parse_quantiles(grid):
         # Learn-then-test holds only for hypotheses fixed before the calibration documents are read.
@@ -237,7 +237,7 @@ def chosen_grid(ck, config: ExitConfig, grid: str | None) -> list[float]:
     """The thresholds to choose from: `grid` (calibrate's --thresholds) or the model's (`grid_for`), once the
     checkpoint is loaded and a learned rule's file is known to be fitted to it."""
     from ..policies.learned import check_fitted_for
-    from ..sweep.config import parse_thresholds
+    from ..policies.grids import parse_thresholds
 
     check_fitted_for(ck, config.fitted_exit_model)
     return parse_thresholds(grid) or grid_for(ck.model, config)

@@ -16,9 +16,10 @@ from typing import Any, Optional
 from ..engine import ExitConfig
 from ..engine.recorder import check_recordable
 from ..errors import ExitbenchError
-from ..harness import retime
+from ..timing import retime, trust
 from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
+from ..policies.grids import parse_depths, parse_quantiles, parse_thresholds
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least
 from . import backends
@@ -142,7 +143,7 @@ class SweepConfig:
     replay: bool = False  # cells computed from one recording pass (exitbench.sweep.replay), keyed apart from exact
     prompting: Prompting = field(default_factory=Prompting)  # chat template, system instruction, gen_kwargs
     preset: Any = None  # the presets.Preset the options came from: its published numbers go into each cell
-    # Paired timings of each cell against full depth after its evaluation (harness/retime.py); 0: none. Not in
+    # Paired timings of each cell against full depth after its evaluation (timing/retime.py); 0: none. Not in
     # a cell's key: they add numbers to the cell and change none of its others.
     timing_repeats: int = retime.DEFAULT_REPEATS
     timing_stream: int | None = None  # the throughput clock's stream, in documents (None: retime.sample_size's)
@@ -202,8 +203,8 @@ class SweepConfig:
         backends.check_options(self.backend, self)
         at_least("--batch-size", self.batch_size)
         at_least("--timing-repeats", self.timing_repeats, 0)
-        if self.timing_repeats > retime.MAX_REPEATS:  # each repeat reruns an eighth of every task twice
-            raise ExitbenchError(f"--timing-repeats {self.timing_repeats}: at most {retime.MAX_REPEATS} (each "
+        if self.timing_repeats > trust.MAX_REPEATS:  # each repeat reruns an eighth of every task twice
+            raise ExitbenchError(f"--timing-repeats {self.timing_repeats}: at most {trust.MAX_REPEATS} (each "
                                  "repeat times the cell and full depth again; more repeats do not narrow this "
                                  "machine's noise, see bench/RESULTS.md)")
         if self.num_fewshot is not None:
@@ -267,61 +268,6 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     if n < 1 or not 0 <= i < n:
         raise ExitbenchError(f"--shard {text}: need 0 ≤ i < n (shards are numbered from 0)")
     return i, n
-
-
-def parse_thresholds(text: str | None) -> list[float] | None:
-    """None when the option was not given (each policy's own grid); an empty value is an error, not the grid."""
-    if text is None:
-        return None
-    if not text.strip():
-        raise ExitbenchError("--thresholds is empty; give comma-separated numbers, e.g. 1e-4,1e-3, or leave the "
-                             "option out for each policy's own grid")
-    out = []
-    for part in text.split(","):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ExitbenchError(f"--thresholds must be comma-separated numbers, e.g. 1e-4,1e-3, or quantiles:N; "
-                                 f"{part.strip()!r} is not a number") from None
-        if not math.isfinite(value) or value <= 0:
-            raise ExitbenchError(f"--thresholds: every threshold must be a finite number > 0, got {part.strip()}")
-        out.append(value)
-    return out
-
-
-# quantiles:N takes at most this many: past it the grid is finer than a sweep can afford to run.
-MAX_QUANTILES = 100
-
-
-def parse_quantiles(text: str | None) -> int | None:
-    """N of `quantiles:N`; None for any other --thresholds value (numbers, or the option not given)."""
-    if text is None or not text.strip().lower().startswith("quantiles"):
-        return None
-    head, sep, n = text.strip().partition(":")
-    try:
-        value = int(n.strip()) if head.lower() == "quantiles" and sep else None
-    except ValueError:
-        value = None
-    if value is None or not 1 <= value <= MAX_QUANTILES:
-        raise ExitbenchError(f"--thresholds {text.strip()}: give quantiles:N with N a whole number from 1 to "
-                             f"{MAX_QUANTILES} (e.g. quantiles:9), or comma-separated thresholds")
-    return value
-
-
-def parse_depths(text: str | None, flag: str) -> list[int] | None:
-    """None when the option was not given (the default depths); an empty value is an error, as for --thresholds."""
-    if text is None:
-        return None
-    if not text.strip():
-        raise ExitbenchError(f"{flag} is empty; give comma-separated whole numbers, e.g. 1,4,16, or leave the "
-                             "option out for the default depths (1,2,4,…,max)")
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ExitbenchError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ExitbenchError(f"{flag}: every depth must be ≥ 1, got {text}")
-    return values
 
 
 def parse_limit(limit: float | None) -> int | float | None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ..engine import ExitConfig
 from ..errors import ExitbenchError
-from ..harness import retime
+from ..timing import retime, trust
 from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..policies import ExitPolicy
@@ -31,7 +31,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                stats_out: list[dict] | None = None, full: ExitConfig | None = None) -> list[tuple[dict, list | None]]:
     """Evaluate one exit config on several tasks in one lm-eval call; one (cell, samples) per task on rank 0
     (and, into `stats_out`, each request's exits and costs). With `full`, the sweep's full-depth config, some
-    of each task's documents are then timed again `cfg.timing_repeats` times beside it (harness/retime.py)."""
+    of each task's documents are then timed again `cfg.timing_repeats` times beside it (timing/retime.py)."""
     import lm_eval
 
     from ..harness.quiet import lm_eval_output
@@ -89,7 +89,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
                     cell["wall_clock"]["overhead"] = rep["overhead"]
             if latency:
                 cell["wall_clock"]["latency"] = latency
-        reasons = retime.warnings(cell)
+        reasons = trust.warnings(cell)
         if reasons:  # said in the cell itself, for whoever reads it without exitbench
             cell["wall_clock"]["warnings"] = reasons
     if cfg.preset is not None:  # not in the key: the preset only set options, and those are keyed
@@ -103,7 +103,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
 def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: SweepConfig
             ) -> dict[str, dict[str, Any] | str | None]:
     """Per task, the paired repeated timings of the cell's model `lm` against full depth on documents drawn
-    across the task (harness/retime.py), on each clock (`{"throughput": …, "latency": …}`), and a line saying
+    across the task (timing/retime.py), on each clock (`{"throughput": …, "latency": …}`), and a line saying
     why for a task too small to retime. Under torchrun they are skipped: each rank holds only its share of the
     requests."""
     from ..harness.model import ExitbenchLM

@@ -94,7 +94,7 @@ def _check_output(out: Path, warn: Callable[[str], None] | None) -> None:
     import torch
 
     from ..runtime.files import writable_dir
-    from ..runtime.provenance import busy_at_start
+    from ..timing.trust import busy_at_start
 
     writable_dir(out, "--out")  # before any compute: results that cannot be saved are not worth computing
     busy = busy_at_start(torch.get_num_threads())
@@ -135,7 +135,7 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     cell ids in `reused`) and cells computed by replay. Speed-ups and overheads on both clocks: `speedup` and
     `overhead` the throughput clock's, `latency` and `overhead_latency` the latency clock's."""
     from ..analysis.frontier import overhead_fields, references
-    from ..analysis.speedup import clock_basis, clock_warnings, estimate
+    from ..timing.speedup import clock_basis, clock_warnings, estimate
 
     full = references(cell_list)
     rows = []

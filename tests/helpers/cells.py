@@ -213,7 +213,7 @@ PPL = [  # perplexity, lower is better; full depth 1.00
 
 
 def paired(cell, ratios, full_depth=16, drawn=True, corrected=None, clock=None, documents=16):
-    """`cell` as a sweep leaves it after retiming it beside full depth (harness/retime.py) with these ratios: on
+    """`cell` as a sweep leaves it after retiming it beside full depth (timing/retime.py) with these ratios: on
     `documents` of 128 documents drawn across the task, or (`drawn` false) as cells written before the draw, on
     the task's first requests; `corrected`, the ratio carried to the whole task where the draw's FLOPs strayed.
     `clock`: None as cells written before the two clocks (their one clock under `repeats`, no `clock` field),

@@ -15,9 +15,9 @@ from typing import Iterator, Sequence
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from . import loop as loop_module
-from .config import ExitConfig
-from .engine import ExitEngine
+from ..engine import loop as loop_module
+from ..engine.config import ExitConfig
+from ..engine.engine import ExitEngine
 
 STEP_LABEL = "exitbench.loop_step"
 
@@ -87,7 +87,7 @@ def chains_prompts(tokenizer, n: int) -> list[list[int]]:
     several lengths, so a batch's rows sit at different positions, as an lm-eval task's do."""
     import json
 
-    from ..harness.task_set import SHIPPED_TASKS
+    from .task_set import SHIPPED_TASKS
 
     with open(SHIPPED_TASKS / "chains" / "test.jsonl") as f:
         docs = [json.loads(line) for _, line in zip(range(n), f)]

@@ -49,15 +49,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .trust import MAX_SAMPLE_OFF
+
 DEFAULT_REPEATS = 3
-# The most --timing-repeats a sweep takes: the noise floor does not narrow with more (bench/timing_noise.py), and
-# each repeat reruns an eighth of every task twice.
-MAX_REPEATS = 20
-# Repeats spanning more than half their median leave a speed-up unknown to within ±25%: it no longer orders
-# policies whose costs differ by less than that. The floor is the machine's: on an idle 2-core VM the same
-# config paired with itself spans 0.2 to 0.7 of its median (bench/timing_noise.py, bench/RESULTS.md), so some
-# cells are flagged even there; a machine another job competes with spans far more.
-UNRELIABLE_SPREAD = 0.5
 MIN_DOCUMENTS = 16  # below a batch of 16, a repeat is a few milliseconds, as much scheduling noise as loop
 CLOCKS = ("throughput", "latency")
 # A throughput stream holds this many batches of documents (at most MAX_SHARE of the task): enough that the steady
@@ -70,10 +64,6 @@ LATENCY_DOCUMENTS = 6
 # own evaluation where a task has few documents (a perplexity task's document is a whole text); a task of fewer
 # than 1 / MAX_SHARE documents is not retimed at all.
 MAX_SHARE = 1 / 8
-# How far the timed documents' FLOP ratio to full depth may stray from the whole task's before their time ratio
-# no longer stands for the task's: beyond it the ratio is corrected by the FLOP ratios (`corrected_ratio`). A
-# tenth: a rule's time follows its FLOPs at most one to one, so the speed-up is then off by at most a tenth too.
-MAX_SAMPLE_OFF = 0.10
 
 
 def sample_size(batch_size: int, available: int, clock: str = "throughput", stream: int | None = None) -> int:
@@ -321,26 +311,3 @@ def representative(timed: float | None, whole: float | None, ratio: float) -> di
         return {"representative": None, "corrected_ratio": None}
     fits = abs(timed / whole - 1) <= MAX_SAMPLE_OFF
     return {"representative": fits, "corrected_ratio": None if fits else ratio * whole / timed}
-
-
-def wide_spread(cell: dict[str, Any]) -> bool:
-    """Whether the cell's repeats spread too far for its ratio to be read (False for a cell timed once)."""
-    rep = cell.get("wall_clock", {}).get("repeats")
-    return bool(rep) and rep["spread"] > UNRELIABLE_SPREAD
-
-
-def warnings(cell: dict[str, Any]) -> list[str]:
-    """Why a cell's wall-clock ratios are not to be trusted, one reason each: the machine was busy while it was
-    timed, or its repeated timings spread too far. Empty when neither."""
-    from ..runtime.provenance import busy
-
-    out = []
-    load = cell.get("run", {}).get("load")
-    if busy(load):
-        peak = max(load.get("start") or 0, load.get("end") or 0)
-        out.append(f"timed on a busy machine (load {peak:g} on {load['cpus']} cores)")
-    if wide_spread(cell):
-        rep = cell["wall_clock"]["repeats"]
-        out.append(f"its {rep['repeats']} repeated timings spread {100 * rep['spread']:.0f}% around their ratio "
-                   f"{rep['ratio']:.3g} to full depth")
-    return out

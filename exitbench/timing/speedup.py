@@ -3,7 +3,7 @@ bound it cannot pass.
 
 Full depth's time per token ÷ the cell's, from the best timing the cell has:
 - `paired`: its repeats, timed alternately beside full depth on documents drawn across the task
-  (harness/retime.py): their median, and their range as the interval;
+  (timing/retime.py): their median, and their range as the interval;
 - `corrected`: the same, where the timed documents' FLOP ratio strayed from the whole task's (a small task), carried
   to the whole task at the same overhead;
 - `first requests`: repeats of a cell written before the draw, which timed the task's first requests only;
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .trust import flag, warnings
 
 BASES = ("paired", "corrected", "first requests", "evaluations", "estimated", "reference")
 REPEATED = ("paired", "corrected", "first requests", "reference")  # the bases a clock's repeats give
@@ -97,14 +99,14 @@ def estimate(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "th
                  "of": rep.get("of_documents"), "requests": rep.get("requests"), "repeats": rep.get("repeats"),
                  "clock": rep.get("clock") or BEFORE_CLOCKS, "measured": rep.get("measured")}
         value, low, high = 1 / ratio, 1 / (scale * max(ratios)), 1 / (scale * min(ratios))
-        return SpeedUp(value, basis, low, high, bound, _flag(value, bound, basis, cell, low), timed)
+        return SpeedUp(value, basis, low, high, bound, flag(value, bound, basis, cell, low), timed)
     mine, theirs = wall.get("per_token_s"), ((full or {}).get("wall_clock") or {}).get("per_token_s")
     if clock == "latency" or not (mine and theirs):
         return SpeedUp(None, bound=bound)
     value = theirs / mine
     basis = "estimated" if wall.get("estimated") or (full or {}).get("wall_clock", {}).get("estimated") \
         else "evaluations"
-    return SpeedUp(value, basis, bound=bound, flag=_flag(value, bound, basis, cell, None))
+    return SpeedUp(value, basis, bound=bound, flag=flag(value, bound, basis, cell, None))
 
 
 def record(cell: dict[str, Any], clock: str = "throughput") -> dict[str, Any] | None:
@@ -122,9 +124,7 @@ def on_clock(cell: dict[str, Any], clock: str) -> dict[str, Any]:
 
 def clock_warnings(cell: dict[str, Any], clock: str = "throughput") -> list[str]:
     """Why a cell's speed-up on `clock` is not to be trusted, one reason each (a busy machine, that clock's
-    repeats spread too far: harness/retime.py `warnings`). Empty when neither."""
-    from ..harness.retime import warnings
-
+    repeats spread too far: timing/retime.py `warnings`). Empty when neither."""
     return warnings(on_clock(cell, clock))
 
 
@@ -154,30 +154,6 @@ def iteration_bound(cell: dict[str, Any], full: dict[str, Any] | None, clock: st
         groups = len((cell.get("iterations") or {}).get("per_group_mean") or [0])
         return rep["full_depth"] * groups / mine
     return None
-
-
-def _flag(value: float, bound: float | None, basis: str, cell: dict[str, Any], low: float | None) -> str | None:
-    """Why a speed-up above its iteration bound is no result (None when it is within the bound)."""
-    if bound is None or value <= bound * (1 + 1e-9):
-        return None
-    from ..runtime.provenance import busy
-
-    above = f"{value:.2f}× is above the iteration bound {bound:.2f}×"
-    if basis == "first requests":
-        why = ("it was timed on the task's first requests only (a cell written before exitbench drew its timed "
-               "documents across the task): an unrepresentative sample; rerun the cell")
-    elif basis == "estimated":
-        why = "it is the replay cost model's estimate, not a timing; rerun the cell exactly"
-    elif busy((cell.get("run") or {}).get("load")):
-        why = "it was timed on a busy machine; rerun on an idle one"
-    elif basis == "evaluations":
-        why = ("it divides two evaluations timed minutes apart: the machine's speed changed between them; rerun "
-               "with --timing-repeats")
-    elif low is not None and low <= bound:
-        why = "its repeats reach below the bound: timing noise around a speed-up near the bound"
-    else:
-        why = "its repeats spread over noise alone; rerun it on an idle machine, with --threads 1"
-    return f"{above}: {why}"
 
 
 def text(s: SpeedUp, interval: bool = True) -> str:
@@ -233,7 +209,7 @@ def legend(estimates: list[tuple[str, SpeedUp]], latency: list[tuple[str, SpeedU
     return "\n".join(lines)
 
 
-# How each clock's seconds were measured (harness/retime.py MEASURES), the weakest last, as a clause says it.
+# How each clock's seconds were measured (timing/retime.py MEASURES), the weakest last, as a clause says it.
 MEASURED = {"steady state": " in its steady state", "whole pass": ", the whole pass (too short for a steady state)",
             "phases": ", the scored tokens' loop phases"}
 
