@@ -1,9 +1,11 @@
-"""The family kit holds: a toy family (tests/helpers/toy_family.py, a Llama whose last layers loop), written with
+"""The family kit holds: the families built with it are named in four tracked paths outside tests/ and docs/;
+a toy family (tests/helpers/toy_family.py, a Llama whose last layers loop), written with
 exitbench.models.hf_blocks and hf_config alone, is a family once registered: it saves and loads by its key names,
 `info` describes it from its headers, and the engine runs and exits it, batched as alone. Its schema and module
 stay under 150 lines: the size of adding a family, measured (docs/adding-a-family.md)."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ def toy_registered(monkeypatch):
     """ToyLoop in the registry for one test only (monkeypatch restores both tables)."""
     monkeypatch.setattr(registry, "ARCHITECTURES", dict(registry.ARCHITECTURES))
     monkeypatch.setattr(registry, "_HF_CLASS_NAMES", dict(registry._HF_CLASS_NAMES))
+    monkeypatch.setattr(registry, "_MODEL_TYPES", dict(registry._MODEL_TYPES))
     registry.register(ToyLoop)
 
 
@@ -86,3 +89,21 @@ def test_its_schema_refuses_a_bad_config_in_one_line(toy_dir, tmp_path, fields, 
     with pytest.raises(CheckpointError, match=words) as err:
         load_checkpoint(edited_copy(toy_dir, tmp_path / "edited", **fields))
     assert "\n" not in str(err.value)
+
+
+# What adding a family takes outside tests/ and docs/ (docs/adding-a-family.md): its module, the registry's one
+# `register` call, its full-size bench and the README's model table. (bench/RESULTS.md, which records the size
+# bench's footprint, is a record of a measurement, as docs/ is of the rest.)
+KIT_FAMILIES = {"nanbeige": "Nanbeige", "hrm_text": "HrmText"}
+
+
+@pytest.mark.parametrize("module", sorted(KIT_FAMILIES))
+def test_a_family_built_with_the_kit_is_named_in_four_places(module):
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    naming = sorted(path for path in listed.split()
+                    if not path.startswith(("tests/", "docs/")) and path != "bench/RESULTS.md"
+                    and (root / path).is_file() and (module in (text := (root / path).read_text(errors="ignore"))
+                                                     or KIT_FAMILIES[module] in text))
+    assert naming == sorted(["README.md", f"bench/make_{module}_size.py", f"exitbench/models/{module}.py",
+                             "exitbench/models/registry.py"])

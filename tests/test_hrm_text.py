@@ -20,7 +20,7 @@ import torch
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
-from exitbench.models import HrmText
+from exitbench.models.hrm_text import HrmText
 from exitbench.models.checkpoint import load_checkpoint
 
 from helpers.files import fixture_and_reference, fixture_copy

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError
-from exitbench.models import Nanbeige
+from exitbench.models.nanbeige import Nanbeige
 from exitbench.models.checkpoint import load_checkpoint
 from exitbench.models.nanbeige import REFUSED
 

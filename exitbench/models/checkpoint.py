@@ -2,7 +2,7 @@
 
 Loading checks everything before touching the model, so a bad directory fails with one line that names the
 problem: a missing file, an unknown architecture, a config.json field of the wrong type or a token id outside
-the vocabulary (ConfigFile), a missing or unexpected key, a shape or dtype the config does not imply, a
+the vocabulary (models/schema.py, from the family's config class), a missing or unexpected key, a shape or dtype the config does not imply, a
 safetensors header that does not describe its file (shards.read_header). Saving writes into a temporary
 sibling directory and renames it into place, so a failed save leaves nothing behind.
 """
@@ -14,18 +14,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..runtime.validation import parse
 from .looped import LoopedLM
 from .raven.config import stale_token_ids
-from .registry import architecture_of
+from .registry import architecture_of, known_architecture
+from .schema import ConfigCommon, schema_for
 from .shards import DTYPE_NAMES, TensorEntry, group_quantized, read_tensors, scan
 from .tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -34,147 +33,6 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 AUTO = "auto"  # the checkpoint's own dtype (CheckpointLayout.resolve_dtype)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# JSON writes 50000 and 50000.0 for the same number; NaN and Infinity, which Python's json accepts, are not
-# a norm epsilon or a RoPE base.
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0)]
-
-
-class _Strict(BaseModel):
-    # Strict: "1" is not an id and "no" not a bool. Extra fields allowed: real configs carry many that no
-    # architecture here reads (dropout rates, auto_map, transformers_version), and their types are not ours.
-    # A field typed without None but defaulting to None may be absent (the architecture's default applies)
-    # but not null: null is not a width or a flag.
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class TrainConfigRecord(_Strict):
-    """What documents.synthetic_training reads back to rebuild the task a checkpoint was trained on."""
-
-    arch: StrictStr = None
-    task: StrictStr | None = None
-    n_chains: StrictInt = None
-    max_hop: StrictInt = None
-
-
-class TrainingRecord(_Strict):
-    command: StrictStr | None = None
-    seed: StrictInt | None = None
-    steps_done: StrictInt | None = None
-    training_seconds: Number | None = None
-    train_config: TrainConfigRecord | None = None
-
-
-class RunRecord(_Strict):
-    git_revision: StrictStr | None = None
-    host: StrictStr | None = None
-    started: StrictStr | None = None
-
-
-class ProvenanceRecord(_Strict):
-    """config.json's `exitbench` block: how exitbench made the checkpoint (info, depth and geometry read it)."""
-
-    training: TrainingRecord = None
-    run: RunRecord = None
-
-
-class ConfigFile(_Strict):
-    """config.json as exitbench reads it: every field some architecture's config (RavenConfig, LoopedGPT2Config)
-    or the loader reads, with its JSON type. Value rules that need the architecture (positive widths, heads that
-    split, loop groups in layer order) stay with the architecture's config; the types and the token ids are
-    checked here, once, before anything reads a field."""
-
-    model_type: StrictStr | None = None
-    architectures: list[StrictStr] | None = None
-    torch_dtype: StrictStr | None = None
-    dtype: StrictStr | None = None
-    exitbench: ProvenanceRecord = None
-    # Both architectures: the vocabulary the token ids must lie in (Raven's padded rows beyond it are padding).
-    vocab_size: StrictInt = None
-    n_embd: StrictInt = None
-    # Raven (Huginn-0125's names, with the Hugging Face aliases hidden_size and num_attention_heads).
-    hidden_size: StrictInt = None
-    n_heads: StrictInt = None
-    num_attention_heads: StrictInt = None
-    intermediate_size: StrictInt = None
-    padded_vocab_size: StrictInt | None = None
-    n_layers_in_prelude: StrictInt = None
-    n_layers_in_recurrent_block: StrictInt = None
-    n_layers_in_coda: StrictInt = None
-    block_size: StrictInt = None
-    rope_base: Number = None
-    norm_eps: Number = None
-    qk_bias: StrictBool = None
-    bias: StrictBool = None
-    tie_embeddings: StrictBool = None
-    mean_recurrence: StrictInt = None
-    mean_backprop_depth: StrictInt = None
-    max_recurrence: StrictInt | None = None
-    init_scale: Number = None
-    # The retrofitted conversions' Raven fields (raven/config.py; the rest share Ouro's Hugging Face names).
-    init_values: dict | None = None
-    initial_state_mode: StrictStr = None
-    # Read only to refuse: a soft-capped (Gemma-2) sandwich is not Huginn's (raven/variants.py).
-    attn_logit_softcapping: Number | None = None
-    final_logit_softcapping: Number | None = None
-    # Looped GPT-2 (Hugging Face GPT2Config's names).
-    n_layer: StrictInt = None
-    n_head: StrictInt = None
-    n_positions: StrictInt = None
-    layer_norm_epsilon: Number = None
-    activation_function: StrictStr = None
-    loop_groups: list[list[StrictInt]] = None
-    loop_steps: list[StrictInt] | None = None
-    max_loop_steps: list[StrictInt] | None = None
-    tie_word_embeddings: StrictBool = None
-    # Ouro (Hugging Face Qwen2's names, and its loop's).
-    num_key_value_heads: StrictInt = None
-    head_dim: StrictInt = None
-    num_hidden_layers: StrictInt = None
-    rms_norm_eps: Number = None
-    rope_theta: Number = None
-    rope_scaling: dict | None = None
-    max_position_embeddings: StrictInt = None
-    hidden_act: StrictStr = None
-    layer_types: list[StrictStr] | None = None
-    use_sliding_window: StrictBool = None
-    sliding_window: StrictInt | None = None
-    max_window_layers: StrictInt | None = None
-    attention_bias: StrictBool = None
-    total_ut_steps: StrictInt = None
-    max_ut_steps: StrictInt | None = None
-    early_exit_threshold: Number | None = None
-    # Nanbeige4.2 (its loop's fields; the rest are the Hugging Face Llama names above).
-    num_loops: StrictInt = None
-    max_loops: StrictInt | None = None
-    loop_loss_weights: list[Number] | None = None
-    skip_loop_final_norm: StrictBool = None
-    mlp_bias: StrictBool = None
-    # HRM-Text (its stacks' and cycles' fields).
-    num_layers_per_stack: StrictInt | None = None
-    H_cycles: StrictInt = None
-    L_cycles: StrictInt = None
-    max_H_cycles: StrictInt | None = None
-    L_bp_cycles: list[StrictInt] | None = None
-    embedding_scale: Number | None = None
-    prefix_lm: StrictBool = None
-    rope_parameters: dict | None = None
-    # Declared after vocab_size, so the validator below sees it.
-    bos_token_id: TokenId | None = None
-    eos_token_id: TokenId | None = None
-    pad_token_id: TokenId | None = None
-
-    @field_validator("bos_token_id", "eos_token_id", "pad_token_id")
-    @classmethod
-    def _in_vocabulary(cls, value: int | None, info: ValidationInfo) -> int | None:
-        # An id past the vocabulary is a token the model can never emit: an <eos> there never stops generation.
-        vocab = info.data.get("vocab_size")
-        if value is not None and isinstance(vocab, int) and value >= vocab:
-            raise PydanticCustomError("token_id", "must be a token id below vocab_size {vocab} (0…{last})",
-                                      {"vocab": vocab, "last": vocab - 1})
-        return value
 
 
 @dataclass
@@ -225,10 +83,11 @@ def read_config(path: Path) -> dict[str, Any]:
     stale = stale_token_ids(config)
     if stale:
         config = {k: v for k, v in config.items() if k not in stale}
-    # Typed once, here, where the file comes in: every reader after this (registry, the architectures'
-    # from_dict, the tokenizer, info) may take a field's type for granted. The dict itself is returned as it
-    # was, so a valid config loads exactly as it did before the schema.
-    parse(ConfigFile, config, str(file), error=CheckpointError)
+    # Typed once, here, where the file comes in, by the family's own config class (models/schema.py): every
+    # reader after this (the architecture's from_dict, the tokenizer, info) may take a field's type for granted.
+    # The dict itself is returned as it was, so a valid config loads exactly as it did before the schema.
+    family = known_architecture(config)
+    parse(schema_for(family.config_class) if family else ConfigCommon, config, str(file), error=CheckpointError)
     return config
 
 

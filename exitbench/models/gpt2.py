@@ -62,6 +62,10 @@ class LoopedGPT2Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "looped_gpt2"
+    hf_class = "LoopedGPT2LMHeadModel"
+    # A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
+    model_type_aliases = ("gpt2",)
+    hf_aliases = ("GPT2LMHeadModel",)
 
     def __post_init__(self):
         for name in ("loop_groups", "loop_steps", "max_loop_steps"):
@@ -138,7 +142,7 @@ class LoopedGPT2Config:
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}
-        out.update({"model_type": self.model_type, "architectures": ["LoopedGPT2LMHeadModel"],
+        out.update({"model_type": self.model_type, "architectures": [self.hf_class],
                     "n_ctx": self.n_positions})
         extra = {k: v for k, v in self.extra.items() if k not in out}
         return {**extra, **out}

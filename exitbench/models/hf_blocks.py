@@ -1,5 +1,5 @@
-"""The building blocks families named the Hugging Face Llama way share (Ouro, Nanbeige, HRM-Text; Raven's blocks
-use its RMSNorm), the way transformers keeps one file per model but shares its pieces: RMSNorm, Llama's
+"""The building blocks families named the Hugging Face Llama way share (Ouro's and those built the same way;
+Raven's blocks use its RMSNorm), the way transformers keeps one file per model but shares its pieces: RMSNorm, Llama's
 grouped-query attention with rotate-half RoPE and its gated MLP, its pre-norm block, the latent rules' grids for a
 loop that ends in a norm, and `HFLoopedLM`, a looped LM whose tree is `model.embed_tokens`, the family's own
 modules under `model`, and a (possibly tied) `lm_head`, with a RoPE table recomputed from its config.

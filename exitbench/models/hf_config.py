@@ -1,7 +1,8 @@
-"""What the configs of families named the Hugging Face Llama/Qwen2 way share (Ouro, Nanbeige): the common
-fields' checks, the names the rest of exitbench reads, and reading and writing config.json with unknown fields
-kept. Each family's dataclass adds its own fields and loop, and says its name for messages (`family`), its
-Hugging Face class (`hf_class`) and which of its fields must be positive integers beyond the common ones."""
+"""What the configs of families named the Hugging Face Llama/Qwen2 way share (Ouro's and those built the same
+way): the common fields' checks, the names the rest of exitbench reads, and reading and writing config.json with
+unknown fields kept. Each family's dataclass adds its own fields and loop, and says its name for messages
+(`family`), its Hugging Face class (`hf_class`) and which of its fields must be positive integers beyond the common
+ones. The dataclass is also config.json's schema (models/schema.py)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields

@@ -86,6 +86,13 @@ class Inkling2Config(HFNames):
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "inkling2_loop_text"
+    hf_class = "Inkling2LoopForCausalLM"
+    # The multimodal release: its text model's config under text_config (from_dict reads it there).
+    model_type_aliases = ("inkling2_loop",)
+    hf_aliases = ("Inkling2LoopForConditionalGeneration",)
+    # The release's own names for some fields, read by from_dict (the multimodal file's blocks typed as such).
+    read_also = {"sliding_window": int, "num_local_experts": int, "intermediate_size": int,
+                 "routed_scaling_factor": float, "sconv_kernel_size": int, "loop_config": dict, "text_config": dict}
 
     def __post_init__(self):
         if self.layer_types is None and isinstance(self.num_hidden_layers, int):
@@ -146,7 +153,7 @@ class Inkling2Config(HFNames):
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "extra"}
-        out.update({"model_type": self.model_type, "architectures": ["Inkling2LoopForCausalLM"]})
+        out.update({"model_type": self.model_type, "architectures": [self.hf_class]})
         return {**{k: v for k, v in self.extra.items() if k not in out}, **out}
 
 

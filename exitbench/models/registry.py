@@ -1,4 +1,8 @@
-"""Architecture names as they appear in `config.json` (`model_type`, or HF `architectures`)."""
+"""The families exitbench loads, by the names config.json gives them (`model_type`, or Hugging Face
+`architectures`). A family registers with one call, `register(ModelClass)`, and its names come from its config
+class: `model_type`, `hf_class` (the class save_checkpoint writes), and `model_type_aliases` / `hf_aliases`
+(other releases' names for the same family). That config class is also config.json's schema (models/schema.py).
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -12,38 +16,47 @@ from .nanbeige import Nanbeige
 from .ouro import Ouro
 from .raven import Raven
 
-ARCHITECTURES: dict[str, type[LoopedLM]] = {Raven.architecture: Raven, LoopedGPT2.architecture: LoopedGPT2,
-                                             Ouro.architecture: Ouro, Nanbeige.architecture: Nanbeige,
-                                             HrmText.architecture: HrmText, Inkling2.architecture: Inkling2}
-# A plain GPT-2 checkpoint becomes a looped one once its config.json names loop_groups.
-_MODEL_TYPE_ALIASES = {"gpt2": LoopedGPT2.architecture,
-                       # Inkling 2 Mini's multimodal release: its text model (Inkling2Config reads text_config)
-                       "inkling2_loop": Inkling2.architecture}
+ARCHITECTURES: dict[str, type[LoopedLM]] = {}
+_MODEL_TYPES: dict[str, str] = {}  # every model_type a family answers to → its architecture
+_HF_CLASS_NAMES: dict[str, str] = {}  # every Hugging Face class name → its architecture
 # Source families of the retrofitted-recurrence conversions: a converted checkpoint that kept its source's model_type.
 _RETROFIT_SOURCES = ("llama", "olmo", "olmo2", "gemma2", "qwen2", "mistral")
-_HF_CLASS_NAMES = {"RavenForCausalLM": Raven.architecture, "LoopedGPT2LMHeadModel": LoopedGPT2.architecture,
-                   "GPT2LMHeadModel": LoopedGPT2.architecture, "OuroForCausalLM": Ouro.architecture,
-                   "NanbeigeForCausalLM": Nanbeige.architecture, "HrmTextForCausalLM": HrmText.architecture,
-                   "Inkling2LoopForCausalLM": Inkling2.architecture,
-                   "Inkling2LoopForConditionalGeneration": Inkling2.architecture}
 
 
 def register(model_class: type[LoopedLM]) -> None:
-    """Make a family known by its config's model_type and Hugging Face class name: the one line a new family's
-    module adds here (docs/adding-a-family.md)."""
+    """Make a family known by every name its config class gives it: the one call a new family adds
+    (docs/adding-a-family.md)."""
+    c = model_class.config_class
     ARCHITECTURES[model_class.architecture] = model_class
-    _HF_CLASS_NAMES[model_class.config_class.hf_class] = model_class.architecture
+    for name in (c.model_type, *getattr(c, "model_type_aliases", ())):
+        _MODEL_TYPES[name] = model_class.architecture
+    for name in (c.hf_class, *getattr(c, "hf_aliases", ())):
+        _HF_CLASS_NAMES[name] = model_class.architecture
 
 
-def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
+for _family in (Raven, LoopedGPT2, Ouro, Nanbeige, HrmText, Inkling2):
+    register(_family)
+
+
+def _name(config: dict[str, Any]) -> str | None:
     name = config.get("model_type")
     if name is None:
         classes = config.get("architectures") or []
-        name = next((_HF_CLASS_NAMES[c] for c in classes if c in _HF_CLASS_NAMES), None)
-        if name is None:
-            raise CheckpointError(f"config.json names no known architecture (model_type missing, architectures="
-                                  f"{classes}); known model_type values: {', '.join(sorted(ARCHITECTURES))}")
-    name = _MODEL_TYPE_ALIASES.get(name, name)
+        return next((_HF_CLASS_NAMES[c] for c in classes if isinstance(c, str) and c in _HF_CLASS_NAMES), None)
+    return _MODEL_TYPES.get(name, name) if isinstance(name, str) else None
+
+
+def known_architecture(config: dict[str, Any]) -> type[LoopedLM] | None:
+    """The family config.json names, or None where it names none exitbench knows (architecture_of says why)."""
+    return ARCHITECTURES.get(_name(config))
+
+
+def architecture_of(config: dict[str, Any]) -> type[LoopedLM]:
+    name = _name(config)
+    if name is None:
+        classes = config.get("architectures") or []
+        raise CheckpointError(f"config.json names no known architecture (model_type missing, architectures="
+                              f"{classes}); known model_type values: {', '.join(sorted(ARCHITECTURES))}")
     if name not in ARCHITECTURES:
         hint = (f"; a retrofitted-recurrence checkpoint in Huginn's layout (transformer.core_block keys) says "
                 f"model_type {Raven.architecture!r}, whatever its source model" if name in _RETROFIT_SOURCES else "")

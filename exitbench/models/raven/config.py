@@ -76,6 +76,12 @@ class RavenConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     model_type = "huginn_raven"
+    hf_class = "RavenForCausalLM"
+    # Read from config.json under other names (Hugging Face's, transformers' re-save, the conversions' context),
+    # or only to refuse (a soft-capped Gemma-2 sandwich is not Huginn's: raven/variants.py).
+    read_also = {"hidden_size": int, "num_attention_heads": int, "tie_word_embeddings": bool,
+                 "max_position_embeddings": int, "attn_logit_softcapping": float | None,
+                 "final_logit_softcapping": float | None}
 
     def __post_init__(self):
         if self.padded_vocab_size is None:
