@@ -94,27 +94,6 @@ def test_fixed_depth_scoring_through_the_cache_matches_the_reference(ck, ref, sc
         torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_the_reference(ck, ref):
-    prompts = [row[:n].tolist() for row, n in zip(ref["input_ids"], ref["greedy_prompt_lengths"].tolist())]
-    engine = ExitEngine(ck.model, ExitConfig("fixed"))
-    for batch_size in (1, 3):
-        out = engine.generate(prompts, max_new_tokens=5, batch_size=batch_size)
-        assert [r.tokens for r in out] == ref["greedy_tokens"].tolist()
-
-
-@pytest.mark.parametrize("policy,tau", [("kl", 1e-3), ("confidence", 0.2), ("second_order", 1.0), ("oracle", None)])
-def test_exits_after_loop_one_batched_equal_batch_size_one(ck, ref, policy, tau):
-    """A token may stop after loop 1 (its readout is the head on the normed state loop 2 would read)."""
-    requests = [(row[:n].tolist(), 2) for row, n in zip(ref["input_ids"], (12, 7, 10))]
-    engine = ExitEngine(ck.model, ExitConfig(policy, threshold=tau))
-    solo = [engine.score([r], batch_size=1)[0] for r in requests]
-    together = engine.score(requests, batch_size=3)
-    for a, b in zip(solo, together):
-        assert [r.exit_steps for r in a.records] == [r.exit_steps for r in b.records]
-        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
-    assert all(1 <= r.exit_steps[0] <= 2 for res in together for r in res.records)
-
-
 @pytest.mark.parametrize("name,off", [(name, off) for name, off, _ in REFUSED])
 def test_an_option_it_does_not_implement_is_refused_in_one_line(tmp_path, name, off):
     on = True if isinstance(off, bool) else 2

@@ -85,31 +85,6 @@ def test_fixed_depth_scoring_matches_the_reference_last_step(ck, ref, schedule):
         torch.testing.assert_close(torch.tensor(res.logprobs, dtype=torch.float64), expected, atol=ATOL, rtol=0)
 
 
-def test_greedy_generation_matches_the_reference(ck, ref):
-    engine = ExitEngine(ck.model, ExitConfig("fixed"))
-    for batch_size in (1, 3):
-        out = engine.generate([p.tolist() for p in ref["greedy_prompt"]], max_new_tokens=5, batch_size=batch_size)
-        assert [r.tokens for r in out] == ref["greedy_tokens"].tolist()
-
-
-@pytest.mark.parametrize("policy,tau", [("qexit", 0.5), ("gate", 0.4), ("second_order", 1.0), ("kl", 1e-2),
-                                        ("confidence", 0.5)])
-@pytest.mark.parametrize("schedule", ["token_major", "depth_major"])
-def test_physical_exits_batched_equal_batch_size_one(ck, ref, policy, tau, schedule):
-    """Left padding broke the reference's batched generation; here rows never share positions' keys."""
-    requests = [(row[: n].tolist(), 2) for row, n in zip(ref["input_ids"], (12, 7, 10))]
-    engine = ExitEngine(ck.model, ExitConfig(policy, threshold=tau), schedule=schedule)
-    solo = [engine.score([r], batch_size=1)[0] for r in requests]
-    together = engine.score(requests, batch_size=3)
-    for a, b in zip(solo, together):
-        assert a.iterations == b.iterations
-        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=1e-6)
-    gen_solo = [engine.generate([r[0][:4]], max_new_tokens=4)[0] for r in requests]
-    gen = engine.generate([r[0][:4] for r in requests], max_new_tokens=4, batch_size=3)
-    assert [r.tokens for r in gen] == [r.tokens for r in gen_solo]
-    assert [r.iterations for r in gen] == [r.iterations for r in gen_solo]
-
-
 def test_qexit_saves_iterations_and_q1_reads_the_last_step(ck, ref):
     requests = [(row.tolist(), 1) for row in ref["input_ids"]]
     low = ExitEngine(ck.model, ExitConfig("qexit", threshold=0.2)).score(requests)
