@@ -2,6 +2,9 @@
 that does not exist) and `exitbench policies`, which lists every registered policy."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
 
 from exitbench.cli import app
@@ -60,3 +63,22 @@ def test_version_is_the_packages_own():
                          re.M).group(1)
     res = runner.invoke(app, ["--version"])
     assert res.exit_code == 0 and res.output == f"exitbench {declared}\n", res.output
+
+
+@pytest.mark.parametrize("command,options", [
+    ("run", "exitbench.sweep.config:RunOptions"), ("trace", "exitbench.studies.options:TraceOptions"),
+    ("geometry", "exitbench.studies.options:GeometryOptions"),
+    ("calibrate", "exitbench.studies.options:CalibrateOptions"),
+    ("fit-exit", "exitbench.studies.options:FitExitOptions"), ("info", "exitbench.models.info:InfoOptions")])
+def test_a_commands_options_are_one_dataclass_whose_every_field_is_a_flag(command, options):
+    """run and the studies take their options as one object (the library's, which a notebook builds too); the
+    command line is derived from its fields, so each field is a flag of the command, spelt as its metadata says."""
+    module, name = options.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    res = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert res.exit_code == 0
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("command_line", True):
+            continue
+        flag = (f.metadata["flags"] or (f"--{f.name.replace('_', '-')}",))[0].split("/")[0]
+        assert flag in res.output, (command, f.name, flag)

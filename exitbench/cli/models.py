@@ -2,40 +2,18 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 from rich.table import Table
 
 from ..engine.config import ExitConfig
-from .app import CheckpointOpt, DtypeOpt, NonfiniteOpt, app, command, console, exit_knobs, say
-
-JsonOpt = typer.Option(False, "--json", help="Print the report as JSON.")
-DepthOpt = typer.Option(False, "--depth", help="Also measure accuracy, perplexity and step norms vs r on held-out "
-                        "programs of the checkpoint's synthetic task.")
-DepthProgramsOpt = typer.Option(256, "--programs", help="Held-out programs for --depth.")
-DepthSeedOpt = typer.Option(0, "--seed", help="Seed of the held-out programs and initial states.")
-PlanOpt = typer.Option(False, "--plan", help="Also print the memory a run needs: weights, KV cache (one slot per "
-                       "iteration per loop layer) and activations.")
-PlanBatchOpt = typer.Option(16, "--batch-size", help="--plan: rows run together (run's default).")
-PlanDeviceOpt = typer.Option(None, help="--plan: the device whose free memory the total is compared with (auto, "
-                             "cpu, cuda, cuda:N, mps; default as run's).")
-PlanMemoryOpt = typer.Option(None, "--memory-gb", help="--plan: compare with a device of this many GB instead of "
-                             "measuring --device's free memory (a GPU this machine does not have), and say how many "
-                             "rows fit in it.")
-PlanContextOpt = typer.Option(None, "--context", help="--plan: the longest sequence, prompt and generated tokens "
-                              "[the model's context].")
-PlanStepsOpt = typer.Option(None, "--max-steps", help="--plan: iterations per loop group [each group's default "
-                            "depth].")
-
+from ..models.info import InfoOptions
+from .app import app, command, console, exit_knobs, options_from, say
 
 @command()
 @exit_knobs("kv_window")
-def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-         as_json: bool = JsonOpt, depth: bool = DepthOpt, programs: int = DepthProgramsOpt, seed: int = DepthSeedOpt,
-         memory_plan: bool = PlanOpt, batch_size: int = PlanBatchOpt, device: Optional[str] = PlanDeviceOpt,
-         context: Optional[int] = PlanContextOpt, max_steps: Optional[int] = PlanStepsOpt,
-         memory_gb: Optional[float] = PlanMemoryOpt, knobs: dict = None):
+@options_from(InfoOptions)
+def info(options: InfoOptions = None, knobs: dict = None):
     """Architecture, parameter count, layer split, loop depths, tokenizer and provenance of a checkpoint, read
     from its config and safetensors headers (no weight is loaded unless --depth)."""
     from ..engine.memory import device_plan
@@ -44,20 +22,21 @@ def info(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow
     from ..models.info import describe
     from ..runtime.validation import at_least
 
-    at_least("--programs", programs)
+    o = options
+    at_least("--programs", o.programs)
     kv_window = ExitConfig(**knobs).kv_window  # validated and normalised (0: none) as a run validates it
-    layout = inspect_checkpoint(resolve(checkpoint))  # headers only
-    report = describe(layout, check_dtype_name(dtype))
-    if memory_plan:
-        length = layout.model.config.block_size if context is None else context
-        report["plan"] = device_plan(layout.model, parse_dtype(report["dtype"]), batch_size, length, max_steps,
-                                     kv_window, device, memory_gb)
-    if depth:
+    layout = inspect_checkpoint(resolve(o.checkpoint))  # headers only
+    report = describe(layout, check_dtype_name(o.dtype))
+    if o.memory_plan:
+        length = layout.model.config.block_size if o.context is None else o.context
+        report["plan"] = device_plan(layout.model, parse_dtype(report["dtype"]), o.batch_size, length, o.max_steps,
+                                     kv_window, o.device, o.memory_gb)
+    if o.depth:
         from ..studies.depth import depth_report
 
-        report["depth"] = depth_report(open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite),
-                                       n_programs=programs, seed=seed)
-    if as_json:
+        report["depth"] = depth_report(open_checkpoint(o.checkpoint, o.dtype, allow_nonfinite=o.allow_nonfinite),
+                                       n_programs=o.programs, seed=o.seed)
+    if o.as_json:
         print(json.dumps(report, indent=2))
     else:
         show_info(report)

@@ -4,54 +4,40 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from ..engine.config import ExitConfig
 from ..errors import ExitbenchError
-from .app import (KNOBS_ON_COMMAND_LINE, CheckpointOpt, CompileOpt, DataDirOpt, DtypeOpt, NonfiniteOpt, ThreadsOpt,
-                  command, console, exit_config_from, exit_knobs, knobs_from, say,
+from ..studies.options import CalibrateOptions, FitExitOptions, GeometryOptions, TraceOptions
+from .app import (KNOBS_ON_COMMAND_LINE, command, console, exit_config_from, exit_knobs, knobs_from, options_from, say,
                   writable_targets)
 
 PromptArg = typer.Argument(..., help="Text to run; with --generate, the prompt to continue.")
-GenerateOpt = typer.Option(0, help="Generate this many tokens instead of scoring the prompt.")
-ExitConfigOpt = typer.Option(None, help="YAML file of exit knobs, beside the flags (a knob set in both is refused).")
-VsOpt = typer.Option([], "--vs", help="Also trace this policy (POLICY or POLICY:τ, repeatable), drawn beside the "
-                     "first.")
-HtmlOpt = typer.Option(None, "--html", help="Also draw the exit map to this HTML file.")
-PngOpt = typer.Option(None, "--png", help="Also draw the exit map to this PNG file.")
-TraceJsonOpt = typer.Option(None, "--json", help="Also write the traces (token ids and text, exit steps, "
-                            "log-probs, signals per step) to this JSON file.")
-TraceBosOpt = typer.Option(None, "--add-bos-token/--no-add-bos-token", help="Force BOS on (or off) the prompt, as "
-                           "run's option (default: the tokenizer decides, as run does).")
 
 
 @command()
 @exit_knobs(*KNOBS_ON_COMMAND_LINE, policy="second_order")
-def trace(prompt: str = PromptArg, checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt,
-          allow_nonfinite: bool = NonfiniteOpt, generate: int = GenerateOpt, exit_config: Optional[Path] = ExitConfigOpt,
-          seed: int = typer.Option(0, help="Seed of the initial-state noise."), compile_step: bool = CompileOpt,
-          threads: Optional[int] = ThreadsOpt, vs: list[str] = VsOpt, html: Optional[Path] = HtmlOpt,
-          png: Optional[Path] = PngOpt, json_out: Optional[Path] = TraceJsonOpt,
-          add_bos_token: Optional[bool] = TraceBosOpt, knobs: dict = None, ctx: typer.Context = None):
+@options_from(TraceOptions)
+def trace(prompt: str = PromptArg, options: TraceOptions = None, knobs: dict = None, ctx: typer.Context = None):
     """Per-token exit steps of one policy on a prompt: what the engine decides, token by token."""
     from ..models.checkpoint import open_checkpoint
     from ..policies.learned import check_fitted_for
     from ..runtime.devices import use_threads
     from ..studies.trace import check_exits, parse_vs
 
-    use_threads(threads)
-    cfg = exit_config_from(ctx, knobs, exit_config, seed=seed)
-    configs = [cfg, *parse_vs(vs, cfg)]
-    writable_targets((html, "--html", ".html"), (png, "--png", ".png"), (json_out, "--json", ".json"))
-    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    o = options
+    use_threads(o.threads)
+    cfg = exit_config_from(ctx, knobs, o.exit_config, seed=o.seed)
+    configs = [cfg, *parse_vs(o.vs, cfg)]
+    writable_targets((o.html, "--html", ".html"), (o.png, "--png", ".png"), (o.json_out, "--json", ".json"))
+    ck = open_checkpoint(o.checkpoint, o.dtype, allow_nonfinite=o.allow_nonfinite)
     check_fitted_for(ck, cfg.fitted_exit_model)
     check_exits(ck, configs)
-    if compile_step:
+    if o.compile_step:
         ck.model.compile_loops()
-    reports = [traced(ck, prompt, c, generate, add_bos_token) for c in configs]
-    show_traces(ck, reports, html, png, json_out, cfg.seed)
+    reports = [traced(ck, prompt, c, o.generate, o.add_bos_token) for c in configs]
+    show_traces(ck, reports, o.html, o.png, o.json_out, cfg.seed)
 
 
 def traced(ck, prompt: str, config: ExitConfig, generate: int, add_bos_token: bool | None) -> dict:
@@ -88,25 +74,11 @@ def show_traces(ck, reports: list[dict], html: Path | None, png: Path | None, js
         say(f"wrote {write_json(reports, ck, json_out, seed)}")
 
 
-CheckpointsOpt = typer.Option(None, "--checkpoints", help="Comma-separated checkpoints of one model across "
-                              "training; DIR:training expands to the step-N checkpoints `exitbench train "
-                              "--save-every` kept.")
-GeometryStepsOpt = typer.Option(None, "--steps", "-n", help="Iterations per loop group [the group's max].")
-GeometryOutOpt = typer.Option(Path("results/geometry"), "--out", "-o", help="Directory for geometry.json and the "
-                              "figures.")
 
 
 @command()
-def geometry(checkpoint: Optional[str] = CheckpointOpt, checkpoints: Optional[str] = CheckpointsOpt,
-             task: Optional[str] = typer.Option(None, "--task", "-t", help="Measure on this lm-eval task's documents."),
-             text: Optional[str] = typer.Option(None, "--text", help="Measure on this text file (blank-line "
-                                                "separated documents)."),
-             data_dir: Optional[str] = DataDirOpt, steps: Optional[int] = GeometryStepsOpt,
-             tokens: int = typer.Option(4096, "--tokens", help="Tokens of --task/--text to measure on."),
-             programs: int = typer.Option(128, "--programs", help="Held-out programs (chains-trained checkpoints, "
-                                          "no --task/--text)."),
-             seed: int = typer.Option(0, "--seed", help="Seed of held-out programs and initial states."),
-             out: Path = GeometryOutOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt):
+@options_from(GeometryOptions)
+def geometry(options: GeometryOptions = None):
     """Two-scale geometry of the loop iterates: step norms, cosines, accelerations, hand-off drift, PCA paths."""
     from ..analysis.tables import geometry_tables
     from ..models.checkpoint import open_checkpoint
@@ -118,51 +90,29 @@ def geometry(checkpoint: Optional[str] = CheckpointOpt, checkpoints: Optional[st
     from ..studies.geometry import geometry_report
     from ..studies.geometry_plot import FILES, write_figures
 
-    if checkpoint and checkpoints:
+    o = options
+    if o.checkpoint and o.checkpoints:
         raise ExitbenchError("give --checkpoint or --checkpoints, not both")
-    at_least("--programs", programs)
-    writable_dir(out, "--out")
+    at_least("--programs", o.programs)
+    writable_dir(o.out, "--out")
     for name in FILES:
-        writable_output(out / name, "--out")
-    cks = [open_checkpoint(c, dtype, allow_nonfinite=allow_nonfinite)
-           for c in (expand_checkpoints(checkpoints) if checkpoints else [checkpoint])]
+        writable_output(o.out / name, "--out")
+    cks = [open_checkpoint(c, o.dtype, allow_nonfinite=o.allow_nonfinite)
+           for c in (expand_checkpoints(o.checkpoints) if o.checkpoints else [o.checkpoint])]
     with batch_progress(console, "geometry") as on_progress:
-        rep = geometry_report(cks, task=task, text=text, data_dir=data_dir, steps=steps, max_tokens=tokens,
-                              programs=programs, seed=seed, on_progress=on_progress)
+        rep = geometry_report(cks, task=o.task, text=o.text, data_dir=o.data_dir, steps=o.steps, max_tokens=o.tokens,
+                              programs=o.programs, seed=o.seed, on_progress=on_progress)
     for t in geometry_tables(rep):
         console.print(t)
-    say("wrote " + ", ".join(str(p) for p in write_figures(rep, out) if p is not None))
+    say("wrote " + ", ".join(str(p) for p in write_figures(rep, o.out) if p is not None))
 
 
-EpsilonOpt = typer.Option(0.05, "--epsilon", help="Tolerated risk: the share of a document's tokens whose "
-                          "prediction differs from full depth.")
-DeltaOpt = typer.Option(0.1, "--delta", help="Allowed probability that the chosen threshold's risk exceeds "
-                        "epsilon.")
-CalibrationGridOpt = typer.Option(None, help="Comma-separated thresholds (default: the policy's grid).")
-CalibrationTaskOpt = typer.Option(None, "--task", "-t", help="Calibrate on this lm-eval task's documents.")
-CalibrationTextOpt = typer.Option(None, "--text", help="Calibrate on this text file (blank-line separated documents).")
-CalibrationTokensOpt = typer.Option(8192, "--tokens", help="Tokens of --task/--text to use.")
-CalibrationProgramsOpt = typer.Option(256, "--programs", help="Held-out programs (chains-trained checkpoints, no "
-                                      "--task/--text).")
-CalibrationBatchOpt = typer.Option(16, help="Sequences run together (never changes answers).")
-CalibrationSeedOpt = typer.Option(0, help="Seed of the held-out split, programs and initial-state noise.")
-TestFractionOpt = typer.Option(0.5, "--test-fraction", help="Documents held out to check the chosen threshold.")
-CalibrationReplayOpt = typer.Option(False, "--replay", help="Every threshold from one recording pass per split "
-                                    "instead of one run each (docs/sweeps.md on replay).")
-CalibrationOutOpt = typer.Option(None, "--out", "-o", help="JSON report [results/calibrate/<checkpoint>-<policy>"
-                                 ".json].")
 
 
 @command()
 @exit_knobs(*(k for k in KNOBS_ON_COMMAND_LINE if k != "threshold"), policy="second_order")
-def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: Optional[str] = CalibrationGridOpt,
-              checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-              task: Optional[str] = CalibrationTaskOpt, text: Optional[str] = CalibrationTextOpt,
-              data_dir: Optional[str] = DataDirOpt, tokens: int = CalibrationTokensOpt,
-              programs: int = CalibrationProgramsOpt, test_fraction: float = TestFractionOpt,
-              batch_size: int = CalibrationBatchOpt, seed: int = CalibrationSeedOpt, replay: bool = CalibrationReplayOpt,
-              out: Optional[Path] = CalibrationOutOpt, threads: Optional[int] = ThreadsOpt,
-              exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None, ctx: typer.Context = None):
+@options_from(CalibrateOptions)
+def calibrate(options: CalibrateOptions = None, knobs: dict = None, ctx: typer.Context = None):
     """The most aggressive threshold whose disagreement with full depth is ≤ epsilon with probability ≥ 1 − delta."""
     from ..analysis.tables import calibration_table
     from ..harness.documents import token_lists
@@ -173,21 +123,22 @@ def calibrate(epsilon: float = EpsilonOpt, delta: float = DeltaOpt, thresholds: 
     from ..studies.calibrate import calibrate as run_calibration
     from ..studies.calibrate import check_calibratable, chosen_grid, write_report
 
-    use_threads(threads)
+    o = options
+    use_threads(o.threads)
     # an unknown policy or bad knob fails before the checkpoint loads
-    config = exit_config_from(ctx, knobs, exit_config, seed=seed)
-    check_calibratable(config.policy, config.threshold, thresholds)
-    if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
-        writable_output(out, "--out")
-    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
-    grid = chosen_grid(ck, config, thresholds)  # a conjunction calibrates its varied member's threshold
-    path = writable_output(out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
+    config = exit_config_from(ctx, knobs, o.exit_config, seed=o.seed)
+    check_calibratable(config.policy, config.threshold, o.thresholds)
+    if o.out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
+        writable_output(o.out, "--out")
+    ck = open_checkpoint(o.checkpoint, o.dtype, allow_nonfinite=o.allow_nonfinite)
+    grid = chosen_grid(ck, config, o.thresholds)  # a conjunction calibrates its varied member's threshold
+    path = writable_output(o.out or Path("results") / "calibrate" / f"{ck.path.name}-{config.policy}.json", "--out")
     with console.status("calibrate: reading the documents"):
-        docs, source = token_lists(ck, task=task, text=text, data_dir=data_dir, max_tokens=tokens,
-                                   programs=programs, seed=seed, purpose="calibrate on")
+        docs, source = token_lists(ck, task=o.task, text=o.text, data_dir=o.data_dir, max_tokens=o.tokens,
+                                   programs=o.programs, seed=o.seed, purpose="calibrate on")
     rep = with_progress("calibrate", lambda on_progress: run_calibration(
-        ck.model, docs, config, grid, epsilon=epsilon, delta=delta, test_fraction=test_fraction, seed=seed,
-        batch_size=batch_size, on_progress=on_progress, replay=replay))
+        ck.model, docs, config, grid, epsilon=o.epsilon, delta=o.delta, test_fraction=o.test_fraction, seed=o.seed,
+        batch_size=o.batch_size, on_progress=on_progress, replay=o.replay))
     rep.update(source=source, checkpoint=recorded_path(ck.path))
     console.print(calibration_table(rep))
     write_report(rep, path)
@@ -202,26 +153,12 @@ def with_progress(command: str, work):
         return work(on_progress)
 
 
-FitLimitOpt = typer.Option(256, "--limit", help="Documents (or held-out programs) to fit on.")
-FitTokensOpt = typer.Option(65536, "--tokens", help="Cap on the tokens of those documents.")
-DisjointOpt = typer.Option(None, "--disjoint-from", help="Drop documents that begin with an evaluation document of "
-                           "these tasks (default: --task, or chains for held-out programs).")
-KindOpt = typer.Option("mlp", "--kind", help="mlp (one hidden tanh layer of 32) or logistic (regression).")
-FitTaskOpt = typer.Option(None, "--task", "-t", help="Fit on this lm-eval task's training (else validation) split, "
-                          "never the split it evaluates.")
-FitTextOpt = typer.Option(None, "--text", help="Fit on this text file (blank-line separated documents).")
-FitOutOpt = typer.Option(None, "--out", "-o", help="Exit-model JSON [results/exit-models/<checkpoint>.json].")
 
 
 @command("fit-exit")
 @exit_knobs("max_steps")
-def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, allow_nonfinite: bool = NonfiniteOpt,
-             task: Optional[str] = FitTaskOpt, text: Optional[str] = FitTextOpt, data_dir: Optional[str] = DataDirOpt, limit: int = FitLimitOpt, tokens: int = FitTokensOpt,
-             disjoint_from: Optional[str] = DisjointOpt, kind: str = KindOpt,
-             batch_size: int = typer.Option(16, help="Sequences recorded together."),
-             seed: int = typer.Option(0, help="Seed of the programs, the validation split and the noise."),
-             out: Optional[Path] = FitOutOpt, exit_config: Optional[Path] = ExitConfigOpt, knobs: dict = None,
-             ctx: typer.Context = None):
+@options_from(FitExitOptions)
+def fit_exit(options: FitExitOptions = None, knobs: dict = None, ctx: typer.Context = None):
     """Fit the learned exit rule to a checkpoint: features of the latent trajectory → risk of exiting too early.
 
     Its labels are taken against full depth, each loop group's default or --max-steps (from --exit-config too)."""
@@ -232,18 +169,20 @@ def fit_exit(checkpoint: Optional[str] = CheckpointOpt, dtype: str = DtypeOpt, a
                                     write_exit_model)
 
     # the learned rule's file is what this writes, so the knobs are read as a dict, not a config of that rule
-    knobs = knobs_from(ctx, knobs, exit_config, seed=seed)
+    o = options
+    knobs = knobs_from(ctx, knobs, o.exit_config, seed=o.seed)
     seed = knobs["seed"]
-    check_fit_options(limit, batch_size, seed)
-    if out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
-        writable_output(out, "--out")
-    ck = open_checkpoint(checkpoint, dtype, allow_nonfinite=allow_nonfinite)
+    check_fit_options(o.limit, o.batch_size, seed)
+    if o.out is not None:  # a named file is checked before the checkpoint loads; the default needs its name
+        writable_output(o.out, "--out")
+    ck = open_checkpoint(o.checkpoint, o.dtype, allow_nonfinite=o.allow_nonfinite)
     steps = fit_depths(ck.model, knobs)
-    path = writable_output(out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
+    path = writable_output(o.out or Path("results") / "exit-models" / f"{ck.path.name}.json", "--out")
     with console.status("fit-exit: reading the documents"):
-        docs, source, disjoint = fitting_documents(ck, task, text, data_dir, tokens, limit, seed, disjoint_from)
+        docs, source, disjoint = fitting_documents(ck, o.task, o.text, o.data_dir, o.tokens, o.limit, seed,
+                                                   o.disjoint_from)
     content = with_progress("fit-exit", lambda on_progress: fit_learned(
-        ck.model, docs, kind=kind, seed=seed, batch_size=batch_size, on_progress=on_progress, steps=steps))
+        ck.model, docs, kind=o.kind, seed=seed, batch_size=o.batch_size, on_progress=on_progress, steps=steps))
     content.update(provenance(ck, source, docs, disjoint, seed))
     for table in exit_model_tables(content):
         console.print(table)

@@ -1,10 +1,40 @@
 """What a checkpoint is: the report behind `exitbench info`."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
+from ..runtime.options import checkpoint_option, dtype_option, nonfinite_option, option
 from .checkpoint import AUTO, CheckpointLayout
 from .embedded import source_label
+
+
+@dataclass
+class InfoOptions:
+    """`exitbench info`'s options (the CLI derives its flags from these fields, as run's from RunOptions)."""
+    checkpoint: Optional[str] = checkpoint_option()
+    dtype: str = dtype_option()
+    allow_nonfinite: bool = nonfinite_option()
+    as_json: bool = field(default=False, metadata=option("Print the report as JSON.", "--json"))
+    depth: bool = field(default=False, metadata=option(
+        "Also measure accuracy, perplexity and step norms vs r on held-out programs of the checkpoint's synthetic "
+        "task.", "--depth"))
+    programs: int = field(default=256, metadata=option("Held-out programs for --depth.", "--programs"))
+    seed: int = field(default=0, metadata=option("Seed of the held-out programs and initial states.", "--seed"))
+    memory_plan: bool = field(default=False, metadata=option(
+        "Also print the memory a run needs: weights, KV cache (one slot per iteration per loop layer) and "
+        "activations.", "--plan"))
+    batch_size: int = field(default=16, metadata=option("--plan: rows run together (run's default).", "--batch-size"))
+    device: Optional[str] = field(default=None, metadata=option(
+        "--plan: the device whose free memory the total is compared with (auto, cpu, cuda, cuda:N, mps; default as "
+        "run's)."))
+    context: Optional[int] = field(default=None, metadata=option(
+        "--plan: the longest sequence, prompt and generated tokens [the model's context].", "--context"))
+    max_steps: Optional[int] = field(default=None, metadata=option(
+        "--plan: iterations per loop group [each group's default depth].", "--max-steps"))
+    memory_gb: Optional[float] = field(default=None, metadata=option(
+        "--plan: compare with a device of this many GB instead of measuring --device's free memory (a GPU this "
+        "machine does not have), and say how many rows fit in it.", "--memory-gb"))
 
 
 def describe(layout: CheckpointLayout, dtype: str = AUTO) -> dict[str, Any]:

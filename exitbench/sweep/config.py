@@ -21,14 +21,11 @@ from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
 from ..policies.grids import parse_depths, parse_quantiles, parse_thresholds
 from ..runtime.distributed import init_distributed
+from ..runtime.options import (checkpoint_option, compile_option, data_dir_option, dtype_option, nonfinite_option,
+                               option, threads_option)
 from ..runtime.validation import at_least
 from . import backends
 
-
-
-def option(help: str, *flags: str) -> dict[str, Any]:
-    """A command-line option's metadata: its help and, where they differ from --field-name, its flags."""
-    return {"help": help, "flags": flags}
 
 
 @dataclass
@@ -45,13 +42,9 @@ class RunOptions:
     exit_config: Optional[Path] = field(default=None, metadata=option(
         "An exit-config YAML: its knobs (an all_of conjunction's rules among them) are the sweep's, its policy "
         "and threshold the sweep's where --policy / --thresholds are not given.", "--exit-config"))
-    checkpoint: Optional[str] = field(default=None, metadata=option(
-        "Checkpoint directory or embedded name (default: the embedded tiny-raven).", "--checkpoint", "-c"))
-    dtype: str = field(default="auto", metadata=option(
-        "auto (the checkpoint's own torch_dtype), float32, bfloat16 or float16."))
-    allow_nonfinite: bool = field(default=False, metadata=option(
-        "Load weights that hold NaN or inf (for studying broken checkpoints); refused by default.",
-        "--allow-nonfinite"))
+    checkpoint: Optional[str] = checkpoint_option()
+    dtype: str = dtype_option()
+    allow_nonfinite: bool = nonfinite_option()
     limit: Optional[float] = field(default=None, metadata=option(
         "Documents per task (testing only; <1 = fraction)."))
     num_fewshot: Optional[int] = field(default=None, metadata=option("Few-shot examples (default: the task's)."))
@@ -60,7 +53,7 @@ class RunOptions:
     out: Optional[Path] = field(default=None, metadata=option(
         "Result directory (default results/<checkpoint name>)."))
     shard: Optional[str] = field(default=None, metadata=option("Run only cells j with j % n == i, as i/n."))
-    data_dir: Optional[Path] = field(default=None, metadata=option("Local GSM8K copy (train.jsonl, test.jsonl)."))
+    data_dir: Optional[Path] = data_dir_option()
     include_path: list[Path] = field(default_factory=list, metadata=option("More lm-eval task folders."))
     log_samples: Optional[bool] = field(default=None, metadata=option(
         "Write each cell's samples with per-token exits beside it, what the report's exit maps draw (default: "
@@ -95,12 +88,8 @@ class RunOptions:
     preset: Optional[str] = field(default=None, metadata=option(
         "A family's published protocol (`exitbench presets`): task, shots, template, dtype, depths; flags "
         "override it.", "--preset"))
-    compile_step: bool = field(default=False, metadata=option(
-        "torch.compile each loop group's step (dynamic shapes): faster iterations after a one-off compilation "
-        "of tens of seconds.", "--compile"))
-    threads: Optional[int] = field(default=None, metadata=option(
-        "torch CPU threads for the model (default: torch's, one per core; on a busy machine fewer threads time "
-        "more steadily); recorded in each result.", "--threads"))
+    compile_step: bool = compile_option()
+    threads: Optional[int] = threads_option()
     timing_repeats: int = field(default=retime.DEFAULT_REPEATS, metadata=option(
         "After each cell, time documents drawn across each task again this often beside full depth, "
         "alternately: a paired speed-up with its range (0: none; replay cells never).", "--timing-repeats"))
