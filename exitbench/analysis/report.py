@@ -27,10 +27,10 @@ from ..presets import published_rows
 from ..runtime.files import atomic_write
 from ..store.disk import samples_path
 from ..store.loading import load_paths, model_label
-from . import compare, exitmap, frontier, notes
-from .labels import deeper_said, depth_said, direction, overhead, setting
 from ..timing.speedup import BEFORE_CLOCKS, SpeedUp, unreadable
 from ..timing.speedup import text as speedup_text
+from . import compare, exitmap, frontier, notes
+from .labels import deeper_said, depth_said, direction, overhead, setting
 from .plot import draw
 
 # Bases whose speed-up is no timing of this run's: shown as text (≈2.13×), never sorted among timed ones.
@@ -158,6 +158,7 @@ def doc_maps(points: dict[str, frontier.Point], paths: dict[str, Path], docs: in
 
 # ---- figures --------------------------------------------------------------------------------------------------
 FIGURE_DPI = 130  # an 8-inch frontier panel is 1040 px: about the page's width (STYLE's max-width)
+
 
 def png_uri(fig) -> str:
     """A figure as an inline PNG data URI (closed after drawing: a report draws many)."""

@@ -10,6 +10,7 @@ from ..engine.config import ExitConfig
 from ..models.info import InfoOptions
 from .app import app, command, console, exit_knobs, options_from, say
 
+
 @command()
 @exit_knobs("kv_window")
 @options_from(InfoOptions)

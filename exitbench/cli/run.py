@@ -49,8 +49,8 @@ def show_outcome(sweep, outcome) -> None:
     from ..sweep.run import summary_rows
 
     reused = {c["cell_id"] for c in sweep.plan.reused()}
-    console.print(summary_table(summary_rows(outcome.cells, reused),
-                                title=f"{len(outcome.cells)} cells in {sweep.out}{backend(sweep.cfg.backend).title()}"))
+    title = f"{len(outcome.cells)} cells in {sweep.out}{backend(sweep.cfg.backend).title()}"
+    console.print(summary_table(summary_rows(outcome.cells, reused), title=title))
     for note in timing_notes(outcome.cells):
         say(str(note))
     if outcome.verified is not None:

@@ -74,8 +74,6 @@ def show_traces(ck, reports: list[dict], html: Path | None, png: Path | None, js
         say(f"wrote {write_json(reports, ck, json_out, seed)}")
 
 
-
-
 @command()
 @options_from(GeometryOptions)
 def geometry(options: GeometryOptions = None):
@@ -100,13 +98,11 @@ def geometry(options: GeometryOptions = None):
     cks = [open_checkpoint(c, o.dtype, allow_nonfinite=o.allow_nonfinite)
            for c in (expand_checkpoints(o.checkpoints) if o.checkpoints else [o.checkpoint])]
     with batch_progress(console, "geometry") as on_progress:
-        rep = geometry_report(cks, task=o.task, text=o.text, data_dir=o.data_dir, steps=o.steps, max_tokens=o.tokens,
-                              programs=o.programs, seed=o.seed, on_progress=on_progress)
+        rep = geometry_report(cks, task=o.task, text=o.text, data_dir=o.data_dir, steps=o.steps,
+                              max_tokens=o.tokens, programs=o.programs, seed=o.seed, on_progress=on_progress)
     for t in geometry_tables(rep):
         console.print(t)
     say("wrote " + ", ".join(str(p) for p in write_figures(rep, o.out) if p is not None))
-
-
 
 
 @command()
@@ -151,8 +147,6 @@ def with_progress(command: str, work):
 
     with batch_progress(console, command) as on_progress:
         return work(on_progress)
-
-
 
 
 @command("fit-exit")

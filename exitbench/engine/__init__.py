@@ -10,10 +10,10 @@ recorder.py the recording pass (every scored position at every iteration, teache
             sweeps, calibration and fit-exit read
 flops.py    analytic FLOPs per token; memory.py: the memory a run needs, before it runs
 """
+from ..timing.clocks import PHASES
 from .config import ExitConfig
 from .engine import ExitEngine
 from .noise import PositionNoise
 from .records import SequenceResult, TokenRecord
-from ..timing.clocks import PHASES
 
 __all__ = ["PHASES", "ExitConfig", "ExitEngine", "PositionNoise", "SequenceResult", "TokenRecord"]

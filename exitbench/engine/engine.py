@@ -33,6 +33,7 @@ import torch
 from ..errors import ExitbenchError
 from ..models import AttnContext, LoopedLM
 from ..runtime.validation import at_least
+from ..timing.clocks import PHASES, PhaseClock
 from .config import ExitConfig
 from .flops import FlopModel
 from .loop import Leaving, TokenLoop, positions_runs, uniform_chunk
@@ -40,7 +41,6 @@ from .noise import PositionNoise
 from .prefixes import PrefixStore
 from .probe_cache import ProbeCache
 from .records import SequenceResult, Token, TokenRecord
-from ..timing.clocks import PHASES, PhaseClock
 from .waves import DepthMajor, block_positions, depth_major_blocker
 
 # consume(request, position, log-probabilities (V,) (scoring; None in generation, which reads none), their argmax,

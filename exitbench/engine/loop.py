@@ -24,11 +24,11 @@ import torch
 from ..models import AttnContext, KVCache, LoopedLM, LoopGroup
 from ..policies import ExitPolicy
 from ..policies.gate import exit_mass
+from ..timing.clocks import PhaseClock
 from .hindsight import Hindsight
 from .places import PlaceContext
 from .probe_cache import ProbeCache
 from .records import Token
-from ..timing.clocks import PhaseClock
 
 
 @dataclass

@@ -57,12 +57,12 @@ def log_grid(lo: float, hi: float, per_decade: int = 1) -> tuple[float, ...]:
     return tuple(float(f"{lo * 10 ** (i / per_decade):.3g}") for i in range(n + 1))
 
 
-
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """The log-probabilities a rule reads, in float64: KL and entropy differences near their thresholds (1e-5
     and below) sit at float32's rounding noise, which varies with batch shape; in float64 batching cannot flip
     an exit."""
     return torch.log_softmax(logits.double(), -1)
+
 
 class ExitPolicy:
     name: ClassVar[str]

@@ -90,7 +90,6 @@ def backend(name: str) -> Backend:
 def check_options(name: str, config: Any) -> None:
     """Refuse the options the backend cannot honour (`config`: the SweepConfig), in one line."""
     chosen = backend(name)
-    typed = [flag for field, flag in chosen.unsupported if getattr(config, field)]
-    if typed:
+    if any(getattr(config, field) for field, _ in chosen.unsupported):
         raise ExitbenchError(f"--backend {name} runs cells exactly, in {chosen.engine} own loop: drop "
                              f"{' and '.join(flag for _, flag in chosen.unsupported)}, or use --backend {DEFAULT}")

@@ -16,7 +16,6 @@ from typing import Any, Optional
 from ..engine import ExitConfig
 from ..engine.recorder import check_recordable
 from ..errors import ExitbenchError
-from ..timing import retime, trust
 from ..harness.prompting import Prompting
 from ..policies import REGISTRY, check_policy_name
 from ..policies.grids import parse_depths, parse_quantiles, parse_thresholds
@@ -24,8 +23,8 @@ from ..runtime.distributed import init_distributed
 from ..runtime.options import (checkpoint_option, compile_option, data_dir_option, dtype_option, nonfinite_option,
                                option, threads_option)
 from ..runtime.validation import at_least
+from ..timing import retime, trust
 from . import backends
-
 
 
 @dataclass

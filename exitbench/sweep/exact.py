@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 from ..engine import ExitConfig
 from ..errors import ExitbenchError
-from ..timing import retime, trust
 from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..policies import ExitPolicy
 from ..runtime.provenance import machine_load, run_metadata
 from ..store import cells
+from ..timing import retime, trust
 from . import backends
 from .config import SweepConfig
 
@@ -37,8 +37,9 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
     from ..harness.quiet import lm_eval_output
 
     names = [tasks.names[i] for i in indices]
-    lm = backends.backend(cfg.backend).lm_class()(ck, exit_config=exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
-                     add_bos_token=cfg.add_bos_token)
+    engine = backends.backend(cfg.backend)
+    lm = engine.lm_class()(ck, exit_config=exit_cfg, batch_size=cfg.batch_size, on_progress=on_requests,
+                           add_bos_token=cfg.add_bos_token)
     started = run_metadata(seed=cfg.seed, run_id=run_id, batch_size=cfg.batch_size, device=str(lm.device),
                            dtype=ck.dtype, world_size=lm.world_size)
     # The machine's load around the timing: a busy machine makes wall-clock ratios unreliable (pareto warns).
@@ -63,7 +64,7 @@ def run_config(ck: Checkpoint, tasks: TaskSet, indices: list[int], exit_cfg: Exi
         return []
     elapsed = time.perf_counter() - t0
     timings = retimed(ck, lm, names, full, cfg) if full is not None and lm.world_size == 1 \
-        and backends.backend(cfg.backend).retimed else {}
+        and engine.retimed else {}
     started["load"]["end"] = machine_load()
     # lm-eval pads a rank that got fewer documents with copies of its last request (and repeats requests
     # for repeats > 1): each (task, doc, request) counts once, as it does in the metrics.

@@ -37,8 +37,8 @@ window.addEventListener('load', function () {
   });
   var external = Array.from(document.querySelectorAll('[src],[href]')).map(function (e) {
     return e.getAttribute('src') || e.getAttribute('href'); }).filter(function (u) { return /^(https?:)?\\/\\//.test(u); });
-  // Layout at the window's width: each image's shown and drawn width beside the room its box gives it; each
-  // table's right edge, and the scrolling box (if any) that keeps a wider one whole.
+  // Layout at the window's width: each image's shown and drawn width beside the room its box gives
+  // it; each table's right edge, and the scrolling box (if any) that keeps a wider one whole.
   var view = document.documentElement.clientWidth;
   var room = function (e) {
     var s = getComputedStyle(e);
@@ -83,8 +83,8 @@ def load(page: Path, tmp: Path, width: int = 1280) -> tuple[dict, str]:
     text = Path(page).read_text()
     checked = tmp / f"checked-{Path(page).name}"
     checked.write_text(text.replace("<head>", "<head>" + CHECKER, 1))
-    res = subprocess.run([chromium(), *FLAGS, f"--window-size={width},2000", "--virtual-time-budget=10000", "--dump-dom",
-                          checked.as_uri()],
+    res = subprocess.run([chromium(), *FLAGS, f"--window-size={width},2000", "--virtual-time-budget=10000",
+                          "--dump-dom", checked.as_uri()],
                          capture_output=True, text=True, timeout=120)
     found = re.search(r'<pre id="__check">(.*?)</pre>', res.stdout, re.S)
     assert found, f"the checker never ran (exit {res.returncode}):\n{res.stderr[-3000:]}"
