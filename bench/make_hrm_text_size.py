@@ -20,17 +20,13 @@ fixture of the slow full-size test (tests/test_full_size.py, its hrm_text row).
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_huginn_size import byte_level_bpe  # noqa: E402
-from make_ouro_size import write_weights  # noqa: E402
-from sizes import size_main  # noqa: E402
+from sizes import size_main, write_checkpoint  # noqa: E402
 
 SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12, head_dim=128, num_layers_per_stack=16,
              H_cycles=2, L_cycles=3, vocab_size=65536, max_position_embeddings=4096)
@@ -64,24 +60,13 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    keys = layout()
     g = torch.Generator().manual_seed(seed)
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         std = 1.0 if key.endswith("z_L_init") else 0.02
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(dtype)
 
-    total = write_weights(out, keys, make, dtype, 1, log)
-    tok = byte_level_bpe(SHAPE["vocab_size"], SPECIAL)
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
-    assert tok.get_vocab_size(with_added_tokens=True) == SHAPE["vocab_size"] and tok.token_to_id("<|box_end|>") == 11
-    tok.save(str(out / "tokenizer.json"))
-    (out / "config.json").write_text(json.dumps(config_json(dtype), indent=2, sort_keys=True) + "\n")
-    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
-    return out
+    return write_checkpoint(out, layout(), make, dtype, SPECIAL, config_json(dtype), log)
 
 
 def main(argv: list[str] | None = None) -> None:

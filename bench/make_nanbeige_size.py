@@ -19,17 +19,13 @@ fixture of the slow full-size test (tests/test_full_size.py, its nanbeige row).
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_huginn_size import byte_level_bpe  # noqa: E402
-from make_ouro_size import write_weights  # noqa: E402
-from sizes import llama_layer_keys, size_main  # noqa: E402
+from sizes import llama_layer_keys, size_main, write_checkpoint  # noqa: E402
 
 SHAPE = dict(hidden_size=3072, intermediate_size=10752, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=22, vocab_size=166144, max_position_embeddings=262144, rope_theta=7e7)
@@ -59,10 +55,6 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    keys = layout()
     g = torch.Generator().manual_seed(seed)
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -70,17 +62,10 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
         t.fill_(1.0) if key.endswith("norm.weight") else t.normal_(0.0, 0.02, generator=g)
         return t.to(dtype)
 
-    total = write_weights(out, keys, make, dtype, 1, log)
-    tok = byte_level_bpe(SHAPE["vocab_size"], SPECIAL)
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
-    assert tok.get_vocab_size(with_added_tokens=True) == SHAPE["vocab_size"] and tok.token_to_id("</s>") == 2
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
-                                                           "eos_token": "</s>", "unk_token": "<unk>",
-                                                           "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
-    (out / "config.json").write_text(json.dumps(config_json(dtype), indent=2, sort_keys=True) + "\n")
-    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
-    return out
+    tokenizer_config = {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                        "tokenizer_class": "PreTrainedTokenizerFast"}
+    return write_checkpoint(out, layout(), make, dtype, SPECIAL, config_json(dtype), log,
+                            {"tokenizer_config.json": tokenizer_config})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ dtype, a seed) and the key names of a Llama-style layer, so each script says onl
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -32,3 +33,27 @@ def llama_layer_keys(prefix: str, hidden: int, inter: int, q: int, kv: int) -> l
             (f"{prefix}.self_attn.v_proj.weight", (kv, hidden)), (f"{prefix}.self_attn.o_proj.weight", (hidden, q)),
             (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)), (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
             (f"{prefix}.mlp.down_proj.weight", (hidden, inter))]
+
+
+def write_checkpoint(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtype: torch.dtype, special: list[str],
+                     config: dict, log=print, extra_files: dict[str, dict] | None = None) -> Path:
+    """What a one-file size script writes once it has its layout: into a new (or empty) `out`, `make(key, shape)`
+    for every key in one model.safetensors, a byte-level BPE tokenizer.json of config's vocab_size whose first ids
+    are `special`, config.json, and each of `extra_files` (name → its JSON)."""
+    from make_huginn_size import byte_level_bpe  # (siblings that import this module: imported when called)
+    from make_ouro_size import write_weights
+    from tokenizers import AddedToken
+
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    total = write_weights(out, keys, make, dtype, 1, log)
+    tok = byte_level_bpe(config["vocab_size"], special)
+    tok.add_special_tokens([AddedToken(s, special=True) for s in special])
+    assert tok.get_vocab_size(with_added_tokens=True) == config["vocab_size"]
+    assert [tok.token_to_id(s) for s in special] == list(range(len(special)))
+    tok.save(str(out / "tokenizer.json"))
+    for name, content in {**(extra_files or {}), "config.json": config}.items():
+        (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
+    return out

@@ -83,9 +83,9 @@ class ExitConfig:
         "How loop layers keep keys across iterations. latest (default; Huginn's reference, Continuous Depth "
         "Batching's last_exited): a slot per iteration, an exited token's entry carried into the slots above its "
         "exit, so a later token at iteration i reads it at min(i, its exit); single: one slot for every iteration "
-        "(kv_window 1; Dory's last_loop, CDB's single): a later token reads each earlier one's last entry; "
-        "first_then_shared (CDB's): a slot for iteration 1, one shared slot for the rest.", role="engine",
-        when_set=True))
+        "(kv_window 1; the last_loop KV mode of vLLM's looped models, CDB's single): a later token reads each "
+        "earlier one's last entry; first_then_shared (CDB's): a slot for iteration 1, one shared slot for the "
+        "rest.", role="engine", when_set=True))
     refill: str = field(default="continuous", metadata=knob(
         "When a generated token that exited hands its row the next token. continuous (default; continuous depth "
         "batching): the loop keeps fixed places, a free place takes a waiting token at once, and exited tokens' "

@@ -105,6 +105,9 @@ class ExitEngine:
         if self.config.exit_mode == "freeze" and any(g.frozen_step is None for g in self.groups):
             raise ExitbenchError(f"exit_mode freeze runs a loop group's MLPs for its active tokens only; this "
                                  f"{model.architecture} model's loop groups have no such step")
+        layout_problem = model.cache_layout_problem(*self.config.cache_layout())
+        if layout_problem:
+            raise ExitbenchError(layout_problem)
         for g, p in zip(self.groups, self.policies):
             if p.max_steps > g.max_steps:
                 raise ExitbenchError(f"{p.name}: max_steps={p.max_steps} exceeds the {g.name} group's maximum of "

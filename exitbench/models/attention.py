@@ -276,3 +276,40 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     L = k.shape[2]
     mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def token_entries(ctx: AttnContext, layer: int, k: torch.Tensor, v: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token mode: write each token's k, v (n, H, 1, D) at its place, and return its row's entries of positions
+    0 … length − 1 at its slot, (n, H, length, D); what lies past a token's position is for its caller to mask.
+    Tokens of one row together (`by_row`) read their row's slice, as KVCache.attend_by_row does."""
+    cache, index = ctx.cache, ctx.index
+    if index.by_row is None:
+        return cache.update_tokens(layer, index, k, v)
+    out = []
+    for store, new in ((cache.k, k), (cache.v, v)):
+        cache.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        rows = new.new_zeros(new.shape[0], index.length, *new.shape[1:2], new.shape[-1])
+        for (idx, row, n_keys, _, _), slot in zip(index.by_row, index.row_slots):
+            rows[idx, :n_keys] = store[layer][slot, row, :n_keys]
+        out.append(rows.transpose(1, 2))
+    return out[0], out[1]
+
+
+@torch.compiler.disable
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, layer_id: int,
+                             window: int) -> torch.Tensor:
+    """`cached_causal_attention` in which a query at position i sees only the keys j with i − j < window, itself
+    included (vLLM's sliding window, Mistral's and Gemma's). The mask is built from positions alone, so it holds in
+    both modes and for tokens of one row read together; never compiled, for the cache's reasons."""
+    T = q.shape[2]
+    if ctx.index is not None:
+        k, v = token_entries(ctx, layer_id, k, v)
+        queries = ctx.positions.view(-1, 1, 1, 1)  # one token per row
+    else:
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
+        queries = torch.arange(ctx.start, ctx.start + T, device=q.device).view(1, 1, T, 1)
+    distance = queries - torch.arange(k.shape[2], device=q.device)
+    k, v = expand_groups(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(distance >= 0) & (distance < window))

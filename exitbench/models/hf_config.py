@@ -126,3 +126,11 @@ class HFNamedConfig(HFNames):
         out.update({"model_type": self.model_type, "architectures": [self.hf_class]})
         extra = {k: v for k, v in self.extra.items() if k not in out}
         return {**extra, **out}
+
+
+def refuse_set(raw: dict[str, Any], names: tuple[str, ...], fact: str) -> None:
+    """Refuse in one line the first of the config flags `names` that config.json sets true: `fact` says why the
+    family has no such thing."""
+    for name in names:
+        if raw.get(name):
+            raise CheckpointError(f"config {name}=true: {fact}; set {name} false")

@@ -38,7 +38,7 @@ from ..errors import CheckpointError
 from . import limits
 from .attention import AttnContext, rotary_attention
 from .hf_blocks import HFLoopedLM, normed_loop_grids
-from .hf_config import HFNamedConfig
+from .hf_config import HFNamedConfig, refuse_set
 from .looped import LoopGroup
 
 
@@ -100,10 +100,8 @@ class HrmTextConfig(HFNamedConfig):
 
     @classmethod
     def refuse(cls, raw: dict[str, Any]) -> None:
-        for name in ("attention_bias", "mlp_bias"):
-            if raw.get(name):
-                raise CheckpointError(f"config {name}=true: HRM-Text's projections have no biases (the released "
-                                      f"checkpoint has none); set {name} false")
+        refuse_set(raw, ("attention_bias", "mlp_bias"),
+                   "HRM-Text's projections have no biases (the released checkpoint has none)")
         rope = raw.get("rope_parameters") or {}
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
         if kind != "default":

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from . import limits
-from .attention import AttnContext
+from .attention import AttnContext, token_entries
 from .hf_config import HFNames
 from .looped import LoopedLM, LoopGroup, Stage
 
@@ -196,24 +196,6 @@ def state_layer(c: Inkling2Config, layer: int, which: int) -> int:
     return c.num_hidden_layers + 4 * layer + which
 
 
-def tokens_entries(ctx: AttnContext, layer: int, k: torch.Tensor, v: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token mode: write each token's k, v (n, H, 1, D) at its place, and return its row's entries of positions
-    0 … length − 1 at its slot, (n, H, length, D); what lies past a token's position is for its caller to mask.
-    Tokens of one row together (`by_row`) read their row's slice, as KVCache.attend_by_row does."""
-    cache, index = ctx.cache, ctx.index
-    if index.by_row is None:
-        return cache.update_tokens(layer, index, k, v)
-    out = []
-    for store, new in ((cache.k, k), (cache.v, v)):
-        cache.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
-        rows = new.new_zeros(new.shape[0], index.length, *new.shape[1:2], new.shape[-1])
-        for (idx, row, n_keys, _, _), slot in zip(index.by_row, index.row_slots):
-            rows[idx, :n_keys] = store[layer][slot, row, :n_keys]
-        out.append(rows.transpose(1, 2))
-    return out[0], out[1]
-
-
 def conv_context(x: torch.Tensor, ctx: AttnContext, state_id: int, kernel: int) -> torch.Tensor:
     """A short convolution's window: (B, K − 1 + T, C) float32 of the K − 1 inputs before each row's chunk at the
     same layer visit (zeros before the sequence) and the chunk's own x (B, T, C). With a cache, x is kept in cache
@@ -227,7 +209,7 @@ def conv_context(x: torch.Tensor, ctx: AttnContext, state_id: int, kernel: int) 
         kept, _ = ctx.cache.update(state_id, ctx.iteration, ctx.rows, ctx.start, entry, entry)
         kept = kept[:, 0, max(0, ctx.start - kernel + 1):].float()
         return F.pad(kept, (0, 0, kernel - 1 + T - kept.shape[1], 0))
-    kept, _ = tokens_entries(ctx, state_id, entry, entry)  # (n, 1, length, C)
+    kept, _ = token_entries(ctx, state_id, entry, entry)  # (n, 1, length, C)
     back = ctx.positions.unsqueeze(1) - torch.arange(kernel - 1, -1, -1, device=x.device)  # oldest … own
     window = kept[:, 0].gather(1, back.clamp(min=0).unsqueeze(-1).expand(-1, -1, C)).float()
     return window.masked_fill((back < 0).unsqueeze(-1), 0.0)
@@ -354,7 +336,7 @@ class Attention(nn.Module):
         v = unweighted_rms(self._conv(self.v_sconv, self.wv_dv(hv), hv, ctx, 1).view(B, T, self.n_kv, -1),
                            c.rms_norm_eps).transpose(1, 2)
         if token_mode:
-            k, v = tokens_entries(ctx, self.layer_id, k, v)
+            k, v = token_entries(ctx, self.layer_id, k, v)
         elif ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_id, ctx.iteration, ctx.rows, ctx.start, k, v)
         group = self.n_heads // self.n_kv

@@ -207,6 +207,11 @@ class LoopedLM(nn.Module):
         """Make lm_head share the token embedding's weight (after a load assigned both)."""
         self.lm_head.weight = self.transformer.wte.weight
 
+    def cache_layout_problem(self, window: int | None, private: int) -> str | None:
+        """Why a run whose loop layers' slots are laid out as (window, private) (ExitConfig.cache_layout) cannot run
+        this checkpoint as it was made to run, or None; a checkpoint whose loops share one KV slot says so here."""
+        return None
+
     def describe_variant(self) -> dict | None:
         """For an architecture whose checkpoints come in several block layouts: which one this is and what
         told it (`info`); None for one with a single layout."""

@@ -299,6 +299,10 @@ def expand_policies(names: list[str]) -> list[str]:
 
 
 def default_baselines(max_steps: int) -> list[int]:
+    """Every depth of a loop of at most four (the families that loop so few times publish each depth as an
+    operating point: Ouro's T = 1–4), else 1, 2, 4, … and full depth."""
+    if max_steps <= 4:
+        return list(range(1, max_steps + 1))
     rs, r = [], 1
     while r < max_steps:
         rs.append(r)

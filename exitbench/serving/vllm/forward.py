@@ -29,6 +29,19 @@ Attend = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 SERVED_MODES = ("freeze",)
 
 
+def vllm_own_model(architecture: str) -> str:
+    """Whether the installed vLLM ships a model of its own by this name: one that runs the loop count it was
+    started with, with no per-token exits, so the exit plugin cannot use it."""
+    import importlib.util
+
+    try:
+        ships = importlib.util.find_spec(f"vllm.model_executor.models.{architecture}") is not None
+    except ModuleNotFoundError:  # no vLLM at all
+        return "and no vLLM is installed"
+    return (f"the installed vLLM has its own {architecture} model, which runs a fixed loop count with no per-token "
+            "exits" if ships else f"the installed vLLM has no {architecture} model either")
+
+
 def check_servable(model: LoopedLM, config: ExitConfig) -> None:
     """Refuse, in one line, what the plugin cannot serve: it runs one loop group under exit mode freeze (or a
     fixed depth, where no token exits), with readouts that attend to no other token when the rule decodes."""
@@ -37,7 +50,8 @@ def check_servable(model: LoopedLM, config: ExitConfig) -> None:
     groups = model.loop_groups()
     if model.architecture not in MODEL_TYPES:  # the plugin registers these alone: vLLM would fail on the config
         raise ExitbenchError(f"the vLLM backend serves {', '.join(MODEL_TYPES)} checkpoints (Raven's layout: "
-                             f"tiny-raven, Huginn-0125); this is a {model.architecture} model: use --backend hf")
+                             f"tiny-raven, Huginn-0125); this is a {model.architecture} model "
+                             f"({vllm_own_model(model.architecture)}): use --backend hf")
     if len(groups) != 1 or groups[0].frozen_step is None:
         raise ExitbenchError(f"the vLLM backend serves models with one loop group that has a freeze step (Raven's "
                              f"layout: tiny-raven, Huginn-0125); this {model.architecture} model has "
