@@ -94,7 +94,7 @@ def test_its_schema_refuses_a_bad_config_in_one_line(toy_dir, tmp_path, fields, 
 # What adding a family takes outside tests/ and docs/ (docs/adding-a-family.md): its module, the registry's one
 # `register` call, its full-size bench and the README's model table. (bench/RESULTS.md, which records the size
 # bench's footprint, is a record of a measurement, as docs/ is of the rest.)
-KIT_FAMILIES = {"nanbeige": "Nanbeige", "hrm_text": "HrmText"}
+KIT_FAMILIES = {"nanbeige": "Nanbeige", "hrm_text": "HrmText", "dory": "Dory"}
 
 
 @pytest.mark.parametrize("module", sorted(KIT_FAMILIES))

@@ -22,6 +22,7 @@ FAMILIES = {
     "ouro": (FIXTURES / "ouro-tiny", "total_ut_steps"),
     "nanbeige": (FIXTURES / "nanbeige-tiny", "num_loops"),
     "hrm_text": (FIXTURES / "hrm-text-tiny", "H_cycles"),
+    "dory": (FIXTURES / "dory-tiny", "n_recurrent_loops"),
     # Inkling 2's fields passed untyped before the schema came from its class
     "inkling2_loop_text": (FIXTURES / "inkling2-tiny", "swa_head_dim"),
 }

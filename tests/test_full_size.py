@@ -114,6 +114,15 @@ FAMILIES = [
             "loop_groups": group("cycles", 32, 2, 4),
             "plan.kv_layout.slots_per_loop_layer": [2], "plan.kv_cache": 2 * (2 * 64) * 4 * 1000 * 12 * 128 * 2},
            CONFIDENCE, 2, *FIRST_ORDER_CELL),
+    # Dory1.0-4B: 3.98B parameters in one bf16 file, 131,072 tokens, 72 sublayers (16 input, 40 looped 4 times, 16
+    # output). One KV slot per loop for the loop's 20 attention sublayers (per_loop), one for the 8 + 8 outside it,
+    # each of 4 key/value heads of 256; the sliding layers keep every position, as exitbench's cache does.
+    Family("dory", ("make_dory_size.py", [], 9e9, 1500), 3_975_229_440, 1.0e9, PLAN + ["4"],
+           {**BF16, "architecture": "dory", "tokenizer.vocab_size": 131072,
+            "loop_groups": group("recurrent", 40, 4, 4),
+            "plan.kv_layout.slots_per_loop_layer": [4], "plan.kv_cache": 2 * (8 + 4 * 20 + 8) * 4 * 1000 * 4 * 256 * 2},
+           CONFIDENCE, 4, ["--policy", "second_order", "--thresholds", "1", "--baselines", "4"],
+           ["fixed", "second_order"]),
     # Inkling 2 Mini at its real widths with 18 of its layers (prelude, core and coda of 6) and 8 experts per layer
     # instead of 128, NVFP4 and MXFP8 experts as released; about 4 minutes, most of it writing 3.6 GB. Measured
     # 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are dequantised eight at a

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointError
+from .dory import Dory
 from .gpt2 import LoopedGPT2
 from .hrm_text import HrmText
 from .inkling2 import Inkling2
@@ -34,7 +35,7 @@ def register(model_class: type[LoopedLM]) -> None:
         _HF_CLASS_NAMES[name] = model_class.architecture
 
 
-for _family in (Raven, LoopedGPT2, Ouro, Nanbeige, HrmText, Inkling2):
+for _family in (Raven, LoopedGPT2, Ouro, Nanbeige, HrmText, Inkling2, Dory):
     register(_family)
 
 
