@@ -19,7 +19,8 @@ def test_every_shipped_preset_loads_and_carries_published_numbers_with_a_source(
     assert {"huginn-0125-gsm8k-cot", "huginn-0125-zero-shot", "ouro-1.4b-mmlu", "recurrent-tinyllama-gsm8k"} <= set(names)
     for name in names:
         p = presets.load(name)
-        assert p.source and p.numbers() and set(p.numbers()) <= set(p.tasks)
+        # a published sweep whose paper's tables were not read carries its protocol and rules, not numbers
+        assert p.source and (p.numbers() or p.policies) and set(p.numbers()) <= set(p.tasks)
         for by_metric in p.numbers().values():
             for by_depth in by_metric.values():
                 assert set(by_depth) <= set(p.baselines) and all(0 <= v <= 100 for v in by_depth.values())
@@ -39,6 +40,41 @@ def test_flags_on_the_command_line_override_the_preset():
     assert out["checkpoint"] == "tiny-raven" and out["policy"] == ["kl"]  # given: kept
     assert out["tasks"] == "gsm8k_cot" and out["baselines"] == "1,32" and out["apply_chat_template"] is True
     assert presets.apply(p, options, given=set())["policy"] == ["fixed"]  # the published numbers first
+
+
+@pytest.mark.parametrize("name,rule,grid,knobs", [
+    ("cdb-ouro-1.4b-gsm8k", "qexit", [0.01, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 0.9], {"min_steps": 2}),
+    ("cdb-huginn-gsm8k", "first_order", [0.02, 0.06, 0.1, 0.14, 0.16, 0.2, 0.24, 0.28, 0.3, 0.34],
+     {"relative": True, "max_steps": 16}),
+])
+def test_a_published_sweep_runs_its_rule_over_its_grid_beside_second_order(name, rule, grid, knobs):
+    """Continuous Depth Batching's sweeps: its fixed depths, its rule over its own thresholds with its knobs, and
+    second order beside it; the grids are recorded as the preset's (`derived`), not keyed."""
+    from exitbench.models.checkpoint import open_checkpoint
+    from exitbench.sweep.config import RunOptions, SweepConfig
+    from exitbench.sweep.schedule import exit_configs
+
+    p = presets.load(name)
+    checkpoint = "tiny-ouro" if rule == "qexit" else "tiny-raven"
+    cfg = SweepConfig.from_options(RunOptions(preset=name, checkpoint=checkpoint, tasks="chains"), {},
+                                   given={"checkpoint", "tasks"})
+    assert cfg.policies == [rule, "second_order"] and cfg.baselines == p.baselines
+    assert cfg.derived == {"from": f"preset {name}", "grids": p.thresholds}
+    if rule == "first_order":
+        return  # tiny-raven's loop is shorter than Huginn's cap of 16: the configs are for the real checkpoint
+    configs = exit_configs(open_checkpoint(checkpoint), cfg)
+    assert [c.threshold for c in configs if c.policy == "fixed"] == [1, 2, 3, 4]
+    assert [c.threshold for c in configs if c.policy == rule] == grid
+    assert all(c.min_steps == 2 for c in configs if c.policy != "fixed")
+    assert len([c for c in configs if c.policy == "second_order"]) > 3  # the model's own grid
+
+
+def test_a_preset_rule_the_command_line_names_sweeps_its_own_grid():
+    from exitbench.sweep.config import RunOptions, SweepConfig
+
+    cfg = SweepConfig.from_options(RunOptions(preset="cdb-ouro-1.4b-gsm8k", policy=["second_order"]), {},
+                                   given={"policy"})
+    assert cfg.policies == ["second_order"] and cfg.derived is None
 
 
 def test_an_unknown_preset_and_a_replayed_one_are_one_line():

@@ -518,9 +518,14 @@ def preset_fields(p) -> dict[str, str]:
                                    "multi-turn" if p.fewshot_as_multiturn else "",
                                    "system prompt" if p.system_instruction else "",
                                    "BOS" if p.add_bos_token else "") if x) or "plain"
+    rules = "; ".join(f"{name} τ {','.join(f'{t:g}' for t in p.thresholds[name])}" if name in p.thresholds
+                      else f"{name} (the model's grid)" for name in p.policies)
+    knobs = ", ".join(f"{k} {v}" for k, v in p.exit.items())
     return {"name": p.name, "checkpoint": p.checkpoint, "tasks": ", ".join(p.tasks),
             "shots": "" if p.num_fewshot is None else str(p.num_fewshot), "prompt": prompt, "dtype": p.dtype,
-            "depths": ",".join(map(str, p.baselines)), "published in": p.source}
+            "depths": ",".join(map(str, p.baselines)),
+            "rules": rules + (f" ({knobs})" if knobs else "") if rules else "fixed depths only",
+            "published in": p.source}
 
 
 def presets_tables(presets: list) -> list[Table]:

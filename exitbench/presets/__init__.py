@@ -2,7 +2,8 @@
 with the numbers the papers report, so a run made with one shows at once whether it reproduces them.
 
 A preset sets the task, few-shot count, chat template, system instruction, multi-turn flag, BOS rule, dtype,
-checkpoint and fixed depths; flags given on the command line override it. Its published numbers are keyed
+checkpoint and fixed depths, and for a published sweep its exit rules, their thresholds and shared knobs; flags
+given on the command line override it. Its published numbers are keyed
 by task, lm-eval metric and depth, in percent, with their source.
 """
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Preset(BaseModel):
     add_bos_token: Optional[StrictBool] = None
     dtype: StrictStr = "auto"
     baselines: list[StrictInt]
+    # A published sweep's exit rules, run beside the fixed depths (none: fixed depths only): their thresholds by
+    # rule (a rule not named sweeps the model's grid) and the exit knobs the sweep shares (a cap, a relative
+    # reading, a minimum depth).
+    policies: list[StrictStr] = []
+    thresholds: dict[StrictStr, list[float]] = {}
+    exit: dict[StrictStr, Any] = {}
     # {"source": str, task: {metric: {depth: percent}}}
     published: dict[StrictStr, Any]
 
@@ -91,12 +98,13 @@ SETS = {"tasks": lambda p: ",".join(p.tasks), "num_fewshot": lambda p: p.num_few
         "apply_chat_template": lambda p: p.apply_chat_template, "system_instruction": lambda p: p.system_instruction,
         "fewshot_as_multiturn": lambda p: p.fewshot_as_multiturn, "add_bos_token": lambda p: p.add_bos_token,
         "dtype": lambda p: p.dtype, "baselines": lambda p: ",".join(map(str, p.baselines)),
-        "checkpoint": lambda p: p.checkpoint, "policy": lambda p: ["fixed"]}
+        "checkpoint": lambda p: p.checkpoint, "policy": lambda p: p.policies or ["fixed"]}
 
 
 def apply(preset: Preset, options: dict[str, Any], given: set[str]) -> dict[str, Any]:
     """`options` with every option the preset sets and the command line did not (`given`) taken from it. A
-    preset runs fixed depth unless --policy names rules: the published numbers first, the frontier second."""
+    preset runs fixed depth (and a published sweep's own rules) unless --policy names rules: the published numbers
+    first, the frontier second."""
     out = dict(options)
     for name, value in SETS.items():
         if name not in given and not (name == "apply_chat_template" and "chat_template" in given):

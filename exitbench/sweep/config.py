@@ -164,6 +164,7 @@ class SweepConfig:
             chosen = presets.load(options.preset)
             picked = {f.name: getattr(options, f.name) for f in fields(options)}
             options = RunOptions(**presets.apply(chosen, picked, given))
+            knobs = {**knobs, **preset_knobs(chosen, given)}
         o = options
         if o.exit_config is not None:
             o, knobs = with_exit_config(o, knobs, given)
@@ -182,6 +183,9 @@ class SweepConfig:
                   allow_nonfinite=o.allow_nonfinite, device=o.device, out=o.out, data_dir=o.data_dir,
                   include_path=list(o.include_path), compile_step=o.compile_step, memory_check=o.memory_check,
                   backend=o.backend)
+        if chosen is not None and chosen.thresholds and "thresholds" not in given and "policy" not in given:
+            # not in the key, as quantiles' grids: a cell at τ is the same cell however τ was chosen
+            cfg.derived = {"from": f"preset {chosen.name}", "grids": dict(chosen.thresholds)}
         cfg.verify_cells = check_mode(cfg, o.verify, o.verify_cells)
         cfg.verify = o.verify or bool(cfg.verify_cells)
         cfg.check_counts()
@@ -201,6 +205,23 @@ class SweepConfig:
             raise ExitbenchError(f"--timing-stream {self.timing_stream} is shorter than the batch "
                                  f"(--batch-size {self.batch_size}): a throughput stream needs more documents than "
                                  "rows, or no row ever takes a second request; give at least the batch size")
+
+
+def preset_knobs(preset: Any, given: set[str]) -> dict[str, Any]:
+    """A published sweep's shared exit knobs that the command line did not set, each refused in one line where it
+    is not a knob a sweep shares or its rules are not exitbench's."""
+    for name in preset.policies:
+        check_policy_name(name)
+    stray = sorted(set(preset.thresholds) - set(preset.policies))
+    if stray:
+        raise ExitbenchError(f"preset {preset.name} gives thresholds for {stray[0]}, which is not among its policies "
+                             f"({', '.join(preset.policies) or 'none'})")
+    shared = set(ExitConfig.names(command_line=True, swept=False))
+    for name in preset.exit:
+        if name not in shared:
+            raise ExitbenchError(f"preset {preset.name}: exit knob {name!r} is not one a sweep's rules share "
+                                 f"({', '.join(sorted(shared))})")
+    return {k: v for k, v in preset.exit.items() if k not in given}
 
 
 def with_exit_config(options: RunOptions, knobs: dict[str, Any], given: set[str]
