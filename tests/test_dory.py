@@ -163,6 +163,7 @@ def test_a_last_loop_checkpoint_runs_only_with_one_shared_slot(last_loop):
     ({"sliding_window": 0}, ["sliding_window=0"]),
     ({"attention_bias": True}, ["attention_bias"]),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}}, ["rope_parameters"]),
+    ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, ["NVFP4", "BF16 release"]),
 ])
 def test_a_bad_config_is_refused_in_one_line_before_any_weight_is_read(tmp_path, fields, words):
     """The weights file holds one stray tensor: had the run read it before the config, it would name the missing

@@ -156,6 +156,14 @@ class DoryConfig(HFNamedConfig):
     def refuse(cls, raw: dict[str, Any]) -> None:
         refuse_set(raw, ("attention_bias", "mlp_bias"), "Dory's projections are bias-free (vLLM refuses biases)")
         refuse_set(raw, ("tie_word_embeddings",), "Dory's embedding and lm_head are separate matrices")
+        quantized = raw.get("quantization_config")
+        if quantized:
+            # vLLM's loader for the -NVFP4 release takes ModelOpt's parts (packed columns, per-block and per-tensor
+            # scales); exitbench's NVFP4 reader knows Inkling 2's part names, not those
+            method = quantized.get("quant_algo") or quantized.get("quant_method") if isinstance(quantized, dict) \
+                else quantized
+            raise CheckpointError(f"config quantization_config ({method}): exitbench reads Dory's BF16 release; its "
+                                  "NVFP4 parts (ModelOpt's weight_scale / weight_scale_2) are not a format it reads")
 
 
 def justnorm(x: torch.Tensor) -> torch.Tensor:
