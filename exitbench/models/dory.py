@@ -267,12 +267,11 @@ class DoryHead(nn.Module):
 
 
 class Dory(LoopedLM):
-    architecture = DoryConfig.model_type
     config_class = DoryConfig
 
     def __init__(self, config: DoryConfig):
-        super().__init__()
-        self.config = c = config
+        super().__init__(config)
+        c = config
         attention = [i for i, kind in enumerate(c.layer_types) if kind != MLP]
         self.backbone = nn.Module()
         self.backbone.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)

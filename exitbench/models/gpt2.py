@@ -195,12 +195,11 @@ class GPT2Block(nn.Module):
 
 
 class LoopedGPT2(LoopedLM):
-    architecture = LoopedGPT2Config.model_type
     config_class = LoopedGPT2Config
 
     def __init__(self, config: LoopedGPT2Config):
-        super().__init__()
-        self.config = c = config
+        super().__init__(config)
+        c = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(c.vocab_size, c.n_embd),
             wpe=nn.Embedding(c.n_positions, c.n_embd),

@@ -126,13 +126,8 @@ class HFLoopedLM(LoopedLM):
     rope_theta over head_dim, recomputed, never stored. A family says its loop as `_build_stages`; one whose loop
     is its whole `model.layers` stack, normed after every pass, uses `_layers_step` and `_frozen_layers_step`."""
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "config_class" in cls.__dict__:  # a family's name is its config's model_type
-            cls.architecture = cls.config_class.model_type
-
     def __init__(self, config):
-        super().__init__()
+        super().__init__(config)
         self.build(config, **self.family_modules(config))
 
     def family_modules(self, config) -> dict[str, nn.Module]:

@@ -531,12 +531,10 @@ class Inkling2Text(nn.Module):
 
 
 class Inkling2(LoopedLM):
-    architecture = Inkling2Config.model_type
     config_class = Inkling2Config
 
     def __init__(self, config: Inkling2Config):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = nn.ModuleDict(dict(llm=Inkling2Text(config)))
         self._stages = self._build_stages()
 

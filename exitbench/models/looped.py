@@ -124,9 +124,20 @@ def unit_trunc_normal(shape: Sequence[int], generator: torch.Generator | None = 
 
 
 class LoopedLM(nn.Module):
-    """Base class: subclasses set `config`, implement `embed`, `stages`, `head` and `cache_geometry`."""
+    """Base class: a family names its `config_class` (its architecture is that class's model_type) and implements
+    `embed`, `stages`, `head` and `cache_geometry`."""
 
     architecture: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "config_class" in cls.__dict__:  # a family's name is its config's model_type
+            cls.architecture = cls.config_class.model_type
+
+    def __init__(self, config=None):
+        super().__init__()
+        if config is not None:
+            self.config = config
 
     def embed(self, ids: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings of ids (B, T) at positions start…, or of one token per row (B, 1) at `positions`."""

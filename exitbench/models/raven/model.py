@@ -47,12 +47,11 @@ def takase_init_(model: nn.Module, n_embd: int, effective_depth: int,
 
 
 class Raven(LoopedLM):
-    architecture = RavenConfig.model_type
     config_class = RavenConfig
 
     def __init__(self, config: RavenConfig):
-        super().__init__()
-        self.config = c = config
+        super().__init__(config)
+        c = config
         self.variant: Variant = variant(c.variant)
         v = self.variant
         n_pre, n_core = c.n_layers_in_prelude, c.n_layers_in_recurrent_block
