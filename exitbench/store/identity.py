@@ -185,9 +185,10 @@ def _combine(per_file: Mapping[str, str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _hash_file(path: Path) -> str:
+def _hash_file(path: Path, chunk: int = _CHUNK_BYTES) -> str:
+    """A file's sha256, read `chunk` bytes at a time into one reused buffer (bench/hash.py times other sizes)."""
     h = hashlib.sha256()
-    buf = bytearray(_CHUNK_BYTES)
+    buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
         while n := fh.readinto(buf):
