@@ -26,6 +26,7 @@ import torch
 from ..errors import ExitbenchError
 from ..models import LoopedLM
 from ..models.attention import AttnContext
+from ..policies import log_probs
 from .noise import PositionNoise
 
 
@@ -96,7 +97,7 @@ class DepthSpeculator:
         cache = model.new_cache(1, n + max_new_tokens + self.k + 1, self.full)
 
         def emit(logits: torch.Tensor) -> int:
-            logp = torch.log_softmax(logits.double(), -1)
+            logp = log_probs(logits)  # the engine's float64 log-softmax, so the two agree
             token = int(logp.argmax())
             out.tokens.append(token)
             out.logprobs.append(float(logp[token]))
