@@ -21,7 +21,6 @@ at full size (bench/RESULTS.md) and for the slow test that holds load and info t
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import sys
@@ -30,11 +29,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
-from tokenizers.models import BPE
+from tokenizers import AddedToken, Tokenizer, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import size_main  # noqa: E402
+from sizes import byte_level_bpe, size_main  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, VOCAB, CONTEXT = 5280, 55, 96, 17920, 65536, 4096
 PRELUDE, CORE, CODA, MEAN_RECURRENCE = 2, 4, 2, 32
@@ -108,25 +106,6 @@ def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.G
         # draws, and the 0.27% of values at the bounds change nothing a random fixture is for.
         part.normal_(0, s, generator=g).clamp_(-3 * s, 3 * s)
     return t.to(dtype)
-
-
-def byte_level_bpe(size: int, leading: list[str] = ()) -> Tokenizer:
-    """Byte-level BPE of `size` entries: `leading` tokens first, the 256 byte symbols, then made-up two-symbol
-    merges, and past the 65,536 of those (OLMo-2's 100k) three-symbol ones. Encodes any text (every byte has
-    a symbol)."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate([*leading, *alphabet])}
-    merges = []
-    pairs = itertools.chain(((a, b) for a in alphabet for b in alphabet),
-                            ((a + b, c) for a in alphabet for b in alphabet for c in alphabet))
-    while len(vocab) < size:
-        a, b = next(pairs)
-        vocab[a + b] = len(vocab)
-        merges.append((a, b))
-    tok = Tokenizer(BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
 
 
 def make_tokenizer() -> Tokenizer:

@@ -34,10 +34,9 @@ from tokenizers import AddedToken
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from make_huginn_size import byte_level_bpe  # noqa: E402
 
 from exitbench.models.quantized import quantize_mxfp8, quantize_nvfp4  # noqa: E402
-from sizes import size_main  # noqa: E402
+from sizes import byte_level_bpe, size_main  # noqa: E402
 
 TEXT = dict(hidden_size=2304, vocab_size=201024, unpadded_vocab_size=200058, num_attention_heads=24,
             num_key_value_heads=8, head_dim=128, swa_num_attention_heads=24, swa_num_key_value_heads=8,

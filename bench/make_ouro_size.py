@@ -25,17 +25,14 @@ for tests/fixtures/ouro-tiny, whose reference outputs tests/test_ouro.py holds e
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_huginn_size import byte_level_bpe  # noqa: E402
-from sizes import llama_layer_keys, size_main  # noqa: E402
+from sizes import byte_level_bpe, llama_layer_keys, size_main, write_weights  # noqa: E402
 
 SIZES = {
     "1.4b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
@@ -96,35 +93,6 @@ def make_tokenizer(vocab_size: int) -> Tokenizer:
     tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
     assert tok.get_vocab_size(with_added_tokens=True) == vocab_size and tok.token_to_id("<|im_end|>") == 2
     return tok
-
-
-def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtype: torch.dtype, shards: int,
-                  log=print) -> int:
-    """`make(key, shape)` for every key into `shards` safetensors files of about equal bytes (a tensor goes to
-    the shard holding its middle byte), named as save_pretrained names them, with an index when there are
-    several; one shard in memory at a time. Returns the bytes written."""
-    nbytes = {k: math.prod(s) * dtype.itemsize for k, s in keys}
-    total = sum(nbytes.values())
-    weight_map, shard, index, done = {}, {}, 1, 0
-
-    def flush() -> None:
-        nonlocal shard, index
-        name = "model.safetensors" if shards == 1 else f"model-{index:05d}-of-{shards:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-        log(f"  {name}: {len(shard)} tensors")
-        shard, index = {}, index + 1
-
-    for key, shape in keys:
-        if shard and index < shards and done + nbytes[key] / 2 > total * index / shards:
-            flush()
-        shard[key] = make(key, shape)
-        done += nbytes[key]
-    flush()
-    if shards > 1:
-        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
-    return total
 
 
 def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, shards: int = 2, seed: int = 0,

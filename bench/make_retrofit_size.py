@@ -40,9 +40,7 @@ import torch
 from tokenizers import AddedToken, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_huginn_size import byte_level_bpe  # noqa: E402
-from make_ouro_size import write_weights  # noqa: E402
-from sizes import size_main  # noqa: E402
+from sizes import byte_level_bpe, size_main, write_weights  # noqa: E402
 
 LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}

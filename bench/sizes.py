@@ -1,12 +1,18 @@
 """What the make_*_size.py scripts share: their command line (a new directory, the script's own options, the
-dtype, a seed) and the key names of a Llama-style layer, so each script says only its family's layout."""
+dtype, a seed), the key names of a Llama-style layer, a byte-level tokenizer of any size, the sharded weight
+writer and the one-file checkpoint writer, so each script says only its family's layout."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
 
 DTYPES = ["bfloat16", "float32", "float16"]
 
@@ -40,10 +46,6 @@ def write_checkpoint(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, d
     """What a one-file size script writes once it has its layout: into a new (or empty) `out`, `make(key, shape)`
     for every key in one model.safetensors, a byte-level BPE tokenizer.json of config's vocab_size whose first ids
     are `special`, config.json, and each of `extra_files` (name → its JSON)."""
-    from make_huginn_size import byte_level_bpe  # (siblings that import this module: imported when called)
-    from make_ouro_size import write_weights
-    from tokenizers import AddedToken
-
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -57,3 +59,51 @@ def write_checkpoint(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, d
         (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     log(f"wrote {out}: {len(keys)} keys, {total:,} bytes of weights")
     return out
+
+
+def byte_level_bpe(size: int, leading: list[str] = ()) -> Tokenizer:
+    """Byte-level BPE of `size` entries: `leading` tokens first, the 256 byte symbols, then made-up two-symbol
+    merges, and past the 65,536 of those (OLMo-2's 100k) three-symbol ones. Encodes any text (every byte has
+    a symbol)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {s: i for i, s in enumerate([*leading, *alphabet])}
+    merges = []
+    pairs = itertools.chain(((a, b) for a in alphabet for b in alphabet),
+                            ((a + b, c) for a in alphabet for b in alphabet for c in alphabet))
+    while len(vocab) < size:
+        a, b = next(pairs)
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+    tok = Tokenizer(BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtype: torch.dtype, shards: int,
+                  log=print) -> int:
+    """`make(key, shape)` for every key into `shards` safetensors files of about equal bytes (a tensor goes to
+    the shard holding its middle byte), named as save_pretrained names them, with an index when there are
+    several; one shard in memory at a time. Returns the bytes written."""
+    nbytes = {k: math.prod(s) * dtype.itemsize for k, s in keys}
+    total = sum(nbytes.values())
+    weight_map, shard, index, done = {}, {}, 1, 0
+
+    def flush() -> None:
+        nonlocal shard, index
+        name = "model.safetensors" if shards == 1 else f"model-{index:05d}-of-{shards:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        log(f"  {name}: {len(shard)} tensors")
+        shard, index = {}, index + 1
+
+    for key, shape in keys:
+        if shard and index < shards and done + nbytes[key] / 2 > total * index / shards:
+            flush()
+        shard[key] = make(key, shape)
+        done += nbytes[key]
+    flush()
+    if shards > 1:
+        index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+    return total
