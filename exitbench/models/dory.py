@@ -274,6 +274,8 @@ class Dory(LoopedLM):
         c = config
         attention = [i for i, kind in enumerate(c.layer_types) if kind != MLP]
         self.backbone = nn.Module()
+        ends = [0, c.n_input_layers, c.n_input_layers + c.n_recurrent_layers, c.num_hidden_layers]
+        self._parts = {part: range(ends[i], ends[i + 1]) for i, part in enumerate(("input", "recurrent", "output"))}
         self.backbone.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
         # Attention sublayers take cache layers 0, 1, … in order; an MLP sublayer keeps no cache.
         self.backbone.layers = nn.ModuleList(
@@ -299,10 +301,7 @@ class Dory(LoopedLM):
 
     # ---- the stage view the engine uses ----------------------------------------------------------
     def _part(self, part: str) -> range:
-        c = self.config
-        start = {"input": 0, "recurrent": c.n_input_layers, "output": c.n_input_layers + c.n_recurrent_layers}[part]
-        size = {"input": c.n_input_layers, "recurrent": c.n_recurrent_layers, "output": c.n_output_layers}[part]
-        return range(start, start + size)
+        return self._parts[part]
 
     def _run(self, part: str, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         ropes = self.ropes
