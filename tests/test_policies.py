@@ -52,8 +52,9 @@ GATE_POLICIES = ["qexit", "gate"]
 
 
 def test_registry_is_what_these_tests_cover():
-    # (the conjunction combines the rules above: tests/test_conjunction.py)
-    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of"])
+    # (the conjunction combines the rules above: tests/test_conjunction.py; depth speculation is no exit rule:
+    # tests/test_speculation.py)
+    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of", "speculate"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,8 @@ COLUMNS = ["cell_id", "mode", "backend", "model", "fingerprint", "architecture",
            "overhead_timing", "schedule", "clock", "clock_measured", "speedup_throughput", "overhead_throughput",
            "speedup_latency", "speedup_latency_low", "speedup_latency_high", "speedup_latency_basis",
            "speedup_latency_flag", "overhead_latency", "timing_warnings", "probe_share",
-           "flops_per_token", "attention_token_steps", "mlp_token_steps", "batch_size", "device", "run_id",
+           "flops_per_token", "attention_token_steps", "mlp_token_steps", "draft", "draft_tokens", "acceptance_rate",
+           "tokens_per_round", "steps_per_token", "batch_size", "device", "run_id",
            "git_revision",
            "started", "preset", "file"]
 
@@ -69,11 +70,21 @@ def row(path: Path, cell: dict[str, Any], full: dict[str, Any] | None = None) ->
         "flops_per_token": cell.get("flops", {}).get("per_token"),
         # (cells written before these counters existed have none)
         "attention_token_steps": cell["iterations"].get("attention_token_steps"),
-        "mlp_token_steps": cell["iterations"].get("mlp_token_steps"), "batch_size": cell["run"].get("batch_size"),
+        "mlp_token_steps": cell["iterations"].get("mlp_token_steps"),
+        # depth speculation's cells alone: the draft (a depth, or the exit rule that drafts), k, and how it went
+        **speculation_fields(policy, cell.get("speculation")), "batch_size": cell["run"].get("batch_size"),
         "device": cell["run"].get("device"), "run_id": cell["run"].get("run_id"),
         "git_revision": cell["run"].get("git_revision"), "started": cell["run"].get("started"),
         "preset": (cell.get("preset") or {}).get("name"), "file": str(path),
     }
+
+
+def speculation_fields(policy: dict[str, Any], rounds: dict[str, Any] | None) -> dict[str, Any]:
+    if not policy.get("draft_tokens"):
+        return dict.fromkeys(("draft", "draft_tokens", "acceptance_rate", "tokens_per_round", "steps_per_token"))
+    draft = (policy.get("draft") or {}).get("policy") or f"depth {policy['threshold']:g}"
+    return {"draft": draft, "draft_tokens": policy["draft_tokens"],
+            **{k: (rounds or {}).get(k) for k in ("acceptance_rate", "tokens_per_round", "steps_per_token")}}
 
 
 def tidy(directories: list[Path]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from ..store import cells
 from ..store.loading import model_label
-from .frontier import collapse_tolerances, groups, report, split_setups
+from .frontier import collapse_tolerances, groups, references, report, split_setups
 from .labels import config_label
 from ..timing.speedup import CLOCKS, on_clock, record
 
@@ -110,6 +110,23 @@ def nonfinite_note(cell_list: list[dict[str, Any]]) -> str | None:
         return None
     return (f"{len(broken)} cells had tokens whose states or logits went NaN or infinite "
             f"(numerics.nonfinite_tokens), e.g. {broken[0]}: their numbers are not to be trusted")
+
+
+def lossy_speculation(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Speculation cells whose quality is not their full-depth cell's: speculation emits full depth's greedy
+    tokens by construction, so such a cell is a fault (or float rounding that flipped a near tie), never a trade."""
+    full = references(cell_list)
+    return [c for c in cell_list if c["policy"].get("draft_tokens") and c["cell_id"] in full
+            and c["quality"]["value"] != full[c["cell_id"]]["quality"]["value"]]
+
+
+def lossless_note(cell_list: list[dict[str, Any]]) -> str | None:
+    lossy = lossy_speculation(cell_list)
+    if not lossy:
+        return None
+    return (f"{len(lossy)} speculation cells' quality differs from full depth's, e.g. {cells.filename(lossy[0])}: "
+            "depth speculation emits full depth's greedy tokens by construction, so their generations differ where "
+            "they should not; report it with the cell")
 
 
 def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -304,6 +321,7 @@ TOPICS: dict[str, tuple[str, Writer]] = {
     "replay": ("note", lambda cell_list, rep: replay_note(rep)),
     "nonfinite": ("warning", lambda cell_list, rep: nonfinite_note(cell_list)),
     "busy": ("warning", lambda cell_list, rep: busy_note(cell_list)),
+    "lossless": ("warning", lambda cell_list, rep: lossless_note(cell_list)),
     "spread": ("warning", lambda cell_list, rep: spread_note(cell_list)),
     "latency spread": ("warning", lambda cell_list, rep: spread_note(cell_list, "latency")),
     "drift": ("warning", lambda cell_list, rep: drift_note(rep, cell_list)),
@@ -318,9 +336,9 @@ TOPICS: dict[str, tuple[str, Writer]] = {
 }
 ON_FRONTIERS = {"replay", "drift", "mixed", "bound"}  # the topics read from the frontiers
 # What each reader prints, in its order.
-PARETO = ("setups", "replay", "nonfinite", "busy", "spread", "latency spread", "sample", "corrected", "untimed",
+PARETO = ("setups", "replay", "nonfinite", "lossless", "busy", "spread", "latency spread", "sample", "corrected", "untimed",
           "noise", "bound", "drift", "mixed")
 PUBLISHED = ("published model", "published limit")  # pareto, under the published numbers' table
-REPORT = ("mode", "setups", "busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise", "bound",
+REPORT = ("mode", "setups", "lossless", "busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise", "bound",
           "drift")
 TIMING = ("busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise")

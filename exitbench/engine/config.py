@@ -70,6 +70,13 @@ class ExitConfig:
     vary: str | None = field(default=None, metadata=knob(
         "all_of: the member rule whose threshold is the conjunction's τ, the one a sweep varies (default: the "
         "first member given without a threshold).", role="policy", when_set=True, command_line=False))
+    draft_tokens: int | None = field(default=None, metadata=knob(
+        "speculate: tokens drafted per round, then verified together at full depth (default 4).", role="policy",
+        when_set=True))
+    draft: dict[str, Any] | None = field(default=None, metadata=knob(
+        "speculate: an exit rule that drafts in place of a fixed depth, a mapping with `policy` and its own patience, "
+        "min_steps, relative; its threshold is the cell's τ (given in an --exit-config file).", role="policy",
+        when_set=True, command_line=False))
     # How the engine runs tokens.
     prefill: str = field(default="full", metadata=knob(
         "Prompt tokens run at full depth ('full') or with exits like the rest ('exit').", role="engine"))
@@ -123,6 +130,10 @@ class ExitConfig:
     seed: int = field(default=0, metadata=knob("Seed of the initial-state noise.", role="run", command_line=False))
 
     def __post_init__(self):
+        if self.policy in REGISTRY and REGISTRY[self.policy].drafts and self.changed("engine"):
+            flags = ", ".join("--" + k.replace("_", "-") for k in self.changed("engine"))
+            raise ExitbenchError(f"{self.policy} drafts and verifies in passes of its own, one sequence at a time, "
+                                 f"with the engine's defaults; drop {flags}")
         if self.prefill not in ("full", "exit"):
             raise ExitbenchError(f"prefill must be 'full' or 'exit', got {self.prefill!r}")
         if self.kv_window is not None:

@@ -85,6 +85,9 @@ class ExitEngine:
         if not self.groups:
             raise ExitbenchError(f"{model.architecture} model has no loop group: nothing to exit from")
         self.policies = self.config.bound_policies(self.groups)
+        if self.policies[0].drafts:
+            raise ExitbenchError(f"{self.config.policy} is no per-token exit: it drafts whole tokens and verifies them "
+                                 "at full depth (engine/speculation.py, SpeculativeEngine), in generation only")
         if self.config.exit_mode == "weighted" and (len(self.groups) != 1 or self.groups[0].gate is None
                                                     or model.stages()[-1] is not self.groups[0]):
             raise ExitbenchError(f"exit_mode weighted averages the readouts of one loop group under its trained exit "

@@ -62,6 +62,9 @@ class SequenceResult:
     stopped_by: str | None = None
     # Full next-token log-probabilities per scored position, when asked for (shared-context scoring).
     distributions: list[torch.Tensor] | None = None
+    # Depth speculation's rounds (engine/speculation.py): drafts kept per round, drafted, and the loop iterations
+    # drafts and verification ran; None for a sequence an exit engine ran.
+    speculation: dict[str, Any] | None = None
 
     @property
     def iterations(self) -> list[int]:

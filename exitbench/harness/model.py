@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from ..engine import ExitEngine, SequenceResult
 from ..engine.config import ExitConfig
 from ..engine.prefixes import shared_store
+from ..engine.speculation import SpeculativeEngine
 from ..errors import ExitbenchError
 from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
@@ -131,7 +132,8 @@ class ExitbenchLM(LM):
         if never:  # lm-eval's model args reach here without a sweep's planning, which refuses the same
             raise ExitbenchError(never)
         self.exit_config = exit_config
-        self.engine = ExitEngine(ck.model, exit_config, schedule, prefixes=shared_store(ck.model))
+        self.engine = SpeculativeEngine(ck.model, exit_config) if exit_config.build_policy().drafts \
+            else ExitEngine(ck.model, exit_config, schedule, prefixes=shared_store(ck.model))
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
         self.max_length = int(max_length or ck.model.config.block_size)
         self.max_gen_toks = int(max_gen_toks)
@@ -254,7 +256,9 @@ class ExitbenchLM(LM):
                                    "kind": kind, "schedule": schedule, **stats,
                                    "token_text": self.tok.pieces(tokens),
                                    "logprobs": [float(x) for res in results for x in res.logprobs],
-                                   "greedy": [bool(g) for res in results for g in res.greedy]})
+                                   "greedy": [bool(g) for res in results for g in res.greedy],
+                                   **({"speculation": results[0].speculation}
+                                      if len(results) == 1 and results[0].speculation else {})})
 
     def _run_scoring(self, encoded: list[list[tuple[list[int], int]]], keep_distributions: bool = False
                      ) -> tuple[list[list[SequenceResult]], list[float]]:

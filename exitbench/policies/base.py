@@ -30,7 +30,8 @@ Memory = dict[str, torch.Tensor]
 
 REGISTRY: dict[str, type["ExitPolicy"]] = {}
 # The knobs a policy takes (their defaults and help live in exitbench.engine.config.ExitConfig).
-POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "rules", "vary")
+POLICY_KNOBS = ("threshold", "min_steps", "max_steps", "patience", "relative", "exit_model", "rules", "vary",
+                "draft_tokens", "draft")
 
 
 def register(cls: type["ExitPolicy"]) -> type["ExitPolicy"]:
@@ -87,6 +88,11 @@ class ExitPolicy:
     gate = None
     # Combines other rules (`rules`, `vary`): the conjunction.
     takes_rules: ClassVar[bool] = False
+    # Not a per-token exit but lossless depth speculation (`draft_tokens`, `draft`): the lm-eval model generates
+    # with it (engine/speculation.py), and no exit engine runs it.
+    drafts: ClassVar[bool] = False
+    # The lm-eval request types (output_type) of the tasks it can run; None: every type.
+    output_types: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(POLICY_KNOBS))
@@ -101,6 +107,7 @@ class ExitPolicy:
         self.relative = knobs.get("relative", False)
         self.exit_model = knobs.get("exit_model")
         self.rules, self.vary = knobs.get("rules"), knobs.get("vary")
+        self.draft_tokens, self.draft = knobs.get("draft_tokens"), knobs.get("draft")
         self._validate()
 
     def _validate(self) -> None:
@@ -126,6 +133,9 @@ class ExitPolicy:
         if (self.rules is not None or self.vary is not None) and not self.takes("rules"):
             raise ExitbenchError(f"{self.name}: rules and vary have no meaning for this policy; they define an "
                                  "all_of conjunction")
+        if (self.draft_tokens is not None or self.draft is not None) and not self.takes("draft"):
+            raise ExitbenchError(f"{self.name}: draft_tokens and draft have no meaning for this policy; they set "
+                                 "depth speculation's drafts (--policy speculate)")
         if self.exit_model and not self.takes("exit_model"):
             raise ExitbenchError(f"{self.name}: --exit-model has no meaning for this policy; it applies to "
                                  f"{', '.join(n for n, c in REGISTRY.items() if c.takes('exit_model'))}")
@@ -136,14 +146,15 @@ class ExitPolicy:
         `relative` only a rule that reads step norms, the exit model only the learned rule, a late horizon only a
         rule that decides as it runs."""
         return {"relative": cls.uses_relative, "exit_model": cls.needs_exit_model, "rules": cls.takes_rules,
-                "vary": cls.takes_rules, "horizon": cls.decides_as_it_runs()}.get(knob, True)
+                "vary": cls.takes_rules, "horizon": cls.decides_as_it_runs(), "draft_tokens": cls.drafts,
+                "draft": cls.drafts}.get(knob, True)
 
     @classmethod
     def decides_as_it_runs(cls) -> bool:
         """Whether the rule decides each token's exit as the token runs (not by a count alone, like fixed depth, nor
         after the whole trajectory, like the oracle): what a late horizon reads and what lets tokens of one batch
         leave at different iterations (continuous depth batching)."""
-        return not (cls.retrospective or cls.signal_free)
+        return not (cls.retrospective or cls.signal_free or cls.drafts)
 
     def bind(self, max_steps: int, group: Any = None) -> "ExitPolicy":
         """Fix max_steps from the loop group when the config left it open; a gate rule takes the group's gate."""
@@ -159,7 +170,8 @@ class ExitPolicy:
 
     def knobs(self) -> dict[str, Any]:
         return {"policy": self.name, **{name: getattr(self, name) for name in POLICY_KNOBS
-                                        if name not in ("exit_model", "rules", "vary") or getattr(self, name)}}
+                                        if name not in ("exit_model", "rules", "vary", "draft_tokens", "draft")
+                                        or getattr(self, name)}}
 
     @property
     def variant(self) -> str:

@@ -35,6 +35,10 @@ Schema `exitbench.cell` version 2 (documented in the README):
     flops      per_token, probe_per_token
     numerics   nonfinite_tokens: tokens whose exit state or logits held a NaN or an infinity;
                nonconverging_tokens (contraction only): tokens that reached max_steps still not contracting
+    speculation  depth speculation's cells alone (--policy speculate): rounds, drafted, accepted, acceptance_rate,
+               accepted_per_round, tokens_per_round, draft_iterations_per_token, verify_iterations_per_token,
+               steps_per_token (loop steps run one after another); their iterations are each token's share of its
+               round's drafts and verification, and they have no iterations.schedule
     samples    whether the cell was asked for with its samples file (CELL.samples.jsonl beside it)
     run        run_id (one per `exitbench run` invocation), seed, batch_size, device, dtype, world_size,
                versions, git_revision, started, host, machine, load {start, end, cpus}; thresholds {from,
@@ -71,11 +75,14 @@ def cell_id(key: dict[str, Any]) -> str:
 def series(policy: dict[str, Any]) -> str:
     """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
     `-kvC` under a KV window (its own series, beside the same rule on the full cache), `-select` in exit mode
-    select (every token runs every iteration; beside the physical exits), `-weighted` and `-freeze` likewise."""
+    select (every token runs every iteration; beside the physical exits), `-weighted` and `-freeze` likewise;
+    depth speculation `speculate-k4` (drafts at depth τ, 4 a round), `speculate[second_order]-k4` (drafts by a rule)."""
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
     mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted", "freeze") else ""
     rule = conjunction(policy) if policy.get("rules") else policy["policy"]
+    if policy.get("draft_tokens"):  # depth speculation: its draft (a depth is the cell's τ, a rule named) and k
+        rule += (f"[{policy['draft']['policy']}]" if policy.get("draft") else "") + f"-k{policy['draft_tokens']}"
     return rule + rel + window + mode
 
 
@@ -219,7 +226,7 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
         phases.update(s["phase_seconds"])
     core_probe = phases["core"] + phases["probe"]
     ordered = sorted(its)
-    return {
+    out = {
         "iterations": {
             "mean": statistics.fmean(its) if its else None, "median": statistics.median(its) if its else None,
             "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if its else None,
@@ -243,6 +250,33 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
         # How the engine ran the cell's requests (exitbench.engine.waves): depth_major, token_major, or both.
         "engine": {"schedule": "+".join(sorted({s["schedule"] for s in stats if "schedule" in s})) or None},
     }
+    rounds = speculation(stats, tokens)
+    if rounds:
+        # (no schedule: a token's share of its round's drafts and verification is no loop a serving simulation
+        # could replay, and it may exceed full depth where drafts were rejected)
+        del out["iterations"]["schedule"]
+    return out | rounds
+
+
+def speculation(stats: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+    """A speculation cell's `speculation` section from its requests' rounds (none for an exit rule's cell):
+    rounds, drafts made and kept, tokens per round (a round emits its kept drafts and one token of full depth's
+    own), and the loop iterations per emitted token that drafts and verification ran (their sum is the cell's
+    mean iterations)."""
+    rounds = [s["speculation"] for s in stats if s.get("speculation")]
+    if not rounds:
+        return {}
+    n = sum(len(r["accepted"]) for r in rounds)
+    kept, drafted = sum(sum(r["accepted"]) for r in rounds), sum(r["drafted"] for r in rounds)
+    per_token = (lambda name: sum(r[name] for r in rounds) / tokens) if tokens else (lambda name: None)
+    return {"speculation": {"rounds": n, "drafted": drafted, "accepted": kept,
+                            "acceptance_rate": kept / drafted if drafted else None,
+                            "accepted_per_round": kept / n if n else None,
+                            "tokens_per_round": (kept + n) / n if n else None,
+                            "draft_iterations_per_token": per_token("draft_iterations"),
+                            "verify_iterations_per_token": per_token("verify_iterations"),
+                            # loop steps one after another: a verify pass runs its positions' iterations side by side
+                            "steps_per_token": per_token("steps")}}
 
 
 def attach_exits(samples: list[dict[str, Any]], stats: list[dict[str, Any]]) -> None:

@@ -347,12 +347,18 @@ def grid(cfg: SweepConfig, default_steps: int, grids: dict[str, tuple[float, ...
     depths = cfg.baselines or default_baselines(cfg.exit.get("max_steps") or default_steps)
     configs = [ExitConfig.fixed_depth(r, {**shared, "seed": cfg.seed}) for r in depths]
     names = _runnable(cfg, shared, gated)
+    full = cfg.exit.get("max_steps") or default_steps
+    # Speculation drafts at the sweep's depths below full depth, by default.
+    grids = {"speculate": tuple(r for r in default_baselines(full) if r < full), **(grids or {})}
     for name in names:
-        # A conjunction sweeps its varied member's threshold, over that member's grid.
-        rule = ExitConfig.for_policy(name, None, shared).build_policy() if REGISTRY[name].takes_rules \
-            else REGISTRY[name]
+        # A conjunction sweeps its varied member's threshold, over that member's grid; speculation by an exit
+        # rule its draft rule's.
+        rule = ExitConfig.for_policy(name, None, shared).build_policy() \
+            if REGISTRY[name].takes_rules or REGISTRY[name].drafts else REGISTRY[name]
+        swept = _grid_name(rule)
+        grids.setdefault(swept, REGISTRY[swept].default_grid)
         configs += [ExitConfig.for_policy(name, tau, {**shared, "seed": cfg.seed})
-                    for tau in _thresholds(rule, rule.vary if rule.takes_rules else name, cfg.thresholds, grids)]
+                    for tau in _thresholds(rule, swept, cfg.thresholds, grids)]
     unique = {json.dumps(c.to_dict(), sort_keys=True): c for c in configs}  # (an all_of's rules are a list)
     return list(unique.values())
 
@@ -366,6 +372,8 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
         names = [n for n in names if not REGISTRY[n].needs_gate]
     if "all" in cfg.policies and not shared.get("rules"):
         names = [n for n in names if not REGISTRY[n].takes_rules]
+    if "all" in cfg.policies:  # every exit rule; speculation is the baseline they are compared with, asked by name
+        names = [n for n in names if not REGISTRY[n].drafts]
     if shared.get("horizon", "same") != "same" and not any(REGISTRY[n].decides_as_it_runs() for n in names):
         raise ExitbenchError(f"--horizon {shared['horizon']} reads a rule's exit decision one iteration late, and "
                              f"it applies to none of the policies asked for ({', '.join(cfg.policies)}): the oracle "
@@ -376,6 +384,15 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
                              f"asked for ({', '.join(cfg.policies)}): fixed depths are set with --baselines, and "
                              "the oracle has no threshold to sweep")
     return names
+
+
+def _grid_name(rule: Any) -> str:
+    """Whose grid a rule sweeps: its own, a conjunction's varied member's, a speculation's draft rule's."""
+    if rule.takes_rules:
+        return rule.vary
+    if rule.drafts and isinstance(rule.draft, dict):
+        return rule.draft.get("policy", rule.name)
+    return rule.name
 
 
 def _thresholds(cls: Any, name: str, given: list[float] | None, grids: dict[str, tuple[float, ...]] | None

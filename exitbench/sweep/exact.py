@@ -137,7 +137,8 @@ def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
             # the first iteration its definition lets it exit at, and whether that leaves it only the last one or
             # two before full depth (policies/base.py `exit_reach`): the tables mark such rows
             **policy.exit_reach(),
-            **({"exit_model_sha256": policy.model.digest} if policy.needs_exit_model else {})}
+            **({"exit_model_sha256": policy.model.digest} if policy.needs_exit_model else {}),
+            **({"draft_tokens": policy.k} if policy.drafts else {})}
 
 
 def task_cells(results: dict, names: list[str], keys: list[dict], model: dict, resolved: dict,

@@ -19,7 +19,7 @@ from ..store import cells
 from . import backends
 from .config import SweepConfig, check_named
 from .replay import ReplaySweep, verify_frontier
-from .schedule import SweepPlan, exit_configs, plan, run_cells
+from .schedule import SweepPlan, check_output_types, exit_configs, plan, run_cells
 
 
 @dataclass
@@ -63,6 +63,7 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
     configs = exit_configs(ck, cfg)  # bad thresholds fail here, before the checkpoint's fingerprint
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     backends.backend(cfg.backend).check_configs(ck.model, configs)
+    check_output_types(tasks, configs)
     if cfg.compile_step:
         ck.model.compile_loops()
     if cfg.memory_check:  # before any pass; it reads the configs' depths, which no threshold changes

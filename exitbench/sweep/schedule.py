@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import ExitConfig
+from ..errors import ExitbenchError
 from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..runtime.distributed import init_distributed
@@ -80,21 +81,45 @@ def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
     needs: without one, no task is built here."""
     if cfg.limit is None:
         return {}
+    counts = {}
+    for name, built in loaded_tasks(tasks):
+        sizes = [len(task.eval_docs) for task in built]
+        if sizes:
+            counts[name] = max(sizes)
+    return counts
+
+
+def check_output_types(tasks: TaskSet, configs: list[ExitConfig]) -> None:
+    """Refuse, before any cell runs, a policy on a task whose requests it cannot serve (speculation drafts generated
+    tokens, so a scoring task has none): one line naming both, from the tasks' lm-eval output types."""
+    from ..policies import REGISTRY
+
+    limited = {c.policy: REGISTRY[c.policy].output_types for c in configs if REGISTRY[c.policy].output_types}
+    if not limited:
+        return
+    for name, built in loaded_tasks(tasks):
+        kinds = {getattr(task, "OUTPUT_TYPE", None) for task in built} - {None}
+        for policy, allowed in limited.items():
+            wrong = sorted(kinds - set(allowed))
+            if wrong:
+                raise ExitbenchError(f"--policy {policy} runs {' and '.join(allowed)} tasks (lm-eval's output_type); "
+                                     f"task {name} is {', '.join(wrong)}: run it with an exit rule, and {policy} on a "
+                                     "task of its type")
+
+
+def loaded_tasks(tasks: TaskSet):
+    """(name, its lm-eval task objects: a group's subtasks) for each task, built before any cell runs. Quiet:
+    whatever lm-eval warns of while loading a task it warns of again when the cells load it, and datasets' bars
+    belong to the data the cells read next."""
     from ..harness.quiet import lm_eval_output
 
-    counts = {}
-    # Quiet: whatever lm-eval warns of while loading a task it warns of again when the cells load it, and
-    # datasets' bars belong to the data the cells read next.
     with lm_eval_output(quiet=True):
         for name, spec in zip(tasks.names, tasks.specs):
             try:
                 loaded = tasks.manager.load([spec])
             except (ConnectionError, OSError, ValueError) as exc:
                 raise evaluation_error([name], exc) from None
-            sizes = [len(task.eval_docs) for task in loaded["tasks"].values()]
-            if sizes:
-                counts[name] = max(sizes)
-    return counts
+            yield name, list(loaded["tasks"].values())
 
 
 def run_cells(ck: Checkpoint, tasks: TaskSet, cfg: SweepConfig, out: Path, device: str,

@@ -19,7 +19,9 @@ one request at a time (batch size 1), paired repeats only. Cells written before 
 The bound is the iteration bound, full depth's mean iterations ÷ the cell's: every iteration a cell runs costs at
 least what one of full depth's does (the same core step, plus a probe for a decoding rule), and the prelude and
 coda cost both alike, so no cell runs faster than that. A speed-up above it is flagged with the likeliest reason
-and never stated as a result.
+and never stated as a result. A speculation cell's bound counts its loop steps per token instead of its
+iterations (`speculation.steps_per_token`): its verify pass runs k + 1 positions' iterations in one step, which
+is how it can beat its own iteration count.
 """
 from __future__ import annotations
 
@@ -142,9 +144,9 @@ def repeats_clock(cell: dict[str, Any]) -> str | None:
 
 
 def iteration_bound(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "throughput") -> float | None:
-    """Full depth's mean iterations ÷ the cell's: its full-depth cell's where known, else the depth its repeats
+    """Full depth's mean iterations ÷ the cell's (a speculation cell's loop steps per token): its full-depth cell's where known, else the depth its repeats
     on `clock` were paired with, once per loop group."""
-    mine = (cell.get("iterations") or {}).get("mean")
+    mine = (cell.get("speculation") or {}).get("steps_per_token") or (cell.get("iterations") or {}).get("mean")
     if not mine:
         return None
     if full is not None and (full.get("iterations") or {}).get("mean"):

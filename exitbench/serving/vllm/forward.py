@@ -23,6 +23,7 @@ from ...engine.config import ExitConfig
 from ...engine.noise import PositionNoise
 from ...errors import ExitbenchError
 from ...models import AttnContext, LoopedLM
+from ...policies import REGISTRY
 
 # attend(layer_id, iteration, q (N, H·D), k (N, H_kv·D), v (N, H_kv·D)) -> (N, H·D)
 Attend = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,6 +58,9 @@ def check_servable(model: LoopedLM, config: ExitConfig) -> None:
                              f"layout: tiny-raven, Huginn-0125); this {model.architecture} model has "
                              f"{len(groups)} loop group(s){'' if len(groups) != 1 else ' and no freeze step'}; "
                              "use --backend hf")
+    if REGISTRY[config.policy].drafts:
+        raise ExitbenchError(f"{config.policy} drafts and verifies in exitbench's own passes, which the vLLM backend "
+                             "does not run; use --backend hf")
     if config.policy != "fixed" and config.exit_mode not in SERVED_MODES:
         raise ExitbenchError(f"the vLLM backend runs per-token exits in exit mode freeze only (vLLM writes every "
                              f"scheduled token's keys at every iteration), got exit mode "
