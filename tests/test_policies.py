@@ -52,8 +52,9 @@ GATE_POLICIES = ["qexit", "gate"]
 
 
 def test_registry_is_what_these_tests_cover():
-    # (the conjunction combines the rules above: tests/test_conjunction.py)
-    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of"])
+    # (the conjunction combines the rules above: tests/test_conjunction.py; the budgeted prefill exits rank a
+    # sequence's positions, not a token's trajectory: tests/test_prefill_budget.py)
+    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of", "prefill_topk", "prefill_random"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from ..policies.learned import check_fitted_for
 from ..runtime.distributed import init_distributed
 from ..store import cells
 from . import backends
-from .config import SweepConfig, check_named
+from .config import SweepConfig, check_named, check_scoring_tasks
 from .replay import ReplaySweep, verify_frontier
 from .schedule import SweepPlan, exit_configs, plan, run_cells
 
@@ -61,6 +61,7 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
         tasks = resolve_tasks(cfg.tasks, cfg.data_dir, cfg.include_path)
     ck = ck or _open_checkpoint(cfg, device)
     configs = exit_configs(ck, cfg)  # bad thresholds fail here, before the checkpoint's fingerprint
+    check_scoring_tasks(tasks, configs)
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
     backends.backend(cfg.backend).check_configs(ck.model, configs)
     if cfg.compile_step:
