@@ -22,6 +22,7 @@ from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import ExitbenchError
 from exitbench.models import AttnContext
 from exitbench.models.checkpoint import open_checkpoint
+from exitbench.store import cells
 
 K, CUT = 16, 8
 CHAINS = Path(__file__).resolve().parents[1] / "tasks" / "chains" / "test.jsonl"
@@ -84,6 +85,7 @@ def test_a_budget_of_every_position_is_full_depth(policy):
     got = run.score(requests, batch_size=3)
     assert [r.logprobs for r in got] == [r.logprobs for r in full]  # the same waves, the same arithmetic
     assert all(k == K for r in got for k in r.iterations)
+    assert sum(r.prompt_iterations for r in got) == K * sum(r.prompt_positions for r in got) > 0
     # and full depth with the prompt prefilled (prefill full): the same numbers to float rounding
     prefilled = ExitEngine(_model(), ExitConfig("fixed")).score(requests, batch_size=3)
     for a, b in zip(got, prefilled):
@@ -140,6 +142,21 @@ def test_topk_alone_as_batched():
     assert exit_steps(batched) == exit_steps(alone)
     for a, b in zip(batched, alone):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGP_TOL)
+        assert (a.prompt_positions, a.prompt_iterations) == (b.prompt_positions, b.prompt_iterations)
+
+
+def test_a_cell_counts_the_prompt_positions_beside_the_scored_ones():
+    result = _engine("prefill_topk", threshold=0.1).score(_requests(n_ctx_one=False, n=3))
+    stats = [cells.request_stats(r.records, 0.0, prompt=(r.prompt_positions, r.prompt_iterations)) for r in result]
+    iterations = cells.summarize([{**s, "task_name": "t", "doc_id": i, "idx": 0, "schedule": "depth_major"}
+                                  for i, s in enumerate(stats)])["iterations"]
+    scored = [k for r in result for k in r.iterations]
+    prompt = sum(r.prompt_iterations for r in result)
+    positions = sum(r.prompt_positions for r in result) + len(scored)
+    assert iterations["mean"] == pytest.approx(sum(scored) / len(scored))
+    assert iterations["every_position"] == {"positions": positions, "mean": pytest.approx((sum(scored) + prompt)
+                                                                                          / positions)}
+    assert CUT < iterations["every_position"]["mean"] < K
 
 
 def test_what_a_budget_cannot_mean_is_refused():

@@ -733,6 +733,9 @@ class Run:
                 self.finished_iterations += sum(token.exit_steps)
                 self.results[token.request].records.append(self.finished[-1][0])
                 more = self.consume(token.request, token.position, row_logp, int(top_j), picked_j) is not None
+            else:
+                self.results[token.request].prompt_positions += 1
+                self.results[token.request].prompt_iterations += sum(token.exit_steps)
             if not self.defer:  # (deferred rows moved on when their tokens left the loop)
                 if more:
                     self.advance(token.row, token.position)

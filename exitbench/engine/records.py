@@ -62,6 +62,10 @@ class SequenceResult:
     stopped_by: str | None = None
     # Full next-token log-probabilities per scored position, when asked for (shared-context scoring).
     distributions: list[torch.Tensor] | None = None
+    # Prompt positions run with exits (prefill "exit"), which no record holds (nobody reads their outputs), and
+    # their iterations summed over positions and loop groups: what the prompt's loops cost.
+    prompt_positions: int = 0
+    prompt_iterations: int = 0
 
     @property
     def iterations(self) -> list[int]:
