@@ -168,6 +168,9 @@ def test_what_a_budget_cannot_mean_is_refused():
         ExitConfig("prefill_topk", threshold=0.5, prefill="exit", patience=2)
     with pytest.raises(ExitbenchError, match="horizon late"):
         ExitConfig("prefill_topk", threshold=0.5, prefill="exit", horizon="late")
+    for knob in ({"warm_start": True}, {"kv_window": 2}, {"kv_layout": "first_then_shared"}):
+        with pytest.raises(ExitbenchError, match="scores one position at a time"):
+            ExitConfig("prefill_topk", prefill="exit", **knob)
     with pytest.raises(ExitbenchError, match="only the depth-major schedule"):
         ExitEngine(_model(), ExitConfig("prefill_topk", prefill="exit"), schedule="token_major")
     with pytest.raises(ExitbenchError, match="generation makes one token at a time"):

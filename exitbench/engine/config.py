@@ -187,6 +187,12 @@ class ExitConfig:
             raise ExitbenchError(f"{self.policy} ranks every position of a scored sequence, its prompt's too, so it "
                                  "runs the prompt with exits: set prefill exit (exitbench run sets it for a sweep of "
                                  "budget rules alone)")
+        if self.warm_start or self.cache_layout() != KV_LAYOUTS["latest"]:
+            what = "warm_start" if self.warm_start else (f"kv_window {self.kv_window}" if self.kv_window
+                                                          else f"kv_layout {self.kv_layout}")
+            raise ExitbenchError(f"{self.policy} ranks a sequence's positions at one iteration, which only the "
+                                 f"depth-major schedule holds together, and {what} scores one position at a time: "
+                                 "drop it")
         if self.exit_mode is not None or self.horizon != "same":
             what = f"exit_mode {self.exit_mode}" if self.exit_mode is not None else f"horizon {self.horizon}"
             raise ExitbenchError(f"{self.policy} stops the positions it does not keep at its chosen iteration; "
