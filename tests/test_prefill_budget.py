@@ -130,6 +130,9 @@ def test_random_keeps_as_many_reproducibly_and_alone_as_batched():
     # the draw is the seed's and the sequence's: another seed draws otherwise
     other = _engine("prefill_random", threshold=0.25, seed=1).score(requests, batch_size=3)
     assert [_kept(r) for r in other] != [_kept(r) for r in batched]
+    # and the sequence's inputs alone: another last token (another option of a multiple-choice question) draws alike
+    options = [(tokens[:-1] + [tokens[-1] + 1], n) for tokens, n in requests]
+    assert [_kept(r) for r in random.score(options, batch_size=3)] == [_kept(r) for r in batched]
     for a, b in zip(batched, alone):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGP_TOL)
 

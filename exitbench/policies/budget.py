@@ -9,7 +9,7 @@ layout's carry, as for any exited token), so a position still looping reads them
 ρ = 1 keeps every position, which is full depth exactly.
 
 `prefill_random` keeps as many positions, drawn uniformly at random by a generator seeded from the run's seed and
-the sequence's own tokens: what the signal buys over chance at the same budget. Neither ever looks at another
+the sequence's own inputs: what the signal buys over chance at the same budget. Neither ever looks at another
 sequence, so a request's exits are the same alone or batched with others.
 
 Only one stage: FlashLoop's second, smaller fraction later on is not built.
@@ -116,13 +116,14 @@ class PrefillTopK(_PrefillBudget):
 @register
 class PrefillRandom(_PrefillBudget):
     """prefill_topk's control: as many positions, ceil(ρ · n), kept looping, drawn uniformly at random from a
-    generator seeded by the run's seed and the sequence's tokens (each position's target), never by what else
-    the batch holds."""
+    generator seeded by the run's seed and the sequence's inputs, never by what else the batch holds."""
 
     name = "prefill_random"
     source = "FlashLoop (arXiv 2609.29812), its random-selection control"
 
     def choose(self, tokens: list[Any], values: list[float], m: int) -> list[int]:
-        key = repr((self.seed, [t.target for t in tokens])).encode()
+        # The inputs after the first (each position's target but the last's): the last target is no input, so the
+        # options of a multiple-choice question, which share one pass led by any of them, draw alike.
+        key = repr((self.seed, len(tokens), [t.target for t in tokens[:-1]])).encode()
         rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
         return [int(i) for i in rng.choice(len(tokens), size=m, replace=False)]
