@@ -202,6 +202,12 @@ def test_the_cli_refuses_in_one_line_and_writes_nothing(args, words, tmp_path, c
     assert not out.exists()
 
 
+def test_calibrate_orders_a_budget_grid_from_the_largest_fraction():
+    from exitbench.studies.calibrate import conservative_order
+
+    assert conservative_order("prefill_topk", [0.1, 0.75, 0.25]) == [0.75, 0.25, 0.1]
+
+
 def test_policy_all_leaves_the_budgets_out():
     from exitbench.sweep.config import expand_policies
 

@@ -32,6 +32,9 @@ from .latent import _dist, _norm
 
 class _PrefillBudget(ExitPolicy):
     ranks_positions = True
+    # (a larger ρ keeps more positions looping: the grid's latest-exiting point is its largest, as `calibrate`
+    # orders it)
+    exits_below = False
     default_threshold = 0.25
     default_grid = (0.1, 0.25, 0.5, 0.75)
 
