@@ -202,6 +202,18 @@ def test_the_cli_refuses_in_one_line_and_writes_nothing(args, words, tmp_path, c
     assert not out.exists()
 
 
+def test_a_cell_says_the_chosen_iteration_the_rule_ran():
+    from exitbench.sweep.exact import resolved_policy
+
+    config = ExitConfig("prefill_topk", threshold=0.25, prefill="exit")
+    section = resolved_policy(config, config.bound_policies(_model().loop_groups())[0])
+    assert (section["min_steps"], section["earliest_exit"], section["max_steps"]) == (CUT, CUT, K)
+    chosen = ExitConfig("prefill_topk", threshold=0.25, prefill="exit", min_steps=12)
+    assert resolved_policy(chosen, chosen.bound_policies(_model().loop_groups())[0])["min_steps"] == 12
+    ran = ExitEngine(_model(), chosen).score(_requests(n=3))
+    assert {k for r in ran for k in r.iterations} == {12, K}
+
+
 def test_calibrate_orders_a_budget_grid_from_the_largest_fraction():
     from exitbench.studies.calibrate import conservative_order
 
