@@ -113,6 +113,11 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
     if cls.retrospective:
         assert blocker and "settles" in blocker and auto.scoring_schedule == "token_major"
         return
+    if cls.ranks_positions:  # a budget over a sequence's positions needs them together: depth-major only
+        assert blocker is None and auto.scoring_schedule == "depth_major"
+        with pytest.raises(ExitbenchError, match="only the depth-major schedule"):
+            _engine(model, policy, "token_major", threshold=0.25)
+        return
     # Every rule but the oracle runs depth-major: a decoding rule reading out through a coda or later loop groups
     # too, in its probe's own world on both schedules (engine/probe_cache.py).
     assert blocker is None and auto.scoring_schedule == "depth_major"

@@ -767,7 +767,8 @@ def test_embedded_looped_gpt2_every_policy_batched_equals_one_at_a_time():
     thresholds = {"kl": 1e-3, "minp_kl": 1e-4, "entropy_diff": 1e-2, "argmax_stability": 2, "confidence": 0.3,
                   "first_order": 1.0, "second_order": 0.5, "second_order_magnitude": 0.1, "cosine": 1e-3,
                   "learned": 0.883, "oracle": None, "fixed": 4,  # learned: mid-gap (0.8824-0.8836) of its risks here
-                  "margin": 1.0, "contraction": 0.1, "all_of": 0.5}  # (all_of: second_order's τ, margin ≥ 0.01 beside)
+                  "margin": 1.0, "contraction": 0.1, "all_of": 0.5,  # (all_of: second_order's τ, margin ≥ 0.01 beside)
+                  "prefill_topk": 0.25, "prefill_random": 0.25}
     assert set(thresholds) == {n for n, c in REGISTRY.items() if not c.needs_gate}  # no gate on GPT-2
     for name, tau in thresholds.items():
         cfg = ExitConfig(policy=name, threshold=tau, **knobs_for(name))

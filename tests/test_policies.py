@@ -52,9 +52,11 @@ GATE_POLICIES = ["qexit", "gate"]
 
 
 def test_registry_is_what_these_tests_cover():
-    # (the conjunction combines the rules above: tests/test_conjunction.py; depth speculation is no exit rule:
-    # tests/test_speculation.py)
-    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES + ["all_of", "speculate"])
+    # (the conjunction combines the rules above: tests/test_conjunction.py; the budgeted prefill exits rank a
+    # sequence's positions, not a token's trajectory: tests/test_prefill_budget.py; depth speculation is no exit
+    # rule: tests/test_speculation.py)
+    assert sorted(policy_names()) == sorted(ALL_POLICIES + GATE_POLICIES
+                                            + ["all_of", "prefill_topk", "prefill_random", "speculate"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -180,6 +180,8 @@ class ExitConfig:
             raise ExitbenchError(f"exit_mode freeze pins a token's state when its rule fires; {self.policy} decides "
                                  f"only after the whole trajectory, so there is nothing to pin: use physical or select")
         self.exit_mode = None if self.exit_mode == "physical" else self.exit_mode  # the default: the same cells
+        if self.policy in REGISTRY and REGISTRY[self.policy].ranks_positions:
+            self._check_budget()
         parse(_typed_knobs(), {f.name: getattr(self, f.name) for f in fields(self)}, "exit knobs")
         # Validate the knobs now, not at the first token; the learned rule reads its exit model here, once:
         # every policy this config builds, its cells' keys and the check that it fits the checkpoint use
@@ -187,6 +189,25 @@ class ExitConfig:
         self.fitted_exit_model = None
         policy = self.build_policy()
         self.fitted_exit_model = getattr(policy, "model", None) if policy.needs_exit_model else None
+
+    def _check_budget(self) -> None:
+        """A rule that ranks a sequence's positions (the budgeted prefill exit) runs every position under its
+        budget, prompt included, and its positions leave together at one iteration: prefill exit, physical
+        exits, the decision read when it is made."""
+        if self.prefill != "exit":
+            raise ExitbenchError(f"{self.policy} ranks every position of a scored sequence, its prompt's too, so it "
+                                 "runs the prompt with exits: set prefill exit (exitbench run sets it for a sweep of "
+                                 "budget rules alone)")
+        if self.warm_start or self.cache_layout() != KV_LAYOUTS["latest"]:
+            what = "warm_start" if self.warm_start else (f"kv_window {self.kv_window}" if self.kv_window
+                                                          else f"kv_layout {self.kv_layout}")
+            raise ExitbenchError(f"{self.policy} ranks a sequence's positions at one iteration, which only the "
+                                 f"depth-major schedule holds together, and {what} scores one position at a time: "
+                                 "drop it")
+        if self.exit_mode is not None or self.horizon != "same":
+            what = f"exit_mode {self.exit_mode}" if self.exit_mode is not None else f"horizon {self.horizon}"
+            raise ExitbenchError(f"{self.policy} stops the positions it does not keep at its chosen iteration; "
+                                 f"{what} would change what that means: drop it")
 
     def coda_bucket(self, batch_size: int) -> int:
         """refill continuous: how many exited tokens' outputs are computed together, and how many sequences a run
@@ -207,7 +228,10 @@ class ExitConfig:
 
     def bound_policies(self, groups: Sequence[Any]) -> list[ExitPolicy]:
         """One policy per loop group, its open max_steps fixed from the group's default depth."""
-        return [self.build_policy().bind(g.default_steps, g) for g in groups]
+        policies = [self.build_policy().bind(g.default_steps, g) for g in groups]
+        for policy in policies:
+            policy.seed = self.seed
+        return policies
 
     def never_exits_early(self, groups: Sequence[Any]) -> str | None:
         """Why this config's rule can never exit before full depth in any of the loop groups (one line: the

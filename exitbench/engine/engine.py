@@ -140,6 +140,11 @@ class ExitEngine:
         # What teacher-forced requests run as; the reason when it is not depth-major.
         self.scoring_schedule = "token_major" if schedule == "token_major" or blocker else "depth_major"
         self.schedule_note = blocker
+        budget = next((p for p in self.policies if p.ranks_positions), None)
+        if budget is not None and self.scoring_schedule != "depth_major":
+            raise ExitbenchError(f"{budget.name} ranks a sequence's positions at one iteration, which only the "
+                                 f"depth-major schedule holds together, and this run scores token-major "
+                                 f"({blocker or 'schedule token_major'}); use schedule auto or depth_major")
 
     def _state_dim(self) -> int:
         return self.model.embed(torch.zeros(1, 1, dtype=torch.long, device=self.model.device)).shape[-1]
@@ -184,6 +189,11 @@ class ExitEngine:
             raise ExitbenchError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ExitbenchError("generation needs a non-empty prompt (at least a BOS token)")
+        budget = next((p for p in self.policies if p.ranks_positions), None)
+        if budget is not None:
+            raise ExitbenchError(f"{budget.name} ranks the positions of a scored sequence (loglikelihood requests); "
+                                 "generation makes one token at a time, with nothing to rank it against: score "
+                                 "instead, or choose a rule that decides each token on its own")
         reqs = [self._request(i, list(p), len(p) - 1, len(p) - 2 + max_new_tokens) for i, p in enumerate(prompts)]
         results = [SequenceResult([], [], []) for _ in reqs]
         stop_set = set(stop_ids)
@@ -336,7 +346,11 @@ class Run:
                                 trash_slot=policy.max_steps if spare_slot else None)
                       for g, (group, policy) in enumerate(zip(engine.groups, engine.policies))]
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
-        self.waves = DepthMajor(self, block_positions(self.model, rows, capacity)) if depth_major else None
+        # (a rule ranking a sequence's positions needs each sequence whole in one block: its selection is the
+        # sequence's, never a block's that the batch size sized)
+        block = capacity if any(p.ranks_positions for p in engine.policies) else \
+            block_positions(self.model, rows, capacity)
+        self.waves = DepthMajor(self, block) if depth_major else None
         # Token-major scoring defers outputs to batch them; depth-major blocks are batches already.
         self.defer = teacher_forced and not engine.policies[-1].needs_logits and not depth_major
         self.queue = deque(reqs)
@@ -722,6 +736,9 @@ class Run:
                 self.finished_iterations += sum(token.exit_steps)
                 self.results[token.request].records.append(self.finished[-1][0])
                 more = self.consume(token.request, token.position, row_logp, int(top_j), picked_j) is not None
+            else:
+                self.results[token.request].prompt_positions += 1
+                self.results[token.request].prompt_iterations += sum(token.exit_steps)
             if not self.defer:  # (deferred rows moved on when their tokens left the loop)
                 if more:
                     self.advance(token.row, token.position)

@@ -248,7 +248,8 @@ class TokenLoop:
             for trace, v, token in zip(self.trace, now, self.tokens):
                 if token is not None:
                     trace.append(v)
-        leave = policy.decide(ruled, values, self.streak)
+        leave = policy.decide_wave(self.tokens, ruled, values, self.streak) if policy.ranks_positions else \
+            policy.decide(ruled, values, self.streak)
         if self.late:
             leave = [out or k >= self.K for out, k in zip(leave, self.k)]
         if self.count < len(self.tokens):  # a free place has no token to leave

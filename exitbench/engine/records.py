@@ -65,6 +65,10 @@ class SequenceResult:
     # Depth speculation's rounds (engine/speculation.py): drafts kept per round, drafted, and the loop iterations
     # drafts and verification ran; None for a sequence an exit engine ran.
     speculation: dict[str, Any] | None = None
+    # Prompt positions run with exits (prefill "exit"), which no record holds (nobody reads their outputs), and
+    # their iterations summed over positions and loop groups: what the prompt's loops cost.
+    prompt_positions: int = 0
+    prompt_iterations: int = 0
 
     @property
     def iterations(self) -> list[int]:

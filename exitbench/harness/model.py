@@ -245,7 +245,9 @@ class ExitbenchLM(LM):
 
     # ---- the three request types -------------------------------------------------------------------
     def _record(self, req, kind: str, results: list[SequenceResult], seconds: float) -> None:
-        stats = cells.request_stats([r for res in results for r in res.records], seconds)
+        stats = cells.request_stats([r for res in results for r in res.records], seconds,
+                                    prompt=(sum(r.prompt_positions for r in results),
+                                            sum(r.prompt_iterations for r in results)))
         # Each exited token's text, log-probability and greedy flag, aligned with stats["exit_steps"], so a
         # sample's exit map can be drawn without the tokenizer (`exitbench report`, exitbench/exitmap.py).
         tokens = [t for res in results for t in res.tokens]

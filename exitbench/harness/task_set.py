@@ -130,6 +130,14 @@ def resolve_tasks(names: list[str], data_dir: str | Path | None = None,
     return TaskSet(tm, specs, list(names), fingerprints)
 
 
+def output_type(tasks: TaskSet, name: str) -> str | None:
+    """The lm-eval output type a task's config declares (generate_until, loglikelihood, multiple_choice, …), from
+    the task index without building the task; None for a group or tag, which declares none of its own."""
+    entry = tasks.manager.task_index.get(name)
+    cfg = getattr(entry, "cfg", None)
+    return cfg.get("output_type") if isinstance(cfg, dict) else None
+
+
 def unparsed_task_files(roots: list[Path]) -> list[tuple[Path, str]]:
     """(file, error) of each task YAML under `roots` that lm-eval's task index skips.
 

@@ -93,6 +93,13 @@ class ExitPolicy:
     drafts: ClassVar[bool] = False
     # The lm-eval request types (output_type) of the tasks it can run; None: every type.
     output_types: ClassVar[tuple[str, ...] | None] = None
+    # Ranks the positions of one scored sequence against each other at one iteration (the budgeted prefill exit,
+    # policies/budget.py): the engine hands it a step's tokens (`decide_wave`), it needs every position of the
+    # sequence in flight together (depth-major scoring, prompt included: prefill "exit"), and no token's exit is
+    # its own trajectory's alone, so nothing replays it token by token.
+    ranks_positions: ClassVar[bool] = False
+    # The run's seed (ExitConfig.seed), set when the config binds its policies: what a random rule draws from.
+    seed: int = 0
 
     def __init__(self, **knobs: Any):
         unknown = sorted(set(knobs) - set(POLICY_KNOBS))
@@ -318,6 +325,11 @@ class ExitPolicy:
             streak[j] = streak[j] + 1 if self.hit(v) else 0
             leave.append(kj >= self.max_steps or (kj >= self.min_steps and streak[j] >= self.patience))
         return leave
+
+    def decide_wave(self, tokens: list[Any], k: list[int], values: list[float], streak: list[int]) -> list[bool]:
+        """`decide` for a rule that ranks positions (`ranks_positions`): the step's tokens (engine Tokens: their
+        requests and positions) beside their iterations, values and streaks."""
+        return self.decide(k, values, streak)
 
     def first_exit(self, signals: list[float]) -> int:
         """`decide` walked over one token's recorded signal trajectory (s_1 … s_max): its exit step. The bridge

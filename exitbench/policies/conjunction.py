@@ -86,8 +86,9 @@ class AllOf(ExitPolicy):
             raise ExitbenchError(f"{where}: policy {name!r} is not a rule a conjunction takes; valid: "
                                  f"{', '.join(valid)}")
         if not self._can_join(REGISTRY[name]):
-            raise ExitbenchError(f"{where}: {name} cannot join a conjunction (fixed depth needs no rule, and the "
-                                 "oracle decides after the whole trajectory)")
+            raise ExitbenchError(f"{where}: {name} cannot join a conjunction (fixed depth needs no rule, the "
+                                 "oracle decides after the whole trajectory, and the budgeted prefill exits rank a "
+                                 "sequence's positions against each other, not a token on its own)")
         unknown = sorted(set(rule) - set(MEMBER_KNOBS))
         if unknown:
             raise ExitbenchError(f"{where} ({name}): unknown knob {unknown[0]!r}; a rule takes "
@@ -98,7 +99,7 @@ class AllOf(ExitPolicy):
 
     @staticmethod
     def _can_join(cls: type[ExitPolicy]) -> bool:
-        return not (cls.signal_free or cls.retrospective or getattr(cls, "takes_rules", False))
+        return not (cls.signal_free or cls.retrospective or cls.ranks_positions or getattr(cls, "takes_rules", False))
 
     def _validate(self) -> None:
         # The threshold is the varied member's, checked there; the rest as any rule's.

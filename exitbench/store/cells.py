@@ -174,9 +174,10 @@ def scan(paths: Iterable[Path], strict: bool = False) -> tuple[list[tuple[Path, 
 
 
 # ---- what a cell's numbers are built from ---------------------------------------------------------------------
-def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
+def request_stats(records: list[Any], seconds: float, prompt: tuple[int, int] = (0, 0)) -> dict[str, Any]:
     """What one lm-eval request cost, from its tokens' engine records: exit steps, iterations, FLOPs,
-    wall-clock and the probe's share. `seconds` is the request's share of its batches' wall-clock."""
+    wall-clock and the probe's share. `seconds` is the request's share of its batches' wall-clock; `prompt`:
+    the prompt positions that ran with exits (prefill exit) and their iterations, which no record holds."""
     iterations = [sum(r.exit_steps) for r in records]
     phase: dict[str, float] = defaultdict(float)
     for r in records:
@@ -203,7 +204,19 @@ def request_stats(records: list[Any], seconds: float) -> dict[str, Any]:
         # only under a rule that can tell (contraction): tokens at the cap still not settling by its measure
         **({"nonconverging": sum(1 for r in records if r.stalled)}
            if any(getattr(r, "stalled", None) is not None for r in records) else {}),
+        **({"prompt_positions": prompt[0], "prompt_iterations": prompt[1]} if prompt[0] else {}),
     }
+
+
+def every_position(stats: list[dict[str, Any]], its: list[int]) -> dict[str, Any]:
+    """Where prompt positions looped too (prefill exit): the mean iterations over every position the requests ran,
+    scored or not (`every_position`). The cell's `mean` stays the scored tokens', the positions every cell counts;
+    a rule that ranks all positions (the budgeted prefill exit) spends most of its loops on the prompt."""
+    positions = sum(s.get("prompt_positions", 0) for s in stats)
+    if not positions:
+        return {}
+    total = sum(its) + sum(s.get("prompt_iterations", 0) for s in stats)
+    return {"every_position": {"positions": positions + len(its), "mean": total / (positions + len(its))}}
 
 
 def task_order(stats: dict[str, Any]) -> tuple:
@@ -237,7 +250,8 @@ def summarize(stats: list[dict[str, Any]]) -> dict[str, Any]:
             # the order a run took them, which torchrun's ranks change: what a serving simulation replays
             # (analysis/serve_sim.py); as text ("5,6;16,3": requests by ";", tokens by ","), since a list of lists
             # indents to a line a token
-            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in sorted(stats, key=task_order))},
+            "schedule": ";".join(",".join(map(str, s["iterations"])) for s in sorted(stats, key=task_order)),
+            **every_position(stats, its)},
         "wall_clock": {"total_s": seconds, "per_token_s": token_seconds / tokens if tokens else None,
                        "request_s": seconds / len(stats) if stats else None,
                        "probe_share": phases["probe"] / core_probe if core_probe else 0.0,

@@ -168,6 +168,7 @@ class SweepConfig:
         o = options
         if o.exit_config is not None:
             o, knobs = with_exit_config(o, knobs, given)
+        knobs = budget_prefill(o.policy, knobs, given)
         quantiles = parse_quantiles(o.thresholds)
         cfg = cls(tasks=[t.strip() for t in o.tasks.split(",") if t.strip()], policies=o.policy,
                   thresholds=None if quantiles else parse_thresholds(o.thresholds), quantiles=quantiles,
@@ -245,6 +246,27 @@ def with_exit_config(options: RunOptions, knobs: dict[str, Any], given: set[str]
 RUN_SPELLING = {"threshold": "thresholds"}
 
 
+def budget_prefill(policies: list[str], knobs: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """The shared knobs of a sweep of budgeted prefill exits (rules that rank a sequence's positions, prompt
+    included): prefill exit, so that its fixed-depth baselines loop the prompt too and the paired clocks and the
+    frontier compare the same work. Refused in one line where --prefill full was typed, or where other rules
+    would silently run under prefill exit with them."""
+    names = [n for n in policies if n != "all"]
+    for n in names:
+        check_policy_name(n)
+    budget = [n for n in names if REGISTRY[n].ranks_positions]
+    if not budget or knobs.get("prefill", "full") == "exit":
+        return knobs
+    if "prefill" in given:
+        raise ExitbenchError(f"--prefill {knobs['prefill']}: {budget[0]} ranks every position of a scored sequence, "
+                             "its prompt's too, so it runs the prompt with exits; drop --prefill (or give exit)")
+    others = [n for n in names if n not in budget and n != "fixed"] + (["all"] if "all" in policies else [])
+    if others:
+        raise ExitbenchError(f"{budget[0]} runs prompts with exits (prefill exit), and {others[0]} would then run so "
+                             f"too: give --prefill exit to run them all so, or run {budget[0]} in a sweep of its own")
+    return {**knobs, "prefill": "exit"}
+
+
 def check_mode(cfg: SweepConfig, verify: bool = False, verify_cells: str | None = None) -> list[tuple[str, float]]:
     """What the chosen mode refuses, from the options alone (before a checkpoint loads); the named cells."""
     if (verify or verify_cells) and not cfg.replay:
@@ -312,8 +334,8 @@ def parse_named(text: str | None) -> list[tuple[str, float]]:
 def expand_policies(names: list[str]) -> list[str]:
     if not names:
         raise ExitbenchError("--policy names no policy; give one or more, or 'all'")
-    if "all" in names:
-        return [n for n in REGISTRY if n != "fixed"]
+    if "all" in names:  # (not the budgeted prefill exits: they need a scoring task and prefill exit, so named)
+        return [n for n in REGISTRY if n != "fixed" and not REGISTRY[n].ranks_positions]
     for n in names:
         check_policy_name(n)  # unknown names fail here, with the closest match
     return [n for n in dict.fromkeys(names) if n != "fixed"]

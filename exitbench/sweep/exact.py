@@ -131,7 +131,9 @@ def retimed(ck: Checkpoint, lm: Any, names: list[str], full: ExitConfig, cfg: Sw
 
 def resolved_policy(exit_cfg: ExitConfig, policy: ExitPolicy) -> dict[str, Any]:
     """A cell's policy section: the config as asked, with what the model resolved it to."""
-    return {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "patience": policy.patience,
+    # (min_steps as bound: a budgeted prefill exit reads its default 1 as half the depth, its chosen iteration)
+    return {**exit_cfg.to_dict(), "max_steps": policy.max_steps, "min_steps": policy.min_steps,
+            "patience": policy.patience,
             "threshold": policy.threshold, "baseline": exit_cfg.policy == "fixed",
             "needs_logits": policy.needs_logits,
             # the first iteration its definition lets it exit at, and whether that leaves it only the last one or

@@ -62,8 +62,8 @@ def open_sweep(cfg: SweepConfig, ck: Checkpoint | None = None, tasks: TaskSet | 
     ck = ck or _open_checkpoint(cfg, device)
     configs = exit_configs(ck, cfg)  # bad thresholds fail here, before the checkpoint's fingerprint
     check_fitted_for(ck, next((c.fitted_exit_model for c in configs if c.fitted_exit_model), None))
-    backends.backend(cfg.backend).check_configs(ck.model, configs)
     check_output_types(tasks, configs)
+    backends.backend(cfg.backend).check_configs(ck.model, configs)
     if cfg.compile_step:
         ck.model.compile_loops()
     if cfg.memory_check:  # before any pass; it reads the configs' depths, which no threshold changes

@@ -90,21 +90,33 @@ def document_counts(tasks: TaskSet, cfg: SweepConfig) -> dict[str, int]:
 
 
 def check_output_types(tasks: TaskSet, configs: list[ExitConfig]) -> None:
-    """Refuse, before any cell runs, a policy on a task whose requests it cannot serve (speculation drafts generated
-    tokens, so a scoring task has none): one line naming both, from the tasks' lm-eval output types."""
+    """Refuse, before any cell runs, a policy on a task whose requests it cannot serve, in one line naming both:
+    speculation drafts generated tokens, so a scoring task has none; a budgeted prefill exit ranks a scored
+    sequence's positions, and a generated token comes alone. The task's output type is read from lm-eval's task
+    index, or, for a group (which declares none), from its built subtasks."""
+    from ..harness.task_set import output_type
     from ..policies import REGISTRY
 
     limited = {c.policy: REGISTRY[c.policy].output_types for c in configs if REGISTRY[c.policy].output_types}
     if not limited:
         return
-    for name, built in loaded_tasks(tasks):
-        kinds = {getattr(task, "OUTPUT_TYPE", None) for task in built} - {None}
+    declared = {name: output_type(tasks, name) for name in tasks.names}
+    kinds = {name: {kind} for name, kind in declared.items() if kind is not None}
+    groups = [i for i, name in enumerate(tasks.names) if declared[name] is None]
+    if groups:
+        subset = TaskSet(tasks.manager, [tasks.specs[i] for i in groups], [tasks.names[i] for i in groups],
+                         tasks.fingerprints)
+        kinds.update((name, {getattr(t, "OUTPUT_TYPE", None) for t in built} - {None})
+                     for name, built in loaded_tasks(subset))
+    for name in tasks.names:
         for policy, allowed in limited.items():
-            wrong = sorted(kinds - set(allowed))
+            wrong = sorted(kinds.get(name, set()) - set(allowed))
             if wrong:
-                raise ExitbenchError(f"--policy {policy} runs {' and '.join(allowed)} tasks (lm-eval's output_type); "
-                                     f"task {name} is {', '.join(wrong)}: run it with an exit rule, and {policy} on a "
-                                     "task of its type")
+                what = "generation" if allowed == ("generate_until",) else "scoring"
+                raise ExitbenchError(f"--policy {policy} runs {what} tasks ({', '.join(allowed)}); task {name} is "
+                                     f"{', '.join(wrong)}: run it with an exit rule, and {policy} on a {what} task "
+                                     "(e.g. " + ("chains" if what == "generation" else "chains_mc or chains_lambada")
+                                     + ")")
 
 
 def loaded_tasks(tasks: TaskSet):

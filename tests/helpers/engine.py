@@ -73,9 +73,12 @@ CONJUNCTION = {"rules": [{"policy": "second_order"}, {"policy": "margin", "thres
 
 
 def knobs_for(policy: str) -> dict:
-    """The knobs a policy cannot run without: the learned rule's exit model, a conjunction's rules."""
+    """The knobs a policy cannot run without: the learned rule's exit model, a conjunction's rules, the budgeted
+    prefill exits' prompt run with exits."""
     if policy == "all_of":
         return CONJUNCTION
+    if policy in ("prefill_topk", "prefill_random"):
+        return {"prefill": "exit"}
     return {"exit_model": exit_model_file()} if policy == "learned" else {}
 
 
