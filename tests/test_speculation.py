@@ -134,8 +134,8 @@ def test_speculation_on_gsm8k_is_full_depths_generation(tmp_path):
 
 def test_a_draft_rule_is_a_series_of_its_own_over_its_rules_grid(tmp_path):
     got = _sweep(tmp_path, "tiny-raven", 16, thresholds=[0.3], limit=8, exit={"draft": {"policy": "second_order"}})
-    assert set(got) == {"fixed 16", "speculate[second_order]-k4 0.3"}
-    assert got["speculate[second_order]-k4 0.3"]["answers"] == got["fixed 16"]["answers"]
+    assert set(got) == {"fixed 16", "speculate:second_order-k4 0.3"}
+    assert got["speculate:second_order-k4 0.3"]["answers"] == got["fixed 16"]["answers"]
 
 
 @pytest.mark.parametrize("args,words", [

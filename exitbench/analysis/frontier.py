@@ -219,7 +219,8 @@ def within(quality: float, reference: float, eps: float, higher: bool) -> bool:
 
 def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float | None = None
                     ) -> list[dict[str, Any]]:
-    """Each policy's cheapest point within ε of full-depth quality (or of `reference`, when given)."""
+    """Each policy's cheapest point within ε of full-depth quality (or of `reference`, when given): fewest mean
+    iterations, or for depth speculation fewest loop steps per token."""
     higher = points[0].cell["quality"]["higher_is_better"]
     ref = full_depth(points)
     target = ref.quality if reference is None else reference
@@ -231,7 +232,9 @@ def matched_quality(points: list[Point], tolerances=TOLERANCES, reference: float
             if within(p.quality, target, eps, higher) and p.cost("iterations") is not None:
                 by_policy.setdefault(p.policy, []).append(p)
         for name, candidates in sorted(by_policy.items()):
-            best = min(candidates, key=lambda p: (p.cost("iterations"), p.threshold))
+            # (speculation's cost is its loop steps one after another, not its iterations: see timing/speedup.py)
+            best = min(candidates, key=lambda p: ((p.cell.get("speculation") or {}).get("steps_per_token")
+                                                  or p.cost("iterations"), p.threshold))
             ref_time, time = ref.cell["wall_clock"]["per_token_s"], best.cell["wall_clock"]["per_token_s"]
             paired = paired_timing(best.cell, ref.threshold)
             evaluated = ref_time / time if ref_time and time else None

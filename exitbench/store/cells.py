@@ -76,13 +76,14 @@ def series(policy: dict[str, Any]) -> str:
     """The name of the series a cell's policy section puts it in: the rule, `-rel` for relative step norms, and
     `-kvC` under a KV window (its own series, beside the same rule on the full cache), `-select` in exit mode
     select (every token runs every iteration; beside the physical exits), `-weighted` and `-freeze` likewise;
-    depth speculation `speculate-k4` (drafts at depth τ, 4 a round), `speculate[second_order]-k4` (drafts by a rule)."""
+    depth speculation `speculate-k4` (drafts at depth τ, 4 a round), `speculate:second_order-k4` (drafts by a rule;
+    no brackets, which the terminal tables read as markup)."""
     rel = "-rel" if policy.get("relative") else ""
     window = f"-kv{policy['kv_window']}" if policy.get("kv_window") else ""
     mode = f"-{policy['exit_mode']}" if policy.get("exit_mode") in ("select", "weighted", "freeze") else ""
     rule = conjunction(policy) if policy.get("rules") else policy["policy"]
     if policy.get("draft_tokens"):  # depth speculation: its draft (a depth is the cell's τ, a rule named) and k
-        rule += (f"[{policy['draft']['policy']}]" if policy.get("draft") else "") + f"-k{policy['draft_tokens']}"
+        rule += (f":{policy['draft']['policy']}" if policy.get("draft") else "") + f"-k{policy['draft_tokens']}"
     return rule + rel + window + mode
 
 

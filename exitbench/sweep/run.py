@@ -14,6 +14,7 @@ from typing import Any, Callable
 from ..harness.task_set import TaskSet
 from ..models import Checkpoint
 from ..policies.learned import check_fitted_for
+from ..policies.speculation import DEFAULT_DRAFT_TOKENS
 from ..runtime.distributed import init_distributed
 from ..store import cells
 from . import backends
@@ -143,6 +144,9 @@ def summary_rows(cell_list: list[dict[str, Any]], reused: set[str] = frozenset()
     for c in cell_list:
         p = c["policy"]
         name = (cells.conjunction(p) if p.get("rules") else p["policy"]) + (" (rel)" if p.get("relative") else "")
+        if p.get("draft_tokens"):  # depth speculation: the rule that drafts, and k where it is not the default
+            name += (f":{p['draft']['policy']}" if p.get("draft") else "") \
+                + ("" if p["draft_tokens"] == DEFAULT_DRAFT_TOKENS else f" k={p['draft_tokens']}")
         origin = [w for w, yes in (("reused", c["cell_id"] in reused), ("replay", c.get("mode") == "replay")) if yes]
         rows.append({"task": c["task"]["name"], "metric": c["quality"]["metric"],
                      "higher_is_better": c["quality"]["higher_is_better"], "policy": name, "threshold": p["threshold"],
