@@ -124,6 +124,7 @@ def test_speculation_cells_are_full_depths_generations(tmp_path, name, full):
         assert "schedule" not in c["iterations"]
 
 
+@pytest.mark.slow  # (8 s, most of it lm-eval building GSM8K; chains above holds the shipped task in the fast suite)
 def test_speculation_on_gsm8k_is_full_depths_generation(tmp_path):
     """lm-eval's own gsm8k (the real test set under ../shared), answers long enough for several rounds."""
     got = _sweep(tmp_path, "tiny-looped-gpt2", 6, tasks=["gsm8k"], thresholds=[2], limit=2, data_dir=GSM8K,
