@@ -108,6 +108,14 @@ def test_both_schedules_give_the_same_exits_and_log_probabilities(name, policy):
     cls = REGISTRY[policy]
     if cls.needs_gate and not model.gated:
         pytest.skip("a gate rule needs a trained exit gate (refused in one line: tests/test_ouro.py)")
+    if cls.drafts:  # depth speculation is no per-token exit: no exit engine runs it (tests/test_speculation.py)
+        with pytest.raises(ExitbenchError, match="no per-token exit"):
+            _engine(model, policy, threshold=1)
+        return
+    if cls.ranks_positions and model.prefix_lm:  # its prompt is one bidirectional block: no prompt runs with exits
+        with pytest.raises(ExitbenchError, match="bidirectional block"):
+            _engine(model, policy, threshold=0.25)
+        return
     auto = _engine(model, policy, **({"threshold": K // 2} if policy == "fixed" else {}))
     blocker = waves.depth_major_blocker(auto)
     if cls.retrospective:

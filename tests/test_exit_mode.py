@@ -75,6 +75,8 @@ def test_select_runs_every_policy_batched_equal_to_one_at_a_time(case, policy, o
     model = tiny(init_scale=1.0) if case == "huginn-layout" else ouro
     if REGISTRY[policy].needs_gate and not model.gated:
         pytest.skip("gate rules need a trained gate")
+    if REGISTRY[policy].drafts:
+        pytest.skip("depth speculation is no per-token exit, so it has no exit mode (tests/test_speculation.py)")
     if REGISTRY[policy].ranks_positions:
         pytest.skip("a budget over positions stops the ones it does not keep: exit modes refused "
                     "(tests/test_prefill_budget.py)")

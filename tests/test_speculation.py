@@ -20,8 +20,8 @@ from exitbench.models.checkpoint import open_checkpoint
 from exitbench.cli import app
 from exitbench.store import cells
 from exitbench.sweep import SweepConfig, run_sweep
+from helpers.paths import GSM8K_DIR
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 PROMPTS = ("a=3 b=a c=b d=c. d?", "x=7 y=x. y?", "q=2 r=q s=r t=s u=t. u?")
 NEW = 12
@@ -127,7 +127,7 @@ def test_speculation_cells_are_full_depths_generations(tmp_path, name, full):
 @pytest.mark.slow  # (8 s, most of it lm-eval building GSM8K; chains above holds the shipped task in the fast suite)
 def test_speculation_on_gsm8k_is_full_depths_generation(tmp_path):
     """lm-eval's own gsm8k (the real test set under ../shared), answers long enough for several rounds."""
-    got = _sweep(tmp_path, "tiny-looped-gpt2", 6, tasks=["gsm8k"], thresholds=[2], limit=2, data_dir=GSM8K,
+    got = _sweep(tmp_path, "tiny-looped-gpt2", 6, tasks=["gsm8k"], thresholds=[2], limit=2, data_dir=GSM8K_DIR,
                  prompting=Prompting(gen_kwargs="max_gen_toks=24"))
     ref, spec = got["fixed 6"], got["speculate-k4 2"]
     assert spec["answers"] == ref["answers"] and spec["cell"]["speculation"]["rounds"] >= 2 * 2
