@@ -14,8 +14,8 @@ points exitbench at, minus the training.
 - a byte-level BPE tokenizer.json of the vocabulary whose first fourteen tokens are the fixture's special ones
   (tests/fixtures/make_hrm_text_tiny.py: <|im_start|> 6, <|box_end|> 11, …).
 
-Weights N(0, 0.02), z_L_init N(0, 1). 1,182,795,264 parameters, 2.37 GB in bfloat16; one tensor in memory at a
-time beside the file being written. Why here and not in the package: no user needs a random HRM-Text. It is the
+Weights N(0, 0.02), z_L_init N(0, 1). 1,182,795,264 parameters, 2.37 GB in bfloat16; at most two tensors in memory
+(`sizes.write_weights` streams them). Why here and not in the package: no user needs a random HRM-Text. It is the
 fixture of the slow full-size test (tests/test_full_size.py, its hrm_text row).
 """
 from __future__ import annotations

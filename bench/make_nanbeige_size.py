@@ -13,8 +13,8 @@ points exitbench at, minus the training.
 - a byte-level BPE tokenizer.json of the vocabulary with `<unk>`, `<s>`, `</s>` first and `add_bos_token` (the
   hub's Base repo ships a SentencePiece `tokenizer.model` instead, which needs sentencepiece to read).
 
-Weights N(0, 0.02), norms 1. 4,169,800,704 parameters, 8.34 GB in bfloat16; one tensor in memory at a time
-beside the file being written. Why here and not in the package: no user needs a random Nanbeige. It is the
+Weights N(0, 0.02), norms 1. 4,169,800,704 parameters, 8.34 GB in bfloat16; at most two tensors in memory
+(`sizes.write_weights` streams them). Why here and not in the package: no user needs a random Nanbeige. It is the
 fixture of the slow full-size test (tests/test_full_size.py, its nanbeige row).
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ points exitbench at, minus the training.
 
 Weights are N(0, 0.02) (Qwen2's init; `tiny` draws 0.2 so its 2 layers move the state), norms 1 (`tiny`: 1 plus
 a little noise), gate bias 0 (`tiny`: −1 with a spread-out gate, so Q-exit lands on every step). Ouro-1.4B:
-1,434,652,673 parameters, 2.87 GB in bfloat16; 2.6B: 2,667,974,657, 5.34 GB. One shard is in memory at a time.
+1,434,652,673 parameters, 2.87 GB in bfloat16; 2.6B: 2,667,974,657, 5.34 GB. At most two tensors are in memory.
 Why here and not in the package: no user needs a random Ouro. It is the fixture for the slow full-size test and
 for tests/fixtures/ouro-tiny, whose reference outputs tests/test_ouro.py holds exitbench to.
 """

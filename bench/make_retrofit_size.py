@@ -25,7 +25,7 @@ retrofitted-recurrence.md) and not from exitbench's module tree, so loading it t
 
 Weights are N(0, 0.02), norms 1 (the tiny fixtures: N(0, 0.2), norms 1 plus noise, so their layers move the
 state). TinyLlama 4/8/4: 844,171,264 parameters (1.69 GB in bf16); OLMo-2 4/6/4: 1,359,071,232 (2.72 GB).
-One shard is in memory at a time.
+At most two tensors are in memory.
 Why here and not in the package: no user needs a random retrofit. It is the fixture for the slow full-size test
 and for tests/fixtures/retrofit-*-tiny, whose reference outputs tests/test_retrofit.py holds exitbench to.
 """
