@@ -126,7 +126,7 @@ class DepthSpeculator:
         x = model.embed(torch.tensor([[token]], device=model.device), pos)
         groups = {id(g): i for i, g in enumerate(model.loop_groups())}
         ran, probes = [0] * len(groups), [0] * len(groups)
-        for at, stage in enumerate(model.stages()):
+        for stage in model.stages():
             if isinstance(stage, Stage):
                 x = stage.run(x, ctx)
                 continue
