@@ -137,7 +137,8 @@ def safetensors_header(keys: list[tuple[str, tuple[int, ...]]], dtype: torch.dty
     offset = 0
     for key, shape in keys:
         size = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

@@ -336,9 +336,9 @@ TOPICS: dict[str, tuple[str, Writer]] = {
 }
 ON_FRONTIERS = {"replay", "drift", "mixed", "bound"}  # the topics read from the frontiers
 # What each reader prints, in its order.
-PARETO = ("setups", "replay", "nonfinite", "lossless", "busy", "spread", "latency spread", "sample", "corrected", "untimed",
-          "noise", "bound", "drift", "mixed")
+PARETO = ("setups", "replay", "nonfinite", "lossless", "busy", "spread", "latency spread", "sample", "corrected",
+          "untimed", "noise", "bound", "drift", "mixed")
 PUBLISHED = ("published model", "published limit")  # pareto, under the published numbers' table
-REPORT = ("mode", "setups", "lossless", "busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise", "bound",
-          "drift")
+REPORT = ("mode", "setups", "lossless", "busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise",
+          "bound", "drift")
 TIMING = ("busy", "spread", "latency spread", "sample", "corrected", "untimed", "noise")

@@ -140,9 +140,10 @@ class ExitEngine:
         # What teacher-forced requests run as; the reason when it is not depth-major.
         self.scoring_schedule = "token_major" if schedule == "token_major" or blocker else "depth_major"
         self.schedule_note = blocker
-        budget = next((p for p in self.policies if p.ranks_positions), None)
-        if budget is not None and self.scoring_schedule != "depth_major":
-            raise ExitbenchError(f"{budget.name} ranks a sequence's positions at one iteration, which only the "
+        # A rule that ranks a sequence's positions (the budgeted prefill exit), or None.
+        self.budget = next((p for p in self.policies if p.ranks_positions), None)
+        if self.budget is not None and self.scoring_schedule != "depth_major":
+            raise ExitbenchError(f"{self.budget.name} ranks a sequence's positions at one iteration, which only the "
                                  f"depth-major schedule holds together, and this run scores token-major "
                                  f"({blocker or 'schedule token_major'}); use schedule auto or depth_major")
 
@@ -189,9 +190,8 @@ class ExitEngine:
             raise ExitbenchError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         if any(len(p) == 0 for p in prompts):
             raise ExitbenchError("generation needs a non-empty prompt (at least a BOS token)")
-        budget = next((p for p in self.policies if p.ranks_positions), None)
-        if budget is not None:
-            raise ExitbenchError(f"{budget.name} ranks the positions of a scored sequence (loglikelihood requests); "
+        if self.budget is not None:
+            raise ExitbenchError(f"{self.budget.name} ranks the positions of a scored sequence (loglikelihood requests); "
                                  "generation makes one token at a time, with nothing to rank it against: score "
                                  "instead, or choose a rule that decides each token on its own")
         reqs = [self._request(i, list(p), len(p) - 1, len(p) - 2 + max_new_tokens) for i, p in enumerate(prompts)]
@@ -348,7 +348,7 @@ class Run:
         # Depth-major: a row's block of positions enters and leaves each loop group together (waves.py).
         # (a rule ranking a sequence's positions needs each sequence whole in one block: its selection is the
         # sequence's, never a block's that the batch size sized)
-        block = capacity if any(p.ranks_positions for p in engine.policies) else \
+        block = capacity if engine.budget is not None else \
             block_positions(self.model, rows, capacity)
         self.waves = DepthMajor(self, block) if depth_major else None
         # Token-major scoring defers outputs to batch them; depth-major blocks are batches already.

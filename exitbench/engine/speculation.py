@@ -253,9 +253,6 @@ class SpeculativeEngine:
         self.groups = model.loop_groups()
         self.policies = config.bound_policies(self.groups)
         spec = self.policies[0]
-        reason = config.never_exits_early(self.groups)
-        if reason:
-            raise ExitbenchError(reason)
         full = [p.max_steps for p in self.policies]
         rules = None if spec.draft is None else [p.draft_rule().bind(p.max_steps, g)
                                                  for p, g in zip(self.policies, self.groups)]

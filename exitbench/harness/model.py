@@ -36,6 +36,7 @@ from ..models import Checkpoint
 from ..models.checkpoint import open_checkpoint
 from ..models.embedded import recorded_path
 from ..models.hub import hub_source
+from ..policies import REGISTRY
 from ..runtime.devices import resolve_device
 from ..runtime.distributed import init_distributed
 from ..runtime.validation import at_least, parse
@@ -132,7 +133,7 @@ class ExitbenchLM(LM):
         if never:  # lm-eval's model args reach here without a sweep's planning, which refuses the same
             raise ExitbenchError(never)
         self.exit_config = exit_config
-        self.engine = SpeculativeEngine(ck.model, exit_config) if exit_config.build_policy().drafts \
+        self.engine = SpeculativeEngine(ck.model, exit_config) if REGISTRY[exit_config.policy].drafts \
             else ExitEngine(ck.model, exit_config, schedule, prefixes=shared_store(ck.model))
         self.batch_size = self._parse_batch_size(batch_size, max_batch_size)
         self.max_length = int(max_length or ck.model.config.block_size)

@@ -283,7 +283,10 @@ def speculation(stats: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
         return {}
     n = sum(len(r["accepted"]) for r in rounds)
     kept, drafted = sum(sum(r["accepted"]) for r in rounds), sum(r["drafted"] for r in rounds)
-    per_token = (lambda name: sum(r[name] for r in rounds) / tokens) if tokens else (lambda name: None)
+
+    def per_token(name: str) -> float | None:
+        return sum(r[name] for r in rounds) / tokens if tokens else None
+
     return {"speculation": {"rounds": n, "drafted": drafted, "accepted": kept,
                             "acceptance_rate": kept / drafted if drafted else None,
                             "accepted_per_round": kept / n if n else None,

@@ -334,8 +334,9 @@ def parse_named(text: str | None) -> list[tuple[str, float]]:
 def expand_policies(names: list[str]) -> list[str]:
     if not names:
         raise ExitbenchError("--policy names no policy; give one or more, or 'all'")
-    if "all" in names:  # (not the budgeted prefill exits: they need a scoring task and prefill exit, so named)
-        return [n for n in REGISTRY if n != "fixed" and not REGISTRY[n].ranks_positions]
+    if "all" in names:  # every exit rule: not the budgeted prefill exits (they need a scoring task and prefill exit)
+        # nor depth speculation (the baseline the rules are compared with), each asked for by name
+        return [n for n in REGISTRY if n != "fixed" and not REGISTRY[n].ranks_positions and not REGISTRY[n].drafts]
     for n in names:
         check_policy_name(n)  # unknown names fail here, with the closest match
     return [n for n in dict.fromkeys(names) if n != "fixed"]
@@ -394,8 +395,6 @@ def _runnable(cfg: SweepConfig, shared: dict[str, Any], gated: bool) -> list[str
         names = [n for n in names if not REGISTRY[n].needs_gate]
     if "all" in cfg.policies and not shared.get("rules"):
         names = [n for n in names if not REGISTRY[n].takes_rules]
-    if "all" in cfg.policies:  # every exit rule; speculation is the baseline they are compared with, asked by name
-        names = [n for n in names if not REGISTRY[n].drafts]
     if shared.get("horizon", "same") != "same" and not any(REGISTRY[n].decides_as_it_runs() for n in names):
         raise ExitbenchError(f"--horizon {shared['horizon']} reads a rule's exit decision one iteration late, and "
                              f"it applies to none of the policies asked for ({', '.join(cfg.policies)}): the oracle "

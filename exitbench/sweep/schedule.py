@@ -15,7 +15,8 @@ from typing import Any
 
 from ..engine import ExitConfig
 from ..errors import ExitbenchError
-from ..harness.task_set import TaskSet
+from ..harness.task_set import TaskSet, output_type
+from ..policies import REGISTRY
 from ..models import Checkpoint
 from ..runtime.distributed import init_distributed
 from ..store import cells, disk
@@ -94,9 +95,6 @@ def check_output_types(tasks: TaskSet, configs: list[ExitConfig]) -> None:
     speculation drafts generated tokens, so a scoring task has none; a budgeted prefill exit ranks a scored
     sequence's positions, and a generated token comes alone. The task's output type is read from lm-eval's task
     index, or, for a group (which declares none), from its built subtasks."""
-    from ..harness.task_set import output_type
-    from ..policies import REGISTRY
-
     limited = {c.policy: REGISTRY[c.policy].output_types for c in configs if REGISTRY[c.policy].output_types}
     if not limited:
         return

@@ -144,8 +144,8 @@ def repeats_clock(cell: dict[str, Any]) -> str | None:
 
 
 def iteration_bound(cell: dict[str, Any], full: dict[str, Any] | None, clock: str = "throughput") -> float | None:
-    """Full depth's mean iterations ÷ the cell's (a speculation cell's loop steps per token): its full-depth cell's where known, else the depth its repeats
-    on `clock` were paired with, once per loop group."""
+    """Full depth's mean iterations ÷ the cell's (a speculation cell's loop steps per token): its full-depth cell's
+    where known, else the depth its repeats on `clock` were paired with, once per loop group."""
     mine = (cell.get("speculation") or {}).get("steps_per_token") or (cell.get("iterations") or {}).get("mean")
     if not mine:
         return None
