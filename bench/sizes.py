@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,11 +88,11 @@ def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtyp
     the shard holding its middle byte), named as save_pretrained names them, with an index when there are
     several. Returns the bytes written.
 
-    Streamed: each file's header is written from the layout before its first tensor is made, then each tensor as
-    it comes, by a thread that writes one while the next is drawn. Drawing a real-size model's random numbers and
-    writing them to disk take about as long each (measured on the CI machine: 22 s and 24 s of Huginn's 53 s), and
-    the write releases the GIL, so the two overlap; and no more than two tensors are ever in memory, where a
-    whole shard was (8 GB for the one-file families)."""
+    Streamed (`write_shard`): each file's header is written from the layout before its first tensor is made, then
+    each tensor as it comes, by a thread that writes one while the next is drawn. Drawing a real-size model's random
+    numbers and writing them to disk take about as long each (measured on the CI machine: 22 s and 24 s of Huginn's
+    53 s), and the write releases the GIL, so the two overlap; and no more than two tensors are ever in memory,
+    where a whole shard was (8 GB for the one-file families)."""
     nbytes = {k: math.prod(s) * dtype.itemsize for k, s in keys}
     total = sum(nbytes.values())
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
@@ -102,40 +103,82 @@ def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtyp
         groups[-1].append((key, shape))
         done += nbytes[key]
     weight_map = {}
-    with ThreadPoolExecutor(max_workers=1) as writer:
-        for index, group in enumerate(groups, start=1):
-            name = "model.safetensors" if shards == 1 else f"model-{index:05d}-of-{shards:05d}.safetensors"
-            with open(out / name, "wb") as f:
-                f.write(safetensors_header(group, dtype))
-                pending = None
-                for key, shape in group:
-                    t = make(key, shape)
-                    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                        raise SystemExit(f"error: {key} was made as {t.dtype} {tuple(t.shape)}; its layout says "
-                                         f"{dtype} {tuple(shape)}")
-                    if pending is not None:
-                        pending.result()
-                    pending = writer.submit(f.write, t.contiguous().reshape(-1).view(torch.uint8).numpy())
-                if pending is not None:
-                    pending.result()
-            weight_map.update({k: name for k, _ in group})
-            log(f"  {name}: {len(group)} tensors")
+    for index, group in enumerate(groups, start=1):
+        name = "model.safetensors" if shards == 1 else f"model-{index:05d}-of-{shards:05d}.safetensors"
+        write_shard(out / name, [(key, dtype, shape) for key, shape in group],
+                    ((key, make(key, shape)) for key, shape in group))
+        weight_map.update({k: name for k, _ in group})
+        log(f"  {name}: {len(group)} tensors")
     if shards > 1:
         index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     return total
 
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+def write_shard(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors) -> int:
+    """One safetensors file of `entries` (key, dtype, shape), laid out in their order, from `tensors`: (key, tensor)
+    pairs in any order, each made only when the previous one is handed to the writer. The header is written first,
+    then each tensor at its offset by a thread that writes it while the next is made (the write releases the GIL),
+    so at most two are in memory. A tensor unlike its entry, or a key made twice, not in `entries` or never made:
+    SystemExit. Returns the tensors' bytes."""
+    header = safetensors_header(entries)
+    layout, offset = {}, len(header)
+    for key, dtype, shape in entries:
+        layout[key] = (offset, dtype, tuple(shape))
+        offset += math.prod(shape) * dtype.itemsize
+    written = set()
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as writer:
+        f.write(header)
+        f.flush()
+        pending = None
+        for key, t in tensors:
+            if key not in layout or key in written:
+                raise SystemExit(f"error: {key} was made twice" if key in written else
+                                 f"error: {key} was made but is not in {path.name}'s layout")
+            at, dtype, shape = layout[key]
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise SystemExit(f"error: {key} was made as {t.dtype} {tuple(t.shape)}; its layout says "
+                                 f"{dtype} {shape}")
+            written.add(key)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(_write_at, f.fileno(), t.contiguous().reshape(-1).view(torch.uint8).numpy(), at)
+        if pending is not None:
+            pending.result()
+    if len(written) < len(layout):
+        missing = [key for key in layout if key not in written]
+        raise SystemExit(f"error: {len(missing)} tensors of {path.name}'s layout were never made ({missing[0]}, …)")
+    return offset - len(header)
 
 
-def safetensors_header(keys: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> bytes:
-    """A safetensors file's length prefix and JSON header for `keys` of `dtype`, stored in the order given (the
-    format asks only that each tensor's bytes follow the last one's), padded to 8 bytes as the format's writer pads
-    it, with save_pretrained's metadata."""
+def _write_at(fd: int, data, offset: int) -> None:
+    """All of `data` into file `fd` from byte `offset` (os.pwrite may write less than it is given)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+# safetensors' dtypes in the order of its own enumeration: save_file lays a file's tensors out by it, the last first,
+# then by name (safetensors_order).
+SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.float32: "F32"}
+
+
+def safetensors_order(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list:
+    """`entries` (key, dtype, shape) in the order safetensors' save_file writes them, so that a file streamed in
+    that order (write_shard) holds save_file's bytes: by dtype, the last of SAFETENSORS_DTYPES first, then by key."""
+    rank = list(SAFETENSORS_DTYPES)
+    return sorted(entries, key=lambda entry: (-rank.index(entry[1]), entry[0]))
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """A safetensors file's length prefix and JSON header for `entries` (key, dtype, shape), stored in the order
+    given (the format asks only that each tensor's bytes follow the last one's), padded to 8 bytes as the format's
+    writer pads it, with save_pretrained's metadata."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for key, shape in keys:
+    for key, dtype, shape in entries:
         size = math.prod(shape) * dtype.itemsize
         header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + size]}

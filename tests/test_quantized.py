@@ -128,11 +128,12 @@ def test_quantising_rounds_to_the_nearest_code_and_decodes_back(tmp_path, fmt):
 
 def test_the_nearest_code_is_the_argmin_over_all_sixteen():
     """nearest_e2m1 buckets magnitudes between the codes' midpoints; it must pick what measuring all 16 distances
-    picks, ties (each midpoint, ±) and signed zeros included."""
+    picks, ties (each midpoint, ±), the floats either side of each and signed zeros included."""
     from exitbench.models.quantized import E2M1_VALUES, nearest_e2m1
 
     values = torch.tensor(E2M1_VALUES)
     ties = (values[1:8] + values[:7]) / 2
+    ties = torch.cat([ties, torch.nextafter(ties, torch.tensor(0.0)), torch.nextafter(ties, torch.tensor(9.0))])
     unit = torch.cat([torch.randn(100_000, generator=torch.Generator().manual_seed(3)) * 4, ties, -ties,
                       torch.tensor([0.0, -0.0, 6.5, -6.5, 40.0, -40.0])])  # past 6: a scale rounded down
     assert torch.equal(nearest_e2m1(unit), (unit[:, None] - values).abs().argmin(-1))

@@ -64,13 +64,31 @@ def dequantize_mxfp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return out
 
 
-def nearest_e2m1(unit: torch.Tensor) -> torch.Tensor:
-    """The E2M1 code nearest each value, a tie to the smaller magnitude and anything that rounds to zero to +0 (code
-    0): what an argmin over the 16 codes gives, found by bucketing the magnitude between the codes' midpoints
-    instead of measuring all 16 distances (16 times the weights' size, minutes on a real-size checkpoint)."""
+def _e2m1_table() -> tuple[int, torch.Tensor]:
+    """nearest_e2m1's lookup: a float32's magnitude bits, less one, shifted right 21 (a key in the value's order) →
+    its magnitude code (0-7), then the same keys of a negative value → its signed code (+8, but +0 for zero). Each
+    midpoint between codes has two significant bits, so its low 21 bits are 0 and a magnitude lies above it exactly
+    when its key is at least the midpoint's; the keys below the first midpoint's or past the last one's share a code."""
     magnitudes = torch.tensor(E2M1_VALUES[:8])
-    index = torch.bucketize(unit.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2)
-    return torch.where((unit < 0) & (index > 0), index + 8, index)
+    edges = ((magnitudes[1:] + magnitudes[:-1]) / 2).view(torch.int32) >> 21
+    keys = torch.arange(int(edges[0]) - 1, int(edges[-1]) + 1, dtype=torch.int32)
+    index = (keys[:, None] >= edges).sum(-1)
+    return int(keys[0]), torch.cat([index, torch.where(index > 0, index + 8, index)])
+
+
+E2M1_LOW, E2M1_TABLE = _e2m1_table()
+
+
+def nearest_e2m1(unit: torch.Tensor) -> torch.Tensor:
+    """The E2M1 code nearest each float32 value, a tie to the smaller magnitude and anything that rounds to zero to
+    +0 (code 0): what an argmin over the 16 codes gives, found by looking up the magnitude's leading bits (the
+    exponent and two mantissa bits, against the codes' midpoints) instead of measuring all 16 distances (16 times
+    the weights' size, minutes on a real-size checkpoint). The same codes as bucketing the magnitude between the
+    midpoints (torch.bucketize, checked over all 2^32 float32 bit patterns, NaN and infinities included), in less
+    than half its time: a few in-place integer passes and a gather instead of a binary search per value."""
+    size = len(E2M1_TABLE) // 2
+    key = (unit.view(torch.int32) & 0x7FFFFFFF).sub_(1).bitwise_right_shift_(21).clamp_(E2M1_LOW, E2M1_LOW + size - 1)
+    return E2M1_TABLE[key.sub_(E2M1_LOW).add_(unit < 0, alpha=size)]
 
 
 def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
