@@ -37,7 +37,9 @@ class Family:
     load_margin: float  # bytes a loading process may peak above the weights (or a factor, when below 2)
     info_args: list[str]
     info: dict  # dotted path in `info --json` → the value it must have ("*" maps over a list)
-    traces: list[list[str]]  # each: the arguments after `trace PROMPT -c DIR`; the last two are --generate N
+    # each: the arguments after `trace PROMPT -c DIR` (the last two --generate N), a --vs rule traced in the
+    # same process: one load of the weights for two rules
+    traces: list[list[str]]
     max_exit: int  # the deepest step a traced token may exit at
     run_args: list[str] = field(default_factory=list)  # `run` after -c DIR; empty: no run cell
     run_policies: list[str] = field(default_factory=list)
@@ -77,14 +79,14 @@ CONFIDENCE = [["--policy", "confidence", "--threshold", "0.001", "--generate", "
 FIRST_ORDER_CELL = (["--policy", "first_order", "--thresholds", "1", "--baselines", "2"], ["first_order", "fixed"])
 
 FAMILIES = [
-    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 7 minutes on 2 cores. Each command's own
+    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 2 minutes on 2 idle cores. Each command's own
     # peak ≤ 1.15 × the weights' bytes (7.13 GB in bf16): the weights are never held twice.
     Family("huginn", ("make_huginn_size.py", [], 9e9, 1800), HUGINN_PARAMETERS, 1.15, PLAN + ["16"],
            {**BF16, "layers": {"prelude": 2, "core": 4, "coda": 2}, "tokenizer.vocab_size": 65536,
             "shards.*.file": [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)],
             "tokenizer.special_tokens.bos": {"id": 65504, "token": "<|begin_text|>"},
             "plan.kv_cache": 2 * (4 * 32 + 4) * 16 * 1000 * 5280 * 2},
-           [["--policy", p, "--max-steps", "8", "--generate", "3"] for p in ("kl", "second_order")], 8,
+           [["--policy", "second_order", "--vs", "kl", "--max-steps", "8", "--generate", "3"]], 8,
            ["--policy", "fixed", "--baselines", "4"], ["fixed"], {"iterations.max": 4, "iterations.requests": 1},
            plan_holds=_huginn_shards),
     # Ouro-1.4B: 2 bf16 shards, 49,152 tokens; about 2 minutes. The process's own footprint (Python, torch, lm-eval,
@@ -200,9 +202,11 @@ def test_trace_with_an_exit_rule(family, checkpoint, env, tmp_path):
     for i, args in enumerate(family.traces):
         out = tmp_path / f"trace-{i}.json"
         proc, peak = exitbench(["trace", "a=7 b=a", "-c", str(checkpoint), *args, "--json", str(out)], env, tmp_path)
-        (trace,) = json.loads(out.read_text())["traces"]
-        assert len(trace["generated_ids"]) == int(args[-1])
-        assert all(1 <= t["exit_steps"][0] <= family.max_exit for t in trace["tokens"])
+        traces = json.loads(out.read_text())["traces"]
+        assert len(traces) == 1 + args.count("--vs")
+        for trace in traces:
+            assert len(trace["generated_ids"]) == int(args[-1])
+            assert all(1 <= t["exit_steps"][0] <= family.max_exit for t in trace["tokens"])
         within(peak, family, "trace")
 
 
