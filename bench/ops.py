@@ -10,6 +10,13 @@ batch 1; and continuous depth batching (the default refill) on a stream of 64 pr
 also hands the places of exited tokens to waiting ones. Steps of different schedules hold different numbers of
 tokens, so the last column is what compares them: ops per token-iteration, a run's ops over the iterations its
 tokens ran. Targets: fixed depth ≤ 150 ops per step and second_order ≤ 200 at batch 1 (issues 57 and 69).
+
+    python bench/ops.py --regions             # also: where each run's ops go
+
+`--regions` splits each run's ops by the engine call they ran in (exitbench/harness/opcount.py, REGIONS): per
+loop step, the iteration itself, the places' context, the probe and the tokens leaving; per generated token,
+the way out and back in (finish, stage, enter, carry) and what lies outside every region named. The prefill is
+left out: the clocks leave it out too.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory or embedded name (tiny-raven)")
     parser.add_argument("--tokens", type=int, default=8, help="new tokens per prompt")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--regions", action="store_true", help="also print where each run's ops go")
     args = parser.parse_args()
     ck = open_checkpoint(args.checkpoint)
     rows = []
@@ -54,10 +62,29 @@ def main() -> None:
                          "prompts": n_prompts, "refill": refill or "continuous", "steps": count.steps,
                          "ops": count.ops, "ops_in_steps": count.in_steps, "iterations": count.iterations,
                          "ops_per_step": round(count.per_step, 1), "ops_in_step": round(count.in_step, 1),
-                         "ops_per_token_iteration": round(count.per_iteration, 2)})
+                         "ops_per_token_iteration": round(count.per_iteration, 2), "tokens": count.tokens,
+                         "regions": count.regions})
+    if args.regions:
+        print_regions(rows)
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "tokens": args.tokens,
                                          "rows": rows}, indent=1) + "\n")
+
+
+PER_STEP = ["step", "context", "probe", "leave"]
+PER_TOKEN = ["finish", "stage", "enter", "carry", "other"]
+
+
+def print_regions(rows: list[dict]) -> None:
+    """Each run's ops by region: those of a loop step per step, the rest per generated token."""
+    print(f"\n{'policy':13s} {'run':>12s} | per step: " + " ".join(f"{r:>8s}" for r in [*PER_STEP, "sum"])
+          + " | per token: " + " ".join(f"{r:>7s}" for r in [*PER_TOKEN, "sum"]))
+    for row in rows:
+        regions = row["regions"]
+        step = [regions.get(r, 0) / row["steps"] for r in PER_STEP]
+        token = [regions.get(r, 0) / row["tokens"] for r in PER_TOKEN]
+        print(f"{row['policy']:13s} {row['run']:>12s} | {'':10s}" + " ".join(f"{v:8.1f}" for v in [*step, sum(step)])
+              + f" | {'':11s}" + " ".join(f"{v:7.1f}" for v in [*token, sum(token)]))
 
 
 if __name__ == "__main__":

@@ -5,21 +5,31 @@ cost in the unit that matters there, and unlike a time it is the same on every m
 hold it. Two counts per run: every aten op of the whole `generate` (the prefill, heads, bookkeeping), and those
 inside `TokenLoop.step` (the iteration itself, its probe and exits), each divided by the number of loop steps.
 The profiler counts nested ops too (an `mm` inside a `linear`), as issue 57's first measurement did.
+
+Where a run's ops go (`OpCount.regions`, bench/ops.py --regions): each op is charged to the innermost of the
+engine calls `REGIONS` names that it ran in. Inside a loop step: the places' attention context, the probe (the
+rule's signal and decision) and the tokens leaving; what is left of the step is the iteration itself. Outside it:
+a generated token's way from its exit to its next token's entry (`finish`: coda, head and picks; `stage` and
+`enter`: the next token's inputs, start state and place; `carry`: exited entries copied up), and the prefill.
 """
 from __future__ import annotations
 
 import bisect
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ..engine import loop as loop_module
 from ..engine.config import ExitConfig
-from ..engine.engine import ExitEngine
+from ..engine.engine import ExitEngine, Run
+from ..engine.loop import TokenLoop
 
-STEP_LABEL = "exitbench.loop_step"
+STEP_LABEL = "exitbench.step"
+# region → the method whose calls it is
+REGIONS = {"step": (TokenLoop, "step"), "context": (TokenLoop, "_context"), "probe": (TokenLoop, "_probe"),
+           "leave": (TokenLoop, "_leave"), "carry": (TokenLoop, "carry"), "finish": (Run, "finish"),
+           "stage": (Run, "stage"), "enter": (Run, "enter"), "prefill": (Run, "prefill")}
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,8 @@ class OpCount:
     ops: int            # aten ops of the whole run
     in_steps: int       # aten ops inside loop steps
     iterations: int = 0  # the generated tokens' iterations, summed (token-iterations the loops ran)
+    tokens: int = 0      # generated tokens
+    regions: dict[str, int] = field(default_factory=dict)  # REGIONS' name (or "other") → the ops charged to it
 
     @property
     def per_step(self) -> float:
@@ -45,19 +57,35 @@ class OpCount:
 
 
 @contextmanager
-def _labelled_steps(counter: list[int]) -> Iterator[None]:
-    original = loop_module.TokenLoop.step
+def _labelled(counter: list[int]) -> Iterator[None]:
+    """Every call of a REGIONS method inside a profiler range of its label; `counter` counts the loop steps."""
+    def labelled(name: str, original):
+        label = f"exitbench.{name}"
 
-    def step(self, cache):
-        counter[0] += 1
-        with record_function(STEP_LABEL):
-            return original(self, cache)
+        def call(self, *args, **kwargs):
+            counter[0] += name == "step"
+            with record_function(label):
+                return original(self, *args, **kwargs)
+        return call
 
-    loop_module.TokenLoop.step = step
+    originals = {name: getattr(owner, method) for name, (owner, method) in REGIONS.items()}
+    for name, (owner, method) in REGIONS.items():
+        setattr(owner, method, labelled(name, originals[name]))
     try:
         yield
     finally:
-        loop_module.TokenLoop.step = original
+        for name, (owner, method) in REGIONS.items():
+            setattr(owner, method, originals[name])
+
+
+def _region(event, labels: dict[str, str]) -> str:
+    """The innermost labelled call an op ran in, or "other"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in labels:
+            return labels[parent.name]
+        parent = parent.cpu_parent
+    return "other"
 
 
 def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -67,11 +95,13 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
     engine = ExitEngine(model, config)
     engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     counter = [0]
-    with _labelled_steps(counter), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _labelled(counter), profile(activities=[ProfilerActivity.CPU]) as prof:
         results = engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     events = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_LABEL)
     starts = [s for s, _ in spans]
+    labels = {f"exitbench.{name}": name for name in REGIONS}
+    regions: dict[str, int] = {}
     ops = inside = 0
     for event in events:
         if not event.name.startswith("aten::"):
@@ -79,7 +109,10 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
         ops += 1
         i = bisect.bisect_right(starts, event.time_range.start) - 1
         inside += i >= 0 and event.time_range.end <= spans[i][1]
-    return OpCount(counter[0], ops, inside, sum(sum(r.iterations) for r in results))
+        region = _region(event, labels)
+        regions[region] = regions.get(region, 0) + 1
+    return OpCount(counter[0], ops, inside, sum(sum(r.iterations) for r in results),
+                   sum(len(r.iterations) for r in results), regions)
 
 
 def chains_prompts(tokenizer, n: int) -> list[list[int]]:
