@@ -129,24 +129,11 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
 # balance, never a result.
 LONGEST_FIRST = ("test_full_size.py", "test_compile.py", "test_docs.py", "test_run.py", "test_gpt2.py",
                  "test_engine.py", "test_depth_major.py", "test_checkpoint_headers.py")
-# test_full_size.py is one table of families, each row minutes of writing and running: a row, not the file, is a
-# work unit, so the rows spread over the workers as the six files they replaced did (its module fixtures are per
-# row, so a row's tests still share one written checkpoint).
-SPLIT_BY_ROW = "test_full_size.py"
-
-
-def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class RowScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            row = nodeid.partition("[")[2]  # the family's id, as by_name in that file gives it
-            return f"{scope}[{row}" if scope.endswith(SPLIT_BY_ROW) else scope
-
-    return RowScheduling(config, log)
+# test_full_size.py is one table of families, each row minutes of writing and loading multi-GB checkpoints. Its rows
+# run on one worker, one after another, while the other worker takes the rest. Spread over both workers, two rows at
+# once held two models beside their files' pages (Huginn's and Dory's: about 31 GB on a 24 GB machine), and their
+# commands took up to half as long again from one CI run to the next (a whole command of Dory 44 s → 70 s, Inkling
+# 2's 44 → 68 on 1073b23). The file, first in LONGEST_FIRST, goes to one worker whole, as --dist loadfile hands any.
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -3,8 +3,8 @@ exit rule, one `run` cell (Inkling: its three passes through `geometry` instead)
 Adding a family adds a row to FAMILIES, not a test file.
 
 Slow: each row's bench/make_*_size.py writes the checkpoint under the temporary directory (1.7 to 7.8 GB), deleted
-when the next row's is written; tests/conftest.py hands each row to its own xdist worker. The fast tests of the
-same code on the tiny layouts: tests/test_<family>.py, test_cli_info.py, test_checkpoint.py, test_memory.py.
+when the next row's is written; tests/conftest.py keeps the rows on one xdist worker, one at a time. The fast tests
+of the same code on the tiny layouts: tests/test_<family>.py, test_cli_info.py, test_checkpoint.py, test_memory.py.
 
 Bounds: `info` peaks under 1 GB everywhere. A command that loads the model peaks under the weights' bytes plus the
 process's own footprint (torch, lm-eval, the tokenizer, the RoPE table), measured per row and stated there; a
