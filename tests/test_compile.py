@@ -25,6 +25,29 @@ def test_compile_loops_replaces_each_step_once(make):
     assert [g.step for g in model.loop_groups()] == steps
 
 
+def test_the_functions_kept_outside_graphs_are_called_through_their_module():
+    """`models.attention.OUTSIDE_GRAPHS` are marked for dynamo only when a step is first compiled (marking imports
+    torch._dynamo, 1.1 s of every process's start): a module holding one by a name of its own would keep calling
+    the unmarked function, which dynamo would then trace. Importing exitbench marks nothing."""
+    import importlib
+    import pkgutil
+    import subprocess
+    import sys
+
+    import exitbench
+    from exitbench.models import attention
+
+    for info in pkgutil.walk_packages(exitbench.__path__, "exitbench."):
+        if ".vllm" in info.name or info.name.endswith("__main__"):  # (vLLM's own imports; a program)
+            continue
+        module = importlib.import_module(info.name)
+        held = [n for n, obj in vars(module).items() if module is not attention
+                for f in attention.OUTSIDE_GRAPHS if obj is getattr(attention, f)]
+        assert held == [], f"{info.name} holds {held}: call them as attention.<name>"
+    code = "import sys, exitbench.cli, exitbench.models.attention; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_a_compiled_cell_has_its_own_key_and_others_keep_theirs():
     cfg, exit_cfg = SweepConfig(tasks=["chains"], policies=["kl"]), ExitConfig("kl")
     plain = {"fingerprint": "f" * 16, "dtype": "float32"}

@@ -20,6 +20,22 @@ if TYPE_CHECKING:
     from .cache import KVCache, TokenIndex
 
 
+# The functions a compiled loop step calls eagerly: their cache bookkeeping is host work dynamo cannot trace. They are
+# marked (`torch.compiler.disable`) when a loop step is first compiled (`keep_outside_graphs`), not at import: the
+# decorator imports torch._dynamo, 1.1 s of every exitbench process's start that only --compile needs. So other
+# modules call them through this one (`attention.cached_causal_attention(…)`), never by a name of their own, and
+# call the marked ones once they are marked (tests/test_compile.py holds it).
+OUTSIDE_GRAPHS = ("cached_causal_attention", "sliding_window_attention")
+
+
+def keep_outside_graphs() -> None:
+    """Mark the OUTSIDE_GRAPHS functions for dynamo, once, before any compilation."""
+    for name in OUTSIDE_GRAPHS:
+        fn = globals()[name]
+        if not getattr(fn, "_torchdynamo_disable", False):
+            globals()[name] = torch.compiler.disable(fn)
+
+
 @dataclass
 class AttnContext:
     """Where the tokens being computed sit, and which KV entries their attention layers write and read.
@@ -244,7 +260,6 @@ def prefix_mask(prefix: torch.Tensor | int, start: int, T: int, L: int, device: 
     return (key <= query) | ((key < blocks) & (query < blocks))
 
 
-@torch.compiler.disable
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) and k, v (B, H_kv, T, D), through the cache when there is one.
@@ -296,7 +311,6 @@ def token_entries(ctx: AttnContext, layer: int, k: torch.Tensor, v: torch.Tensor
     return out[0], out[1]
 
 
-@torch.compiler.disable
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext, layer_id: int,
                              window: int) -> torch.Tensor:
     """`cached_causal_attention` in which a query at position i sees only the keys j with i − j < window, itself

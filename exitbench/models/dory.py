@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from .attention import AttnContext, apply_rope, cached_causal_attention, rope_table, sliding_window_attention
+from . import attention
+from .attention import AttnContext, apply_rope, rope_table
 from .hf_config import HFNamedConfig, refuse_set
 from .looped import LoopedLM, LoopGroup, Stage
 
@@ -213,9 +214,9 @@ class DoryAttention(nn.Module):
         q = (scale * justnorm(q).float()).to(x.dtype).transpose(1, 2)
         k, v = justnorm(k).transpose(1, 2), self.v_proj(x).view(B, T, self.n_kv, -1).transpose(1, 2)
         if self.window is None:
-            out = cached_causal_attention(q, k, v, ctx, self.cache_id)
+            out = attention.cached_causal_attention(q, k, v, ctx, self.cache_id)
         else:
-            out = sliding_window_attention(q, k, v, ctx, self.cache_id, self.window)
+            out = attention.sliding_window_attention(q, k, v, ctx, self.cache_id, self.window)
         out = out.transpose(1, 2).reshape(B, T, -1)
         gate = torch.sigmoid(self.g_proj(x).float() * (self.s_gate.float() * self.gate_factor).square())
         return self.o_proj(justnorm((out.float() * gate).to(x.dtype)))
@@ -272,14 +273,14 @@ class Dory(LoopedLM):
     def __init__(self, config: DoryConfig):
         super().__init__(config)
         c = config
-        attention = [i for i, kind in enumerate(c.layer_types) if kind != MLP]
+        attending = [i for i, kind in enumerate(c.layer_types) if kind != MLP]
         self.backbone = nn.Module()
         ends = [0, c.n_input_layers, c.n_input_layers + c.n_recurrent_layers, c.num_hidden_layers]
         self._parts = {part: range(ends[i], ends[i + 1]) for i, part in enumerate(("input", "recurrent", "output"))}
         self.backbone.embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
         # Attention sublayers take cache layers 0, 1, … in order; an MLP sublayer keeps no cache.
         self.backbone.layers = nn.ModuleList(
-            DoryLayer(c, kind, attention.index(i) if kind != MLP else None) for i, kind in enumerate(c.layer_types))
+            DoryLayer(c, kind, attending.index(i) if kind != MLP else None) for i, kind in enumerate(c.layer_types))
         self.lm_head = DoryHead(c)
         for kind, table in self._rope_tables().items():  # one table per attention kind: θ and width may differ
             self.register_buffer(f"rope_{kind}", table, persistent=False)

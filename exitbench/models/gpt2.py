@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from . import limits
-from .attention import AttnContext, cached_causal_attention
+from . import attention, limits
+from .attention import AttnContext
 from .looped import LoopedLM, LoopGroup, Stage, frozen_layers
 
 ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -158,7 +158,7 @@ class GPT2Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).transpose(1, 3).unbind(2)
-        y = cached_causal_attention(q, k, v, ctx, self.layer_id)
+        y = attention.cached_causal_attention(q, k, v, ctx, self.layer_id)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 

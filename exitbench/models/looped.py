@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .attention import AttnContext
+from .attention import AttnContext, keep_outside_graphs
 from .cache import KVCache
 
 
@@ -106,6 +106,7 @@ def _compiled_step(step: Callable, sharing: int) -> Callable:
     import torch._dynamo
     import torch.fx.experimental._config as shapes
 
+    keep_outside_graphs()
     compiled = torch.compile(step, dynamic=True)
     limit = max(torch._dynamo.config.recompile_limit, 16) * sharing
 
