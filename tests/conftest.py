@@ -130,10 +130,10 @@ def shared_sweep(tmp_path_factory, worker_state) -> SharedSweep:
 LONGEST_FIRST = ("test_full_size.py", "test_compile.py", "test_docs.py", "test_run.py", "test_gpt2.py",
                  "test_engine.py", "test_depth_major.py", "test_checkpoint_headers.py")
 # test_full_size.py is one table of families, each row minutes of writing and loading multi-GB checkpoints. Its rows
-# run on one worker, one after another, while the other worker takes the rest. Spread over both workers, two rows at
-# once held two models beside their files' pages (Huginn's and Dory's: about 31 GB on a 24 GB machine), and their
-# commands took up to half as long again from one CI run to the next (a whole command of Dory 44 s → 70 s, Inkling
-# 2's 44 → 68 on 1073b23). The file, first in LONGEST_FIRST, goes to one worker whole, as --dist loadfile hands any.
+# run on one worker, one after another, while the other worker takes the rest: spread over both, two rows at once
+# could hold two models beside their files' pages (Huginn's and Dory's: about 31 GB on a 24 GB machine). What that
+# cost was within CI's run-to-run noise (bench/RESULTS.md, CI under 20 minutes); one at a time it cannot happen.
+# The file, first in LONGEST_FIRST, goes to one worker whole, as --dist loadfile hands any.
 
 
 def pytest_collection_modifyitems(session, config, items):

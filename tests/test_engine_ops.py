@@ -134,8 +134,8 @@ def test_a_continuous_stream_shares_a_steps_host_work_among_its_tokens(raven, po
     one = count_generate(raven.model, config, chains_prompts(raven.tokenizer, 1), 8)
     stream = count_generate(raven.model, config, chains_prompts(raven.tokenizer, 32), 8, batch_size=16)
     assert stream.per_iteration <= one.per_step / 9, (one, stream)
-    # bench/ops.py --regions: every op charged to one region, and those of the step's own calls are the ops inside
-    # steps as the steps' time ranges count them (the carries of exited entries wait for the refill, outside)
+    # bench/ops.py --regions: every op charged to one region, and those of the step's own calls are all the ops
+    # inside steps (the carries of exited entries wait for the refill, outside any step)
     regions = stream.regions
     assert sum(regions.values()) == stream.ops and regions["prefill"] > 0 and regions["finish"] > 0
     assert sum(regions.get(r, 0) for r in ("step", "context", "probe", "leave")) == stream.in_steps, regions

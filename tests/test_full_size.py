@@ -79,7 +79,7 @@ CONFIDENCE = [["--policy", "confidence", "--threshold", "0.001", "--generate", "
 FIRST_ORDER_CELL = (["--policy", "first_order", "--thresholds", "1", "--baselines", "2"], ["first_order", "fixed"])
 
 FAMILIES = [
-    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 2 minutes on 2 idle cores. Each command's own
+    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 3 minutes in CI. Each command's own
     # peak ≤ 1.15 × the weights' bytes (7.13 GB in bf16): the weights are never held twice.
     Family("huginn", ("make_huginn_size.py", [], 9e9, 1800), HUGINN_PARAMETERS, 1.15, PLAN + ["16"],
            {**BF16, "layers": {"prelude": 2, "core": 4, "coda": 2}, "tokenizer.vocab_size": 65536,
@@ -126,10 +126,9 @@ FAMILIES = [
            CONFIDENCE, 4, ["--policy", "second_order", "--thresholds", "1", "--baselines", "4"],
            ["fixed", "second_order"]),
     # Inkling 2 Mini at its real widths with 18 of its layers (prelude, core and coda of 6) and 8 experts per layer
-    # instead of 128, NVFP4 and MXFP8 experts as released; writing its 3.6 GB took 35 s, not 80 s, once streamed
-    # (two shared cores; the row was about 4 minutes, most of it that write, before). Measured
-    # 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are dequantised eight at a
-    # time, so the parts and the bf16 copy are never whole together. The float32-pinned tensors (20 MB) count at
+    # instead of 128, NVFP4 and MXFP8 experts as released; about 2 minutes in CI, its 3.6 GB written in 35–50 s.
+    # Measured 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are dequantised eight
+    # at a time, so the parts and the bf16 copy are never whole together. The float32-pinned tensors (20 MB) count at
     # bf16 in info.
     Family("inkling2", ("make_inkling2_size.py", [], 6e9, 1200), 2_573_017_488, 1.0e9,
            PLAN + ["1", "--memory-gb", "80"],

@@ -14,7 +14,6 @@ a generated token's way from its exit to its next token's entry (`finish`: coda,
 """
 from __future__ import annotations
 
-import bisect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -78,14 +77,16 @@ def _labelled(counter: list[int]) -> Iterator[None]:
             setattr(owner, method, originals[name])
 
 
-def _region(event, labels: dict[str, str]) -> str:
-    """The innermost labelled call an op ran in, or "other"."""
-    parent = event.cpu_parent
+def _placed(event, labels: dict[str, str]) -> tuple[str, bool]:
+    """The innermost labelled call an op ran in (or "other"), and whether it ran inside a loop step."""
+    region, parent = None, event.cpu_parent
     while parent is not None:
         if parent.name in labels:
-            return labels[parent.name]
+            region = region or labels[parent.name]
+            if parent.name == STEP_LABEL:
+                return region, True
         parent = parent.cpu_parent
-    return "other"
+    return region or "other", False
 
 
 def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -97,19 +98,15 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
     counter = [0]
     with _labelled(counter), profile(activities=[ProfilerActivity.CPU]) as prof:
         results = engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_LABEL)
-    starts = [s for s, _ in spans]
     labels = {f"exitbench.{name}": name for name in REGIONS}
     regions: dict[str, int] = {}
     ops = inside = 0
-    for event in events:
+    for event in prof.events():
         if not event.name.startswith("aten::"):
             continue
         ops += 1
-        i = bisect.bisect_right(starts, event.time_range.start) - 1
-        inside += i >= 0 and event.time_range.end <= spans[i][1]
-        region = _region(event, labels)
+        region, in_step = _placed(event, labels)
+        inside += in_step
         regions[region] = regions.get(region, 0) + 1
     return OpCount(counter[0], ops, inside, sum(sum(r.iterations) for r in results),
                    sum(len(r.iterations) for r in results), regions)
