@@ -45,6 +45,12 @@ def knob(help: str, *, role: str, when_set: bool = False, flags: tuple[str, ...]
             "command_line": command_line}
 
 
+def engine_knob(default: Any, help: str, *, when_set: bool = True) -> Any:
+    """An engine knob's field, `when_set` unless told otherwise: all but prefill and warm_start came after results
+    were first written."""
+    return field(default=default, metadata=knob(help, role="engine", when_set=when_set))
+
+
 @dataclass
 class ExitConfig:
     """Everything that decides how tokens exit: the policy and its knobs, and how the engine runs them."""
@@ -78,52 +84,45 @@ class ExitConfig:
         "min_steps, relative; its threshold is the cell's τ (given in an --exit-config file).", role="policy",
         when_set=True, command_line=False))
     # How the engine runs tokens.
-    prefill: str = field(default="full", metadata=knob(
-        "Prompt tokens run at full depth ('full') or with exits like the rest ('exit').", role="engine"))
-    warm_start: bool = field(default=False, metadata=knob(
-        "Start each token from the previous token's final state.", role="engine"))
-    kv_window: int | None = field(default=None, metadata=knob(
+    prefill: str = engine_knob("full", "Prompt tokens run at full depth ('full') or with exits like the rest ('exit').",
+                               when_set=False)
+    warm_start: bool = engine_knob(False, "Start each token from the previous token's final state.", when_set=False)
+    kv_window: int | None = engine_knob(None, (
         "Keep each loop layer's KV entries of the last C iterations only, a rolling buffer (Huginn's compress-s, "
-        "C × core layers; 1 is its vLLM plugin); 0 or unset: one slot per iteration.", role="engine",
-        when_set=True))
-    kv_layout: str = field(default="latest", metadata=knob(
+        "C × core layers; 1 is its vLLM plugin); 0 or unset: one slot per iteration."))
+    kv_layout: str = engine_knob("latest", (
         "How loop layers keep keys across iterations. latest (default; Huginn's reference, Continuous Depth "
         "Batching's last_exited): a slot per iteration, an exited token's entry carried into the slots above its "
         "exit, so a later token at iteration i reads it at min(i, its exit); single: one slot for every iteration "
         "(kv_window 1; the last_loop KV mode of vLLM's looped models, CDB's single): a later token reads each "
         "earlier one's last entry; first_then_shared (CDB's): a slot for iteration 1, one shared slot for the "
-        "rest.", role="engine", when_set=True))
-    refill: str = field(default="continuous", metadata=knob(
+        "rest."))
+    refill: str = engine_knob("continuous", (
         "When a generated token that exited hands its row the next token. continuous (default; continuous depth "
         "batching): the loop keeps fixed places, a free place takes a waiting token at once, and exited tokens' "
         "outputs are computed in batches of --coda-batch while spare rows keep every place busy; wave: once every "
         "token in flight has exited, all together (static batching: a batch waits for its slowest row); eager: at "
         "the next step, rows regrouped at each exit; balanced: once the waiting tokens are as many as those still "
-        "looping. The same tokens under each; only the time moves (docs/engine.md).", role="engine",
-        when_set=True))
-    coda_batch: int | None = field(default=None, metadata=knob(
+        "looping. The same tokens under each; only the time moves (docs/engine.md)."))
+    coda_batch: int | None = engine_knob(None, (
         "refill continuous: exited generated tokens' outputs are computed (coda, head, the next tokens' inputs) "
         "in batches of at least this many, and the run holds as many sequences more than its batch size, so no "
         "place idles while they wait (Continuous Depth Batching's min_coda_batch_size); default the batch size: "
-        "a coda and head pass per batch of outputs, as static batching has, for twice the rows of KV cache.",
-        role="engine", when_set=True))
-    horizon: str = field(default="same", metadata=knob(
+        "a coda and head pass per batch of outputs, as static batching has, for twice the rows of KV cache."))
+    horizon: str = engine_knob("same", (
         "When the exit decision is read: same (default): after the iteration that computed it; late: one "
         "iteration later (Continuous Depth Batching's one-step-late horizon), so a device never waits for the "
-        "host between iterations, and a token runs one iteration more than its rule says.", role="engine",
-        when_set=True))
-    exit_mode: str | None = field(default=None, metadata=knob(
+        "host between iterations, and a token runs one iteration more than its rule says."))
+    exit_mode: str | None = engine_knob(None, (
         "physical (default): an exited token stops and later tokens read its entries at its exit, so exits save "
         "compute; select: every token runs every iteration and the exit only picks which one's output is read "
         "(Ouro's own code and paper); weighted: every token runs every iteration and reads the logits averaged "
         "under the exit distribution of the model's gate (Ouro's use_weighted_exit; --policy fixed); freeze: every "
         "token stays to the last iteration, but an exited one is pinned at its exit state, its MLPs skipped, while "
-        "its attention layers keep writing keys and values from that pinned state (IBM vLLM-Hook's vLLM executor).",
-        role="engine", when_set=True))
-    causal_prompt: bool = field(default=False, metadata=knob(
+        "its attention layers keep writing keys and values from that pinned state (IBM vLLM-Hook's vLLM executor)."))
+    causal_prompt: bool = engine_knob(False, (
         "Read a prefix-LM's prompt causally, each token seeing only those before it, as lm-eval's hf model runs it "
-        "(default: as the model was trained, one bidirectional block; HRM-Text is the prefix-LM here).",
-        role="engine", when_set=True))
+        "(default: as the model was trained, one bidirectional block; HRM-Text is the prefix-LM here)."))
     # Set by whoever runs the config.
     record_signals: bool = field(default=False, metadata=knob(
         "Keep every token's signal at every iteration.", role="run", command_line=False))
