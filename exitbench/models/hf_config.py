@@ -51,6 +51,8 @@ class HFNamedConfig(HFNames):
     family: ClassVar[str]
     hf_class: ClassVar[str]
     model_type: ClassVar[str]
+    # The family's fields beyond the common ones that must be positive integers, in the order checked (a list
+    # names the loop's depth fields too); by default just the two depth fields below.
     loop_positive: ClassVar[tuple[str, ...]] = ()
     # The loop: the field of its trained depth, and exitbench's own field of the deepest a run may ask for (None in
     # a hub config: twice the trained). A family whose trained depth is derived overrides `trained_depth`.
@@ -84,7 +86,7 @@ class HFNamedConfig(HFNames):
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     def validate_common(self) -> None:
-        for name in (*COMMON_POSITIVE, *self.loop_positive):
+        for name in (*COMMON_POSITIVE, *(self.loop_positive or (self.depth_field, self.max_depth_field))):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise CheckpointError(f"config field {name} must be a positive integer, got {value!r}")

@@ -58,7 +58,6 @@ class NanbeigeConfig(HFNamedConfig):
     model_type = "nanbeige"
     family = "Nanbeige4.2"
     hf_class = "NanbeigeForCausalLM"
-    loop_positive = ("num_loops", "max_loops")
     depth_field, max_depth_field = "num_loops", "max_loops"
 
     @property

@@ -45,7 +45,6 @@ class OuroConfig(HFNamedConfig):
     model_type = "ouro"
     family = "Ouro"
     hf_class = "OuroForCausalLM"
-    loop_positive = ("total_ut_steps", "max_ut_steps")
     depth_field, max_depth_field = "total_ut_steps", "max_ut_steps"
 
     def validate(self) -> None:
