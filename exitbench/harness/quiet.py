@@ -115,30 +115,6 @@ def _attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
         setattr(owner, name, saved)
 
 
-@contextlib.contextmanager
-def _logger_level(name: str, level: int) -> Iterator[None]:
-    logger = logging.getLogger(name)
-    saved = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(saved)
-
-
-@contextlib.contextmanager
-def _datasets_progress_bars_off() -> Iterator[None]:
-    import datasets
-
-    was_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_on:
-            datasets.enable_progress_bars()
-
-
 def _without_console_output(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with stdout and stderr discarded while it runs; what it returns or raises is unchanged."""
     @functools.wraps(fn)
@@ -200,6 +176,7 @@ def _bootstrap_in_process() -> Iterator[None]:
 @contextlib.contextmanager
 def _quieter(quiet: bool) -> Iterator[None]:
     """lm-eval's bars and bootstrap banners off; with `quiet`, its warnings and datasets' bars too."""
+    import datasets
     import lm_eval.api.metrics
     import lm_eval.api.model
     import lm_eval.api.task
@@ -211,10 +188,14 @@ def _quieter(quiet: bool) -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         if quiet:
-            stack.enter_context(_logger_level("lm_eval", logging.ERROR))
+            logger = logging.getLogger("lm_eval")
+            stack.callback(logger.setLevel, logger.level)
+            logger.setLevel(logging.ERROR)
         # datasets' "Generating … split" bar, drawn whenever a task's data is prepared afresh (a new cache: every
         # CI run), between exitbench's own progress lines
-        stack.enter_context(_datasets_progress_bars_off())
+        if datasets.is_progress_bar_enabled():
+            stack.callback(datasets.enable_progress_bars)
+        datasets.disable_progress_bars()
         # The banner and the bar live inside this one function; it computes a number and prints nothing else.
         # Swapping the module's name works because stderr_for_metric looks it up at call time.
         stack.enter_context(_attribute(lm_eval.api.metrics, "bootstrap_stderr",
