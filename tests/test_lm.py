@@ -124,19 +124,26 @@ def test_is_greedy_is_honest_on_easy_hops(raven, hop):
                 assert lp < out[right][0] - 3
 
 
+def options_scored_as_alone(ck, cfg: ExitConfig, lm: ExitbenchLM, questions: list[dict]) -> list:
+    """Score the ten options of each of `questions` in one multiple-choice task through `lm` (built on `cfg`) and
+    check each result against the engine scoring that option on its own; the requests."""
+    requests = [req("loglikelihood", (d["prompt"], " " + c), task="chains_mc", doc_id=j, idx=i)
+                for j, d in enumerate(questions) for i, c in enumerate(DIGITS)]
+    out = lm.loglikelihood(requests)
+    for r, (lp, greedy) in zip(requests, out):
+        want_lp, want_greedy, _ = engine_score(ck, cfg, *direct_tokens(ck, *r.args))
+        assert lp == pytest.approx(want_lp, abs=1e-5), r.args
+        assert greedy == want_greedy
+    return requests
+
+
 @pytest.mark.parametrize("cfg", CONFIGS_FAST, ids=CONFIG_IDS)
 def test_multiple_choice_options_match_scoring_each_alone(raven, cfg):
     """The ten options of a question share one pass inside a task; each option's result is still what the
     engine gives that option scored on its own, and the shared pass's tokens are counted once."""
     lm = adapter(raven, cfg, batch_size=8)
     questions = docs(n=6)
-    requests = [req("loglikelihood", (d["prompt"], " " + c), task="chains_mc", doc_id=j, idx=i)
-                for j, d in enumerate(questions) for i, c in enumerate(DIGITS)]
-    out = lm.loglikelihood(requests)
-    for r, (lp, greedy) in zip(requests, out):
-        want_lp, want_greedy, _ = engine_score(raven, cfg, *direct_tokens(raven, *r.args))
-        assert lp == pytest.approx(want_lp, abs=1e-5)
-        assert greedy == want_greedy
+    requests = options_scored_as_alone(raven, cfg, lm, questions)
     stats = {(s["doc_id"], s["idx"]): s for s in lm.request_stats}
     assert len(stats) == len(requests)
     for j in range(len(questions)):
@@ -160,15 +167,7 @@ def test_shared_pass_stays_within_a_task(raven):
 
 def test_multiple_choice_sharing_under_the_oracle_policy(raven):
     cfg = ExitConfig("oracle")
-    lm = adapter(raven, cfg, batch_size=8)
-    questions = docs(n=4)
-    requests = [req("loglikelihood", (d["prompt"], " " + c), task="chains_mc", doc_id=j, idx=i)
-                for j, d in enumerate(questions) for i, c in enumerate(DIGITS)]
-    out = lm.loglikelihood(requests)
-    for r, (lp, greedy) in zip(requests, out):
-        want_lp, want_greedy, _ = engine_score(raven, cfg, *direct_tokens(raven, *r.args))
-        assert lp == pytest.approx(want_lp, abs=1e-5), r.args
-        assert greedy == want_greedy
+    options_scored_as_alone(raven, cfg, adapter(raven, cfg, batch_size=8), docs(n=4))
 
 
 @pytest.mark.parametrize("cfg", [ExitConfig("fixed", threshold=4), *ADAPTIVE], ids=["fixed4", *CONFIG_IDS[1:]])
