@@ -15,6 +15,7 @@ from ..store.loading import model_label
 from .frontier import collapse_tolerances, groups, references, report, split_setups
 from .labels import config_label
 from ..timing.speedup import CLOCKS, on_clock, record
+from ..timing.trust import MAX_REPEATS, MAX_SAMPLE_OFF, UNRELIABLE_SPREAD, busy, threads_advice, wide_spread
 
 # How far a speed-up from two evaluations may stray from its paired repeats' before the two say different things:
 # the repeats time both sides within seconds of each other on documents drawn across the task, the evaluations
@@ -131,15 +132,11 @@ def lossless_note(cell_list: list[dict[str, Any]]) -> str | None:
 
 def busy_cells(cell_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The cells timed while other work competed for the cores (their run's recorded load)."""
-    from ..timing.trust import busy
-
     return [c for c in cell_list if busy(c.get("run", {}).get("load"))]
 
 
 def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
     """A warning line when some cells were timed on a busy machine (None when none were)."""
-    from ..timing.trust import threads_advice
-
     hot = busy_cells(cell_list)
     if not hot:
         return None
@@ -154,8 +151,6 @@ def busy_note(cell_list: list[dict[str, Any]]) -> str | None:
 
 def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> str | None:
     """A warning line when some cells' repeated timings on `clock` spread too far for their ratio to be read."""
-    from ..timing.trust import UNRELIABLE_SPREAD, wide_spread
-
     seen = [on_clock(c, clock) for c in cell_list]
     wide = [c for c in seen if wide_spread(c)]
     if not wide:
@@ -173,8 +168,6 @@ def spread_note(cell_list: list[dict[str, Any]], clock: str = "throughput") -> s
 def spread_advice(cell_list: list[dict[str, Any]]) -> str:
     """Where to rerun cells whose repeats spread: an idle machine, and what the cells did not already use, one
     thread and more repeats (never advice a run took: --threads 1 to a one-thread run, more repeats past the most)."""
-    from ..timing.trust import MAX_REPEATS
-
     ways = []
     if any(((c.get("run") or {}).get("machine") or {}).get("cpu_threads") != 1 for c in cell_list):
         ways.append("--threads 1")
@@ -204,9 +197,6 @@ def timing_cause(cell: dict[str, Any] | None) -> str:
     """Why a cell's evaluation and its paired repeats may time it differently, the likeliest cause first: a
     sample that stands for part of the task, a busy machine, repeats spread wide, else the machine's speed
     between the two evaluations."""
-    from ..timing.trust import wide_spread
-    from ..timing.trust import busy
-
     rep = ((cell or {}).get("wall_clock") or {}).get("repeats") or {}
     if rep and "documents" not in rep:
         return ("the repeats timed the task's first requests only (a cell written before exitbench drew them "
@@ -237,8 +227,6 @@ def corrected_note(cell_list: list[dict[str, Any]]) -> str | None:
     off = [c for c in cell_list if ((c["wall_clock"].get("repeats") or {}).get("representative")) is False]
     if not off:
         return None
-    from ..timing.trust import MAX_SAMPLE_OFF
-
     return (f"{len(off)} cells' timed documents have a FLOP ratio to full depth more than {100 * MAX_SAMPLE_OFF:g}% "
             "from their whole task's (tasks of few documents, whose strata are coarse): their speed-ups are carried "
             "to the whole task at the same overhead (marked ᶜ)")
