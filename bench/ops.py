@@ -17,6 +17,12 @@ tokens ran. Targets: fixed depth ≤ 150 ops per step and second_order ≤ 200 a
 loop step, the iteration itself, the places' context, the probe and the tokens leaving; per generated token,
 the way out and back in (finish, stage, enter, carry) and what lies outside every region named. The prefill is
 left out: the clocks leave it out too.
+
+    python bench/ops.py --times 8 --threads 1  # also: which ops a loop step's time goes to
+
+`--times N` ranks each run's ops by their self CPU time inside loop steps, as the profiler saw it (its overhead
+per op inflates every op alike, so it ranks; it does not time a step). Ops count dispatches; this tells an op
+that moves memory (a gather of each place's keys) from one that only dispatches (a view).
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
 
 from exitbench.engine import ExitConfig  # noqa: E402
 from exitbench.harness.opcount import chains_prompts, count_generate  # noqa: E402
@@ -43,9 +51,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="new tokens per prompt")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--regions", action="store_true", help="also print where each run's ops go")
+    parser.add_argument("--times", type=int, default=0, metavar="N",
+                        help="also print each run's N aten ops of most self CPU time per loop step (profiled: a "
+                             "ranking, not a clock; set --threads 1 to read it steadily)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ck = open_checkpoint(args.checkpoint)
     rows = []
+    times = {}
     print(f"{'policy':13s} {'τ':>7s} {'run':>12s} {'steps':>5s} {'ops/step':>9s} {'in step':>8s} {'vs bs1':>7s} "
           f"{'ops/token-it':>12s}")
     for policy, threshold in POLICIES.items():
@@ -64,8 +79,11 @@ def main() -> None:
                          "ops_per_step": round(count.per_step, 1), "ops_in_step": round(count.in_step, 1),
                          "ops_per_token_iteration": round(count.per_iteration, 2), "tokens": count.tokens,
                          "regions": count.regions})
+            times[(policy, label)] = (count.step_self_us, count.steps)
     if args.regions:
         print_regions(rows)
+    if args.times:
+        print_times(times, args.times)
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "tokens": args.tokens,
                                          "rows": rows}, indent=1) + "\n")
@@ -85,6 +103,16 @@ def print_regions(rows: list[dict]) -> None:
         token = [regions.get(r, 0) / row["tokens"] for r in PER_TOKEN]
         print(f"{row['policy']:13s} {row['run']:>12s} | {'':10s}" + " ".join(f"{v:8.1f}" for v in [*step, sum(step)])
               + f" | {'':11s}" + " ".join(f"{v:7.1f}" for v in [*token, sum(token)]))
+
+
+def print_times(times: dict, n: int) -> None:
+    """Each run's n ops of most self CPU time per loop step, and the step's whole self time."""
+    for (policy, label), (by_op, steps) in times.items():
+        total = sum(by_op.values()) / steps
+        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:n]
+        print(f"\n{policy} {label}: {total:.0f} µs of self CPU time per loop step (profiled)")
+        for name, us in top:
+            print(f"  {name.removeprefix('aten::'):42s} {us / steps:8.1f} µs  {100 * us / steps / total:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -139,6 +139,9 @@ def test_a_continuous_stream_shares_a_steps_host_work_among_its_tokens(raven, po
     regions = stream.regions
     assert sum(regions.values()) == stream.ops and regions["prefill"] > 0 and regions["finish"] > 0
     assert sum(regions.get(r, 0) for r in ("step", "context", "probe", "leave")) == stream.in_steps, regions
+    # bench/ops.py --times: the steps' self times, charged to the ops that ran in them; places at different
+    # iterations gather their keys (KVCache.update_tokens), which a batch-size-1 step never does
+    assert stream.step_self_us["aten::index_select"] > 0 and "aten::index_select" not in one.step_self_us
 
 
 def test_the_kept_q_k_bias_view_still_trains_the_bias():

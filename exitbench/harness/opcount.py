@@ -39,6 +39,10 @@ class OpCount:
     iterations: int = 0  # the generated tokens' iterations, summed (token-iterations the loops ran)
     tokens: int = 0      # generated tokens
     regions: dict[str, int] = field(default_factory=dict)  # REGIONS' name (or "other") → the ops charged to it
+    # aten op name → its self CPU time inside loop steps, µs, as the profiler saw it: its per-op overhead inflates
+    # every op alike, so this ranks where a step's time goes (an op that moves memory against one that only
+    # dispatches), not what a step costs unprofiled; unlike the counts, a machine's own.
+    step_self_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def per_step(self) -> float:
@@ -100,6 +104,7 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
         results = engine.generate(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     labels = {f"exitbench.{name}": name for name in REGIONS}
     regions: dict[str, int] = {}
+    step_self_us: dict[str, float] = {}
     ops = inside = 0
     for event in prof.events():
         if not event.name.startswith("aten::"):
@@ -108,8 +113,10 @@ def count_generate(model, config: ExitConfig, prompts: Sequence[Sequence[int]], 
         region, in_step = _placed(event, labels)
         inside += in_step
         regions[region] = regions.get(region, 0) + 1
+        if in_step:
+            step_self_us[event.name] = step_self_us.get(event.name, 0.0) + event.self_cpu_time_total
     return OpCount(counter[0], ops, inside, sum(sum(r.iterations) for r in results),
-                   sum(len(r.iterations) for r in results), regions)
+                   sum(len(r.iterations) for r in results), regions, step_self_us)
 
 
 def chains_prompts(tokenizer, n: int) -> list[list[int]]:
