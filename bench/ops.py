@@ -1,5 +1,6 @@
 """Host work per loop step: aten ops per batched loop step of greedy generation, per policy (exitbench/harness/
-opcount.py says what is counted). Counts, not times: the same on any machine.
+opcount.py says what is counted). Counts, not times: the same on every run; inside loop steps the same at any
+thread count, outside them a few ops follow torch's threads (a batch-16 prefill: 2,125 ops on one, 2,173 on two).
 
     python bench/ops.py                       # tiny-raven, the table
     python bench/ops.py --json bench/ops-results.json
