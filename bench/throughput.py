@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--refills", default="continuous,wave")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--width", type=int, default=None, help="a random Raven this wide instead (see above)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the loop steps (torch.compile, as run --compile), every config alike")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,6 +100,8 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     refills = args.refills.split(",")
     model, rules = (ck.model, RULES) if args.width is None else wide(ck, args.width, prompts)
+    if args.compile:
+        model.compile_loops()
     configs = [("fixed", None, "wave")] + [(p, t, r) for p, t in rules for r in refills]
     rows = []
     print(f"{'policy':13s} {'τ':>6s} {'refill':>10s} {'batch':>5s} {'iters':>6s} {'ms/token':>9s} "
@@ -105,8 +109,9 @@ def main() -> None:
     for batch in batches:
         engines = [ExitEngine(model, ExitConfig(policy=p, refill=r, **({"threshold": t} if t else {})))
                    for p, t, r in configs]
-        for engine in engines:  # warm-up: tables and views the first calls build
-            engine.generate(prompts[:batch], 2, batch_size=batch)
+        for engine in engines:  # warm-up: tables and views the first calls build (compiled: the whole stream
+            # once, so every graph a pass needs, its dynamic-shape ones included, exists before the timing)
+            engine.generate(*((prompts, args.tokens) if args.compile else (prompts[:batch], 2)), batch_size=batch)
         times: list[list[float | None]] = [[] for _ in configs]
         flops, iters = [0.0] * len(configs), [0.0] * len(configs)
         for _ in range(args.repeats):
@@ -127,6 +132,7 @@ def main() -> None:
                          "flop_bound": bound, "share": share})
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "width": args.width,
+                                         "compiled": args.compile,
                                          "requests": args.requests,
                                          "tokens": args.tokens, "repeats": args.repeats, "rows": rows}, indent=1)
                              + "\n")

@@ -84,3 +84,44 @@ def test_compiled_engine_gives_the_same_answers_and_compiles_once(schedule):
     for a, b in zip(sum(eager, []), sum(compiled, [])):
         assert [r.exit_steps for r in a.records] == [r.exit_steps for r in b.records]
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_compiled_continuous_step_traces_whole_and_generates_as_eager(monkeypatch):
+    """Issue 69: under continuous depth batching a step's places keep their shapes, so a compiled step reads and
+    writes the cache inside its graph: no step of places at their own slots calls the eager cache path (only
+    chunks do: the prefill and steps in lockstep), and greedy generation gives eager's tokens and exits, its log-probabilities
+    within float32 rounding (1e-4, as the scoring test above). About half a minute to compile on 2 cores."""
+    import collections
+
+    from torch._dynamo.utils import counters
+
+    from exitbench.models import attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_tiny_raven(mean_recurrence=4, max_recurrence=8)
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (7, 11, 9, 5, 13, 6, 17, 8, 3, 12, 4, 15)]
+    config = ExitConfig("second_order", threshold=3.0, max_steps=8)  # (exits at 5 to 8 on this random model)
+    eager = ExitEngine(model, config).generate(prompts, 6, batch_size=4)
+    eager_paths = collections.Counter()
+    original = attention._cache_attention
+
+    def counted(q, k, v, ctx, layer_id):  # (prelude and coda run eagerly, outside compiled steps: not counted)
+        if ctx.index is None:
+            eager_paths["chunk"] += 1
+        elif ctx.index.fixed and ctx.index.slot is None:
+            eager_paths["places"] += 1
+        return original(q, k, v, ctx, layer_id)
+
+    monkeypatch.setattr(attention, "_cache_attention", counted)
+    model.compile_loops()
+    compiled = ExitEngine(model, config).generate(prompts, 6, batch_size=4)
+    assert not [k for k in counters["unimplemented"] if "recompile" in k.lower()]
+    assert eager_paths["chunk"] > 0 and eager_paths["places"] == 0, eager_paths
+    # tokens exited at several depths, so places sat at different iterations
+    assert len({tuple(r.exit_steps) for res in eager for r in res.records}) > 1
+    for a, b in zip(eager, compiled):
+        assert a.tokens == b.tokens
+        assert [r.exit_steps for r in a.records] == [r.exit_steps for r in b.records]
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)

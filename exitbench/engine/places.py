@@ -67,6 +67,7 @@ class PlaceContext:
         # read so far, so the index has room for the reads still to come
         self.base = AttnContext.tokens(cache, self.rows, self.reads, iteration=None, writes=self.writes,
                                        length=self.length)
+        self.base.places.fixed = True
         keys = cache.key_steps(self.length)
         self.read_table = cache.row_ids().view(-1, 1) * cache.capacity + keys
         hidden = keys.view(1, -1) > keys.view(-1, 1)

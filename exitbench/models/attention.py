@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from .cache import KVCache, TokenIndex
 
 
-# The functions a compiled loop step calls eagerly: their cache bookkeeping is host work dynamo cannot trace. They are
-# marked (`torch.compiler.disable`) when a loop step is first compiled (`keep_outside_graphs`), not at import: the
-# decorator imports torch._dynamo, 1.1 s of every exitbench process's start that only --compile needs. So other
-# modules call them through this one (`attention.cached_causal_attention(…)`), never by a name of their own, and
-# call the marked ones once they are marked (tests/test_compile.py holds it).
-OUTSIDE_GRAPHS = ("cached_causal_attention", "sliding_window_attention")
+# The functions a compiled loop step calls eagerly: their cache bookkeeping is host work dynamo cannot trace (the
+# chunk and one-slot paths specialise on positions and slots; a mixed-iteration step's flat places are traced,
+# `cached_causal_attention`). They are marked (`torch.compiler.disable`) when a loop step is first compiled
+# (`keep_outside_graphs`), not at import: the decorator imports torch._dynamo, 1.1 s of every exitbench process's
+# start that only --compile needs. So other modules call them through this one (`attention.<name>(…)`), never by
+# a name of their own, and call the marked ones once they are marked (tests/test_compile.py holds it).
+OUTSIDE_GRAPHS = ("_cache_attention", "sliding_window_attention")
 
 
 def keep_outside_graphs() -> None:
@@ -262,6 +263,39 @@ def prefix_mask(prefix: torch.Tensor | int, start: int, T: int, L: int, device: 
 
 def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
                             layer_id: int) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) and k, v (B, H_kv, T, D), through the cache when there is one
+    (`_cache_attention`). Compiled (`--compile`), a step of fixed places whose keys are read through flat places
+    (continuous depth batching: each place at its own position and slot) writes and gathers them as tensor ops of
+    the graph instead (`_gathered_attention`), so that step traces whole. Only fixed places: a token set whose
+    shapes follow its membership (scoring's waves) would compile this call apart, once per layer and shape, and
+    exhaust dynamo's recompile limit."""
+    index = ctx.index
+    if torch.compiler.is_compiling() and index is not None and index.fixed and index.slot is None:
+        return _gathered_attention(q, k, v, ctx.cache, layer_id, index)
+    return _cache_attention(q, k, v, ctx, layer_id)
+
+
+def _gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "KVCache", layer: int,
+                        index: "TokenIndex") -> torch.Tensor:
+    """`KVCache.update_tokens` and the masked attention after it, written for dynamo: the layer's stores viewed
+    flat where the graph runs, no view kept between calls (a dict keyed by id() would break the graph), and every
+    place taken from the index's tensors, so the graph holds for any places, positions and slots. The read length
+    is taken from the read places' size, not the index's int (an int read off an object is a constant to dynamo:
+    every new length would compile the step again, and soon hit its recompile limit). The same arithmetic as the
+    eager path, op for op."""
+    n, H, _, D = k.shape
+    length = index.read.shape[0] // n
+    flat_k, flat_v = cache.k[layer].view(-1, H, D), cache.v[layer].view(-1, H, D)
+    flat_k.index_copy_(0, index.write, k.view(n, H, D))
+    flat_v.index_copy_(0, index.write, v.view(n, H, D))
+    keys = flat_k.index_select(0, index.read).view(n, length, H, D).transpose(1, 2)
+    values = flat_v.index_select(0, index.read).view(n, length, H, D).transpose(1, 2)
+    keys, values = expand_groups(q, keys, values)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=index.mask)
+
+
+def _cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext,
+                     layer_id: int) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) and k, v (B, H_kv, T, D), through the cache when there is one.
 
     The cache stores this layer's keys at loop iteration ctx.iteration and returns every earlier position's keys
@@ -269,7 +303,8 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
     Never compiled (`--compile`): the cache is host bookkeeping (dicts of stores, per-row slices, in-place
     writes whose shapes follow the schedule), and tracing it would specialise on positions and slots. A
-    compiled step breaks here cleanly and compiles the arithmetic on either side once, with dynamic shapes.
+    compiled step breaks here cleanly and compiles the arithmetic on either side once, with dynamic shapes;
+    a step of flat places does not come here when compiled (`cached_causal_attention`).
     """
     T = q.shape[2]
     if ctx.index is not None and ctx.index.by_row is not None:

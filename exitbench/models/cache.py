@@ -66,6 +66,10 @@ class TokenIndex:
     positions: torch.Tensor | None = None  # dense: each row's position, where its write goes
     # dense: the positions as scatter indices, per (heads, head_dim) of a layer's entries, made once per index
     scatters: dict = field(default_factory=dict)
+    # The index of a table of fixed places (continuous depth batching, engine/places.py): its shapes hold from
+    # step to step, so a compiled step reads and writes through it inside its graph
+    # (`attention.cached_causal_attention`); other token sets' shapes follow their membership.
+    fixed: bool = False
 
     def scatter_index(self, heads: int, dim: int) -> torch.Tensor:
         """(n, heads, 1, dim) indices of each row's position along a heads-first store's position axis."""
@@ -243,11 +247,11 @@ class KVCache:
                 return replace(index, write=None, read=None, slot=self.slot(iterations))
             if offset == 0:
                 return index
-            return TokenIndex(index.write + offset, index.read + offset, index.length, index.mask)
+            return TokenIndex(index.write + offset, index.read + offset, index.length, index.mask, fixed=index.fixed)
         if index.write is None:  # dense until now: its flat places, made once
             self._flat_places(index, self.row_ids(), index.positions)
         read = (index.read.view(-1, index.length) + offset.view(-1, 1)).view(-1)
-        return TokenIndex(index.write + offset, read, index.length, index.mask)
+        return TokenIndex(index.write + offset, read, index.length, index.mask, fixed=index.fixed)
 
     def update_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
