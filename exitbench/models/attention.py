@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .cache import expand_groups
+from .cache import expand_groups, write_and_gather
 
 if TYPE_CHECKING:
     from .cache import KVCache, TokenIndex
@@ -277,19 +277,14 @@ def cached_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 def _gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "KVCache", layer: int,
                         index: "TokenIndex") -> torch.Tensor:
-    """`KVCache.update_tokens` and the masked attention after it, written for dynamo: the layer's stores viewed
-    flat where the graph runs, no view kept between calls (a dict keyed by id() would break the graph), and every
-    place taken from the index's tensors, so the graph holds for any places, positions and slots. The read length
-    is taken from the read places' size, not the index's int (an int read off an object is a constant to dynamo:
-    every new length would compile the step again, and soon hit its recompile limit). The same arithmetic as the
-    eager path, op for op."""
+    """`KVCache.update_tokens` and the masked attention after it, as dynamo traces them: the layer's stores viewed
+    flat in the graph (`KVCache.flat` keeps its views in a dict keyed by id(), which would break it), every place
+    from the index's tensors, so the graph holds for any places, positions and slots. The read length comes from
+    the read places' size, not the index's int (an int read off an object is a constant to dynamo: each new length
+    would compile the step again, and soon hit its recompile limit)."""
     n, H, _, D = k.shape
-    length = index.read.shape[0] // n
-    flat_k, flat_v = cache.k[layer].view(-1, H, D), cache.v[layer].view(-1, H, D)
-    flat_k.index_copy_(0, index.write, k.view(n, H, D))
-    flat_v.index_copy_(0, index.write, v.view(n, H, D))
-    keys = flat_k.index_select(0, index.read).view(n, length, H, D).transpose(1, 2)
-    values = flat_v.index_select(0, index.read).view(n, length, H, D).transpose(1, 2)
+    flats = (cache.k[layer].view(-1, H, D), cache.v[layer].view(-1, H, D))
+    keys, values = write_and_gather(flats, index, k, v, index.read.shape[0] // n)
     keys, values = expand_groups(q, keys, values)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=index.mask)
 

@@ -43,6 +43,19 @@ def expand_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return k.repeat_interleave(n, dim=-3), v.repeat_interleave(n, dim=-3)
 
 
+def write_and_gather(flats: tuple[torch.Tensor, torch.Tensor], index: "TokenIndex", k: torch.Tensor, v: torch.Tensor,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v (n, H, 1, D) into a layer's flat key and value rows (`flats`) at the index's write places, and
+    gather each token's `length` keys and values at its read places, (n, H, length, D): `update_tokens`' flat path,
+    and a compiled step's (attention._gathered_attention), which views the stores and sizes the read itself."""
+    n, H, _, D = k.shape
+    out = []
+    for flat, new in zip(flats, (k, v)):
+        flat.index_copy_(0, index.write, new[:, :, 0])
+        out.append(flat.index_select(0, index.read).view(n, length, H, D).transpose(1, 2))
+    return out[0], out[1]
+
+
 @dataclass
 class TokenIndex:
     """Where the tokens of one step write and read, as rows of a layer's flat (slots·batch·capacity) view:
@@ -264,12 +277,7 @@ class KVCache:
             K.scatter_(2, at, k)
             V.scatter_(2, at, v)
             return K[:, :, :index.length], V[:, :, :index.length]
-        out = []
-        for store, new in ((self.k, k), (self.v, v)):
-            flat = self.flat(store, layer)
-            flat.index_copy_(0, index.write, new[:, :, 0])
-            out.append(flat.index_select(0, index.read).view(n, index.length, H, D).transpose(1, 2))
-        return out[0], out[1]
+        return write_and_gather((self.flat(self.k, layer), self.flat(self.v, layer)), index, k, v, index.length)
 
     def attend_by_row(self, layer: int, index: TokenIndex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:
