@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import size_main, write_checkpoint  # noqa: E402
+from sizes import Normals, size_main, write_checkpoint  # noqa: E402
 
 SHAPE = dict(hidden_size=2560, intermediate_size=7168, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
              num_hidden_layers=72, vocab_size=131072, max_position_embeddings=8192)
@@ -66,7 +66,7 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32)
@@ -75,7 +75,7 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
             t.fill_(scale)
         else:
             rows = key in ("backbone.embeddings.weight", "lm_head.weight")
-            t.normal_(0.0, SHAPE["hidden_size"] ** -0.5 if rows else 0.02, generator=g)
+            normal(t, 0.0, SHAPE["hidden_size"] ** -0.5 if rows else 0.02)
         return t.to(dtype)
 
     return write_checkpoint(out, layout(), make, dtype, SPECIAL, config_json(dtype), log)

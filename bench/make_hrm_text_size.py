@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import size_main, write_checkpoint  # noqa: E402
+from sizes import Normals, size_main, write_checkpoint  # noqa: E402
 
 SHAPE = dict(hidden_size=1536, intermediate_size=4096, num_attention_heads=12, head_dim=128, num_layers_per_stack=16,
              H_cycles=2, L_cycles=3, vocab_size=65536, max_position_embeddings=4096)
@@ -60,11 +60,11 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         std = 1.0 if key.endswith("z_L_init") else 0.02
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(dtype)
+        return normal(torch.empty(shape, dtype=torch.float32), 0.0, std).to(dtype)
 
     return write_checkpoint(out, layout(), make, dtype, SPECIAL, config_json(dtype), log)
 

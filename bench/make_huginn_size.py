@@ -32,7 +32,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import byte_level_bpe, size_main, write_weights  # noqa: E402
+from sizes import Normals, byte_level_bpe, size_main, write_weights  # noqa: E402
 
 H, HEADS, HEAD_DIM, INTER, VOCAB, CONTEXT = 5280, 55, 96, 17920, 65536, 4096
 PRELUDE, CORE, CODA, MEAN_RECURRENCE = 2, 4, 2, 32
@@ -83,7 +83,7 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
     return keys
 
 
-def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator,
+def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, normal: Normals,
                 embedding: torch.Tensor | None) -> torch.Tensor:
     """Huginn's init scales ("takase"): σ = sqrt(2/(5h)), σ/sqrt(2·132) on output projections, norms 1, qk_bias 0."""
     std = math.sqrt(2 / (5 * H))
@@ -102,9 +102,9 @@ def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.G
     parts = [(t[:INTER], std), (t[INTER:], out_std)] if key.endswith("mlp.fc.weight") else \
         [(t, out_std if key.endswith(("attn.proj.weight", "mlp.proj.weight")) else std)]
     for part, s in parts:
-        # A normal clipped at ±3σ: ten times faster than torch's trunc_normal_ (inverse-CDF) at 3.6 billion
-        # draws, and the 0.27% of values at the bounds change nothing a random fixture is for.
-        part.normal_(0, s, generator=g).clamp_(-3 * s, 3 * s)
+        # A normal (sizes.normal_) clipped at ±3σ: far faster than torch's trunc_normal_ (inverse-CDF) at 3.6
+        # billion values, and the 0.27% of values at the bounds change nothing a random fixture is for.
+        normal(part, 0.0, s).clamp_(-3 * s, 3 * s)
     return t.to(dtype)
 
 
@@ -125,13 +125,13 @@ def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=pri
         raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
     keys = layout()
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
     embedding = None
     t0 = time.perf_counter()
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         nonlocal embedding
-        t = make_tensor(key, shape, dtype, g, embedding)
+        t = make_tensor(key, shape, dtype, normal, embedding)
         if key == "transformer.wte.weight":
             embedding = t  # (kept for lm_head, the hub's second copy of it)
         return t

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exitbench.models.quantized import MXFP8_BLOCK, NVFP4_BLOCK, quantize_mxfp8, quantize_nvfp4  # noqa: E402
-from sizes import byte_level_bpe, safetensors_order, size_main, write_shard  # noqa: E402
+from sizes import Normals, byte_level_bpe, safetensors_order, size_main, write_shard  # noqa: E402
 
 TEXT = dict(hidden_size=2304, vocab_size=201024, unpadded_vocab_size=200058, num_attention_heads=24,
             num_key_value_heads=8, head_dim=128, swa_num_attention_heads=24, swa_num_key_value_heads=8,
@@ -103,15 +103,15 @@ def layout(layers: int, experts: int) -> list[tuple[str, tuple[int, ...]]]:
     return keys
 
 
-def make(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+def make(key: str, shape: tuple[int, ...], normal: Normals) -> torch.Tensor:
     t = torch.empty(shape)
     if key.endswith(("norm.weight", ".scale")):
         return t.fill_(1.0)
     if "attn_res" in key or "middle_cycle" in key:
-        return t.normal_(0.0, 1.0, generator=g)
+        return normal(t, 0.0, 1.0)
     if key.endswith("gate.bias"):
         return t.zero_()
-    return t.normal_(0.0, 0.02, generator=g)
+    return normal(t, 0.0, 0.02)
 
 
 def pinned(key: str) -> bool:
@@ -156,7 +156,7 @@ def write(out: Path, layers: int = 18, experts: int = 8, seed: int = 0, log=prin
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
     keys = layout(layers, experts)
     shard_of = lambda key: (int(key.split(".")[3]) // 6 + 1) if ".layers." in key else 0  # noqa: E731
     shards = sorted({shard_of(k) for k, _ in keys})
@@ -164,10 +164,10 @@ def write(out: Path, layers: int = 18, experts: int = 8, seed: int = 0, log=prin
     weight_map, total = {}, 0
 
     def made(group: list[tuple[str, tuple[int, ...]]], visual: bool):
-        """The group's tensors as stored, drawn from `g` in the layout's order (one at a time: write_shard writes
+        """The group's tensors as stored, drawn by `normal` in the layout's order (one at a time: write_shard writes
         each while the next is drawn)."""
         for key, shape in group:
-            t = make(key, shape, g)
+            t = make(key, shape, normal)
             fmt = quantized(key, layers)
             if fmt is None:
                 t = t if pinned(key) else t.to(torch.bfloat16)  # the float32 draw freed before the next one

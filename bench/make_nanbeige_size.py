@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import llama_layer_keys, size_main, write_checkpoint  # noqa: E402
+from sizes import Normals, llama_layer_keys, size_main, write_checkpoint  # noqa: E402
 
 SHAPE = dict(hidden_size=3072, intermediate_size=10752, num_attention_heads=48, num_key_value_heads=8, head_dim=128,
              num_hidden_layers=22, vocab_size=166144, max_position_embeddings=262144, rope_theta=7e7)
@@ -55,11 +55,11 @@ def layout() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write(out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0, log=print) -> Path:
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
 
     def make(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.empty(shape, dtype=torch.float32)
-        t.fill_(1.0) if key.endswith("norm.weight") else t.normal_(0.0, 0.02, generator=g)
+        t.fill_(1.0) if key.endswith("norm.weight") else normal(t, 0.0, 0.02)
         return t.to(dtype)
 
     tokenizer_config = {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",

@@ -32,7 +32,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import byte_level_bpe, llama_layer_keys, size_main, write_weights  # noqa: E402
+from sizes import Normals, byte_level_bpe, llama_layer_keys, size_main, write_weights  # noqa: E402
 
 SIZES = {
     "1.4b": dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=16,
@@ -73,18 +73,18 @@ def layout(size: str) -> list[tuple[str, tuple[int, ...]]]:
     return keys
 
 
-def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, tiny: bool) -> torch.Tensor:
+def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, normal: Normals, tiny: bool) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32)
     if key.endswith("norm.weight") or "layernorm" in key:
         t.fill_(1.0)
         if tiny:
-            t.add_(0.1 * torch.randn(shape, generator=g))
+            t.add_(0.1 * torch.randn(shape, generator=normal.g))
     elif key.endswith("early_exit_gate.bias"):
         t.fill_(-1.0 if tiny else 0.0)
     elif key.endswith("early_exit_gate.weight"):
-        t.normal_(0.0, 0.6 if tiny else 0.02, generator=g)
+        normal(t, 0.0, 0.6 if tiny else 0.02)
     else:
-        t.normal_(0.0, 0.2 if tiny else 0.02, generator=g)
+        normal(t, 0.0, 0.2 if tiny else 0.02)
     return t.to(dtype)
 
 
@@ -101,8 +101,8 @@ def write(out: Path, size: str = "1.4b", dtype: torch.dtype = torch.bfloat16, sh
         raise SystemExit(f"error: {out} exists and is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
     keys = layout(size)
-    g = torch.Generator().manual_seed(seed)
-    total = write_weights(out, keys, lambda key, shape: make_tensor(key, shape, dtype, g, size == "tiny"), dtype,
+    normal = Normals(torch.Generator().manual_seed(seed))
+    total = write_weights(out, keys, lambda key, shape: make_tensor(key, shape, dtype, normal, size == "tiny"), dtype,
                           shards, log)
     make_tokenizer(SIZES[size]["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "config.json").write_text(json.dumps(config_json(size, dtype), indent=2, sort_keys=True) + "\n")

@@ -40,7 +40,7 @@ import torch
 from tokenizers import AddedToken, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sizes import byte_level_bpe, size_main, write_weights  # noqa: E402
+from sizes import Normals, byte_level_bpe, size_main, write_weights  # noqa: E402
 
 LLAMA3_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -119,14 +119,14 @@ def layout(size: str) -> list[tuple[str, tuple[int, ...]]]:
     return keys + [("transformer.ln_f.weight", (H,)), ("lm_head.weight", (c["vocab"], H))]
 
 
-def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, tiny: bool) -> torch.Tensor:
+def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, normal: Normals, tiny: bool) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch.float32)
     if "norm" in key or key.endswith("ln_f.weight"):
         t.fill_(1.0)
         if tiny:
-            t.add_(0.1 * torch.randn(shape, generator=g))
+            t.add_(0.1 * torch.randn(shape, generator=normal.g))
     else:
-        t.normal_(0.0, 0.2 if tiny else 0.02, generator=g)
+        normal(t, 0.0, 0.2 if tiny else 0.02)
     return t.to(dtype)
 
 
@@ -159,9 +159,10 @@ def write(out: Path, size: str = "tinyllama-4-8-4", dtype: torch.dtype = torch.b
     keys = layout(size)
     if shards is None:
         shards = math.ceil(sum(math.prod(s) for _, s in keys) * dtype.itemsize / SAVE_PRETRAINED_SHARD)
-    g = torch.Generator().manual_seed(seed)
+    normal = Normals(torch.Generator().manual_seed(seed))
     tiny = size.endswith("tiny")
-    total = write_weights(out, keys, lambda key, shape: make_tensor(key, shape, dtype, g, tiny), dtype, shards, log)
+    total = write_weights(out, keys, lambda key, shape: make_tensor(key, shape, dtype, normal, tiny), dtype, shards,
+                          log)
     tok, tok_config = tokenizer_files(size)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")

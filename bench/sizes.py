@@ -35,6 +35,40 @@ def size_main(doc: str, write, argv: list[str] | None = None, *options: tuple[st
     write(**args)
 
 
+class Normals:
+    """Fills tensors with N(mean, std²) values from generator `g`: `normal(t, mean, std)`, in place.
+
+    A tensor of at most POOL values draws each one, exactly as `t.normal_(mean, std, generator=g)`, so the tiny
+    fixtures these scripts wrote keep their bytes. A larger one, a real-size matrix, is laid end to end from one pool
+    of POOL draws, made on the first such tensor and shared by the rest, each stretch from its own random start in
+    the pool, scaled by ±std with a random sign: every value still N(mean, std²). Drawing each of billions was most
+    of a real-size checkpoint's time (torch draws about 180M normals a second on one core: 21 of Huginn's 29 s), and
+    what these weights are for (loading, memory, shapes, every command running) never reads them."""
+
+    POOL = 1 << 22
+
+    def __init__(self, g: torch.Generator):
+        self.g = g
+        self._pool: torch.Tensor | None = None
+
+    def __call__(self, t: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+        n = t.numel()
+        if n <= self.POOL:
+            return t.normal_(mean, std, generator=self.g)
+        if self._pool is None:
+            self._pool = torch.empty(2 * self.POOL)
+            self._pool[:self.POOL].normal_(generator=self.g)
+            self._pool[self.POOL:] = self._pool[:self.POOL]  # doubled: a stretch from any start is one slice
+        stretches = -(-n // self.POOL)
+        starts = torch.randint(0, self.POOL, (stretches,), generator=self.g).tolist()
+        signs = torch.randint(0, 2, (stretches,), generator=self.g).tolist()
+        flat = t.view(-1)
+        for i, (start, sign) in enumerate(zip(starts, signs)):
+            out = flat[i * self.POOL:(i + 1) * self.POOL]
+            torch.mul(self._pool[start:start + out.numel()], std if sign else -std, out=out)
+        return t.add_(mean) if mean else t
+
+
 def llama_layer_keys(prefix: str, hidden: int, inter: int, q: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
     """A Llama-style layer's attention and MLP matrices (no norms): q is the query width, kv each of k's and v's."""
     return [(f"{prefix}.self_attn.q_proj.weight", (q, hidden)), (f"{prefix}.self_attn.k_proj.weight", (kv, hidden)),
@@ -89,10 +123,10 @@ def write_weights(out: Path, keys: list[tuple[str, tuple[int, ...]]], make, dtyp
     several. Returns the bytes written.
 
     Streamed (`write_shard`): each file's header is written from the layout before its first tensor is made, then
-    each tensor as it comes, by a thread that writes one while the next is drawn. Drawing a real-size model's random
-    numbers and writing them to disk take about as long each (measured on the CI machine: 22 s and 24 s of Huginn's
-    53 s), and the write releases the GIL, so the two overlap; and no more than two tensors are ever in memory,
-    where a whole shard was (8 GB for the one-file families)."""
+    each tensor as it comes, by a thread that writes one while the next is made. Making a real-size model's tensors
+    (Normals, then the cast to the stored dtype) and writing them to disk both take seconds, and the write releases
+    the GIL, so the two overlap; and no more than two tensors are ever in memory, where a whole shard was (8 GB for
+    the one-file families)."""
     nbytes = {k: math.prod(s) * dtype.itemsize for k, s in keys}
     total = sum(nbytes.values())
     groups: list[list[tuple[str, tuple[int, ...]]]] = [[]]
