@@ -126,7 +126,7 @@ FAMILIES = [
            CONFIDENCE, 4, ["--policy", "second_order", "--thresholds", "1", "--baselines", "4"],
            ["fixed", "second_order"]),
     # Inkling 2 Mini at its real widths with 18 of its layers (prelude, core and coda of 6) and 8 experts per layer
-    # instead of 128, NVFP4 and MXFP8 experts as released; about 2 minutes in CI, its 3.6 GB written in 35–50 s.
+    # instead of 128, NVFP4 and MXFP8 experts as released; about 2 minutes in CI, its 3.6 GB written in about 20 s.
     # Measured 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are dequantised eight
     # at a time, so the parts and the bf16 copy are never whole together. The float32-pinned tensors (20 MB) count at
     # bf16 in info.
