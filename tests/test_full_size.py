@@ -79,7 +79,7 @@ CONFIDENCE = [["--policy", "confidence", "--threshold", "0.001", "--generate", "
 FIRST_ORDER_CELL = (["--policy", "first_order", "--thresholds", "1", "--baselines", "2"], ["first_order", "fixed"])
 
 FAMILIES = [
-    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 3 minutes in CI. Each command's own
+    # Huginn-0125: 3.56B parameters, 4 bf16 shards, 65,536 tokens; about 2 minutes in CI (e72465e). Each command's own
     # peak ≤ 1.15 × the weights' bytes (7.13 GB in bf16): the weights are never held twice.
     Family("huginn", ("make_huginn_size.py", [], 9e9, 1800), HUGINN_PARAMETERS, 1.15, PLAN + ["16"],
            {**BF16, "layers": {"prelude": 2, "core": 4, "coda": 2}, "tokenizer.vocab_size": 65536,
@@ -89,7 +89,7 @@ FAMILIES = [
            [["--policy", "second_order", "--vs", "kl", "--max-steps", "8", "--generate", "3"]], 8,
            ["--policy", "fixed", "--baselines", "4"], ["fixed"], {"iterations.max": 4, "iterations.requests": 1},
            plan_holds=_huginn_shards),
-    # Ouro-1.4B: 2 bf16 shards, 49,152 tokens; about 2 minutes. The process's own footprint (Python, torch, lm-eval,
+    # Ouro-1.4B: 2 bf16 shards, 49,152 tokens; about a minute. The process's own footprint (Python, torch, lm-eval,
     # the 34 MB RoPE table; `info` alone 0.37 GB) measured 0.37-0.49 GB above the weights. One KV slot per step per
     # layer: 4 × 24 at the default depth.
     Family("ouro", ("make_ouro_size.py", ["--size", "1.4b"], 4e9, 900), 1_434_652_673, 0.6e9, PLAN + ["16"],
@@ -98,7 +98,7 @@ FAMILIES = [
             "plan.kv_layout.slots_per_loop_layer": [4], "plan.kv_cache": 2 * (4 * 24) * 16 * 1000 * 2048 * 2},
            [["--policy", "qexit", "--threshold", "0.5", "--generate", "3"]], 4,
            ["--policy", "qexit", "--thresholds", "0.5", "--baselines", "4"], ["fixed", "qexit"]),
-    # Nanbeige4.2-3B: 4.17B parameters in one bf16 file, 166,144 tokens, 22 layers × 2 loops; a few minutes.
+    # Nanbeige4.2-3B: 4.17B parameters in one bf16 file, 166,144 tokens, 22 layers × 2 loops; about a minute and a half.
     # Measured 0.77 GB (trace) and 0.87 GB (run) above the weights: its RoPE table covers 262,144 positions
     # (134 MB in float32), and each scored position's log-probabilities over its words are float64 (1.3 MB).
     # One KV slot per loop per layer (the reference's 44 caches), of the 8 key/value heads of 128.
@@ -108,7 +108,7 @@ FAMILIES = [
             "plan.kv_layout.slots_per_loop_layer": [2], "plan.kv_cache": 2 * (2 * 22) * 4 * 1000 * 8 * 128 * 2},
            CONFIDENCE, 2, *FIRST_ORDER_CELL),
     # HRM-Text-1B: 1.18B parameters in one bf16 file, 65,536 tokens, two stacks of 16 layers, 2 H cycles of 3 L
-    # cycles; a minute or two. Measured 0.42 GB (trace) and 0.55 GB (run) above the weights. Per H cycle, four stack
+    # cycles; under a minute. Measured 0.42 GB (trace) and 0.55 GB (run) above the weights. Per H cycle, four stack
     # calls of 16 layers (64 cache layers), one slot per cycle: at the trained 2 cycles the reference's 128 slots
     # per position, keys and values of 12 heads × 128 in bf16.
     Family("hrm_text", ("make_hrm_text_size.py", [], 4e9, 600), 1_182_795_264, 0.8e9, PLAN + ["4"],
@@ -126,10 +126,10 @@ FAMILIES = [
            CONFIDENCE, 4, ["--policy", "second_order", "--thresholds", "1", "--baselines", "4"],
            ["fixed", "second_order"]),
     # Inkling 2 Mini at its real widths with 18 of its layers (prelude, core and coda of 6) and 8 experts per layer
-    # instead of 128, NVFP4 and MXFP8 experts as released; about 2 minutes in CI, its 3.6 GB written in about 20 s.
-    # Measured 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are dequantised eight
-    # at a time, so the parts and the bf16 copy are never whole together. The float32-pinned tensors (20 MB) count at
-    # bf16 in info.
+    # instead of 128, NVFP4 and MXFP8 experts as released; about a minute and a half in CI, its 3.6 GB written in
+    # about 20 s. Measured 0.55 GB (geometry) and 0.53 GB (trace) above the dequantised weights: the experts are
+    # dequantised eight at a time, so the parts and the bf16 copy are never whole together. The float32-pinned tensors
+    # (20 MB) count at bf16 in info.
     Family("inkling2", ("make_inkling2_size.py", [], 6e9, 1200), 2_573_017_488, 1.0e9,
            PLAN + ["1", "--memory-gb", "80"],
            {"architecture": "inkling2_loop_text", "dtype": "bfloat16", "tokenizer.vocab_size": 200058,
@@ -137,7 +137,7 @@ FAMILIES = [
             "loop_groups": group("core", 6, 3, 3),
             "plan.device": "80 GB (--memory-gb)", "plan.kv_layout.state_layers": 4 * 18},
            CONFIDENCE, 3, plan_holds=_inkling_plan),
-    # The retrofitted TinyLlama 4/8/4: 844M parameters, bf16, 32,000 tokens; about 2 minutes; Ouro's footprint. The
+    # The retrofitted TinyLlama 4/8/4: 844M parameters, bf16, 32,000 tokens; under a minute; Ouro's footprint. The
     # window counts iterations of its 8-layer core: 8 × 2 loop slots and 8 plain layers, each slot the 4 key/value
     # groups once (4 × 64 wide, not the 32 query heads). save_pretrained's 5 GB shards: one file at 1.7 GB.
     Family("retrofit", ("make_retrofit_size.py", ["--size", "tinyllama-4-8-4"], 3e9, 900), 844_171_264, 0.6e9,
