@@ -2,7 +2,7 @@
 points exitbench at, minus the training.
 
     python bench/make_ouro_size.py /tmp/ouro-1.4b --size 1.4b [--dtype bfloat16] [--shards 2]
-    python bench/make_ouro_size.py tests/fixtures/ouro-tiny --size tiny --dtype float32 --shards 1
+    python bench/make_ouro_size.py tests/fixtures/ouro-tiny --size tiny --dtype float32 --shards 1 --seed 25
 
 - config.json with the hub config's fields (shared/reference/ouro.md: Qwen2's names, `total_ut_steps` 4,
   `early_exit_threshold` 1.0, `layer_types` all full_attention, `auto_map` naming the remote-code files, bos =

@@ -3,8 +3,8 @@
 
     python bench/make_retrofit_size.py /tmp/tinyllama --size tinyllama-4-8-4      # 1.69 GB, bf16
     python bench/make_retrofit_size.py /tmp/olmo --size olmo2-4-6-4               # 2.72 GB, bf16
-    python bench/make_retrofit_size.py tests/fixtures/retrofit-llama-tiny --size llama-tiny --dtype float32
-    python bench/make_retrofit_size.py tests/fixtures/retrofit-olmo-tiny --size olmo-tiny --dtype float32
+    python bench/make_retrofit_size.py tests/fixtures/retrofit-llama-tiny --size llama-tiny --dtype float32 --seed 26
+    python bench/make_retrofit_size.py tests/fixtures/retrofit-olmo-tiny --size olmo-tiny --dtype float32 --seed 26
 
 What each file holds, written from the public conversion code's behaviour (shared/reference/
 retrofitted-recurrence.md) and not from exitbench's module tree, so loading it tests exitbench's reading:

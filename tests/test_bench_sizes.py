@@ -1,11 +1,12 @@
-"""bench/sizes.py's random weights: a real-size tensor from one pool of normals, a small one drawn value by value
-(so the tiny fixtures the make_*_size.py scripts wrote keep their tensors). The real-size scripts themselves run in
-tests/test_full_size.py (slow)."""
+"""bench/sizes.py's random weights: a real-size tensor from one pool of normals, a small one drawn value by value,
+so the tiny fixtures the make_*_size.py scripts wrote are still what their documented commands write (held here).
+The real-size scripts themselves run in tests/test_full_size.py (slow)."""
 from __future__ import annotations
 
 import importlib.util
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -53,10 +54,15 @@ def test_a_large_tensor_is_the_pool_in_stretches_of_their_own_start_and_sign():
     assert torch.equal(normal._pool, pool_before)
 
 
-def test_the_tiny_ouro_fixture_is_what_its_script_writes(tmp_path):
-    """docs/models.md's command for tests/fixtures/ouro-tiny writes its tensors exactly."""
-    out = _script("make_ouro_size").write(tmp_path / "ouro", size="tiny", dtype=torch.float32, shards=1, seed=25,
-                                          log=lambda *_: None)
+@pytest.mark.parametrize("script,fixture,options", [
+    ("make_ouro_size", "ouro-tiny", {"size": "tiny", "shards": 1, "seed": 25}),
+    ("make_retrofit_size", "retrofit-llama-tiny", {"size": "llama-tiny", "seed": 26}),
+    ("make_retrofit_size", "retrofit-olmo-tiny", {"size": "olmo-tiny", "seed": 26}),
+])
+def test_a_tiny_fixture_is_what_its_documented_command_writes(script, fixture, options, tmp_path):
+    """The scripts' docstrings (and docs/models.md for Ouro) give each tiny fixture's command: it writes the
+    fixture's tensors exactly."""
+    out = _script(script).write(tmp_path / fixture, dtype=torch.float32, log=lambda *_: None, **options)
     written = load_file(out / "model.safetensors")
-    fixture = load_file(REPO / "tests" / "fixtures" / "ouro-tiny" / "model.safetensors")
-    assert written.keys() == fixture.keys() and all(torch.equal(written[k], fixture[k]) for k in fixture)
+    committed = load_file(REPO / "tests" / "fixtures" / fixture / "model.safetensors")
+    assert written.keys() == committed.keys() and all(torch.equal(written[k], committed[k]) for k in committed)
