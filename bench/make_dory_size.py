@@ -13,9 +13,10 @@ nvidia/NVIDIA-Nemotron-Labs-Dory1.0-4B-BF16 points exitbench at, minus the train
 - a byte-level BPE tokenizer.json of the vocabulary with Nemotron's `<unk>`, `<s>`, `</s>` first.
 
 Matrices N(0, 0.02), the embeddings' rows about unit norm, each learned scale constant at the centre
-`Dory.init_weights` draws it around. 3,975,229,440 parameters, streamed to disk a tensor at a time while the next is
-drawn (`sizes.write_weights`; 42 s and 2.4 GB peak on two cores, where a file made whole in memory took 55 s and
-9.3 GB). Why here and not in the package: no user needs a random Dory. It is the fixture
+`Dory.init_weights` draws it around (the large matrices from one pool of normals, `sizes.Normals`).
+3,975,229,440 parameters, streamed to disk a tensor at a time while the next is made (`sizes.write_weights`; 15 s
+and 2.3 GB peak on two idle cores, where drawing every value took 28 s, and a file made whole in memory 55 s and
+9.3 GB: bench/RESULTS.md). Why here and not in the package: no user needs a random Dory. It is the fixture
 of the slow full-size test (tests/test_full_size.py, its dory row).
 """
 from __future__ import annotations

@@ -17,8 +17,9 @@ tree, so loading this checkpoint tests exitbench's reading of the published layo
 
 Why here and not in the package: no user needs a random 3.5B model. It is a fixture for measuring exitbench
 at full size (bench/RESULTS.md) and for the slow test that holds load and info to their memory bounds
-(tests/test_full_size.py). It streams its tensors to disk while drawing the next (`sizes.write_weights`): 39 s and
-2.3 GB peak on two cores, where writing a shard at a time took 52 s and 3.3 GB.
+(tests/test_full_size.py). It streams its tensors to disk while making the next (`sizes.write_weights`), the large
+ones from one pool of normals (`sizes.Normals`): 14 s and 2.3 GB peak on two idle cores, where drawing every value
+took 32 s, and writing a shard at a time 52 s and 3.3 GB (bench/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ Weights N(0, 0.02), norms and clip scales 1, depth queries N(0, 1). With the def
 (the experts 1.15B of them), 3.63 GB on disk and 5.15 GB in bf16 once dequantised. Each shard is streamed
 (`sizes.write_shard`): its header written from the layout, each tensor written by a thread while the next is drawn,
 the experts quantised one at a time, and laid out as safetensors' save_file lays them out, so the files are the
-bytes a save_file of each whole shard made. 35 s at a 3.0 GB peak (the head drawn in float32 beside its bf16 copy),
-where the whole shards in memory took 80 s at 4.0 GB (one run each, 2 cores shared with other work): the random
-draws are now 13 s of it, the NVFP4 rounding 8 s (42 s before), the writes mostly hidden behind both. Why here and
+bytes a save_file of each whole shard made. 19 s at a 3.0 GB peak on two idle cores (the head drawn in float32
+beside its bf16 copy), the large tensors from one pool of normals (`sizes.Normals`; 28 s when every value was
+drawn), where the whole shards in memory took 80 s at 4.0 GB on 2 shared cores; the NVFP4 rounding is 10 s of it,
+the writes mostly hidden behind it (bench/RESULTS.md). Why here and
 not in the package: no user needs a random Inkling. It is the fixture of the slow real-width test
 (tests/test_full_size.py, its inkling2 row).
 """
