@@ -24,6 +24,14 @@ left out: the clocks leave it out too.
 `--times N` ranks each run's ops by their self CPU time inside loop steps, as the profiler saw it (its overhead
 per op inflates every op alike, so it ranks; it does not time a step). Ops count dispatches; this tells an op
 that moves memory (a gather of each place's keys) from one that only dispatches (a view).
+
+    python bench/ops.py --padding             # also: how many of the keys a place gathers it reads
+
+`--padding`, for each stream run (continuous depth batching): per step of fixed places, the keys every place
+gathers (the context's read length, which grows by doubling), the longest place's read and the mean place's (its
+position + 1; free places left out). Attention hides the rest behind each place's mask, so the gap between the
+first and the last is copied and attended for nothing; the gap between the first and the second is what the
+doubling costs.
 """
 from __future__ import annotations
 
@@ -56,6 +64,8 @@ def main() -> None:
                         help="also print each run's N aten ops of most self CPU time per loop step (profiled: a "
                              "ranking, not a clock; set --threads 1 to read it steadily)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--padding", action="store_true",
+                        help="also print, for each stream run, the keys a place gathers against those it reads")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,9 +95,47 @@ def main() -> None:
         print_regions(rows)
     if args.times:
         print_times(times, args.times)
+    if args.padding:
+        print(f"\n{'policy':13s} {'run':>12s} {'steps':>5s} {'gathered':>8s} {'longest':>8s} {'mean':>6s} "
+              f"{'padding':>8s}")
+        for policy, threshold in POLICIES.items():
+            for label, batch, n_prompts, refill in RUNS:
+                if refill is None and batch > 1:
+                    config = ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}))
+                    got = padding(ck.model, config, chains_prompts(ck.tokenizer, n_prompts), args.tokens, batch)
+                    if got is None:  # (fixed depth: its tokens leave together, so static batching runs it)
+                        print(f"{policy:13s} {label:>12s}     0  no step of fixed places")
+                        continue
+                    steps, gathered, longest, mean = got
+                    print(f"{policy:13s} {label:>12s} {steps:5d} {gathered:8.1f} {longest:8.1f} {mean:6.1f} "
+                          f"{1 - mean / gathered:8.0%}")
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "tokens": args.tokens,
                                          "rows": rows}, indent=1) + "\n")
+
+
+def padding(model, config: ExitConfig, prompts: list[list[int]], tokens: int, batch: int):
+    """(steps, and per step of fixed places the mean of: the keys each place gathers, the longest place's read, the
+    mean place's read), reads counted as position + 1 over the places that hold a token; None where no step ran
+    with fixed places."""
+    from exitbench.engine import ExitEngine, places
+
+    seen = []
+    original = places.PlaceContext.context
+
+    def context(self):
+        ctx = original(self)
+        held = [read for read, write in zip(self.reads, self.writes) if write != self.trash]
+        if held:
+            seen.append((self.length, max(held) + 1, sum(held) / len(held) + 1))
+        return ctx
+
+    places.PlaceContext.context = context
+    try:
+        ExitEngine(model, config).generate(prompts, max_new_tokens=tokens, batch_size=batch)
+    finally:
+        places.PlaceContext.context = original
+    return (len(seen), *(sum(column) / len(seen) for column in zip(*seen))) if seen else None
 
 
 PER_STEP = ["step", "context", "probe", "leave"]
