@@ -160,3 +160,21 @@ def test_the_kept_q_k_bias_view_still_trains_the_bias():
     assert torch.equal(trained.detach(), inferred)
     trained.square().sum().backward()
     assert attn.qk_bias.grad is not None and attn.qk_bias.grad.abs().sum() > 0
+
+
+def test_bench_ops_padding_counts_the_keys_a_place_gathers_past_its_own(raven):
+    """bench/ops.py --padding: on a stream whose prompts differ in length, every place gathers as many keys as the
+    longest place reads (or more, the read length growing by doubling), so the mean place's read falls short of
+    them; fixed depth runs no step of fixed places (static batching runs it)."""
+    import importlib.util
+
+    from helpers.paths import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_ops", REPO / "bench" / "ops.py")
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    prompts = chains_prompts(raven.tokenizer, 12)
+    steps, gathered, longest, mean = ops.padding(raven.model, ExitConfig("second_order", threshold=1e-2), prompts, 4,
+                                                 6)
+    assert steps > 0 and gathered >= longest > mean >= 1
+    assert ops.padding(raven.model, ExitConfig("fixed"), prompts, 4, 6) is None
