@@ -1,20 +1,16 @@
 """bench/gpu.py, on CPU with the embedded tiny model: the figures it writes, and one line without CUDA."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from helpers.paths import REPO
+from helpers.bench import bench_script
 
 
 def gpu_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("gpu")
 
 
 def test_figures_for_each_variant_and_batch_size(tmp_path, capsys):

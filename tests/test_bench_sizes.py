@@ -3,24 +3,17 @@ so the tiny fixtures the make_*_size.py scripts wrote are still what their docum
 The real-size scripts themselves run in tests/test_full_size.py (slow)."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.bench import bench_script
 from helpers.paths import REPO
 
 sys.path.insert(0, str(REPO / "bench"))  # the make scripts import their shared module as `sizes`
 from sizes import Normals  # noqa: E402
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_small_tensor_is_drawn_value_by_value():
@@ -62,7 +55,7 @@ def test_a_large_tensor_is_the_pool_in_stretches_of_their_own_start_and_sign():
 def test_a_tiny_fixture_is_what_its_documented_command_writes(script, fixture, options, tmp_path):
     """The scripts' docstrings (and docs/models.md for Ouro) give each tiny fixture's command: it writes the
     fixture's tensors exactly."""
-    out = _script(script).write(tmp_path / fixture, dtype=torch.float32, log=lambda *_: None, **options)
+    out = bench_script(script).write(tmp_path / fixture, dtype=torch.float32, log=lambda *_: None, **options)
     written = load_file(out / "model.safetensors")
     committed = load_file(REPO / "tests" / "fixtures" / fixture / "model.safetensors")
     assert written.keys() == committed.keys() and all(torch.equal(written[k], committed[k]) for k in committed)

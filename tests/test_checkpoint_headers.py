@@ -16,7 +16,6 @@ with sparse files standing in for the 7.8 GB of weights, since `info` reads head
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -32,10 +31,10 @@ from typer.testing import CliRunner
 from exitbench.cli import app
 from exitbench.models.embedded import EMBEDDED_DIR
 
+from helpers.bench import bench_script
 from helpers.cli import assert_one_line_error, run_cli
 from helpers.files import model_copy
 from helpers.models import HUGINN_PARAMETERS
-from helpers.paths import REPO
 
 runner = CliRunner()
 RAVEN = EMBEDDED_DIR / "tiny-raven"
@@ -427,10 +426,7 @@ def test_token_ids_are_accepted_exactly_inside_the_vocabulary(scratch, name, val
 # ---- Huginn-0125's own layout still passes -----------------------------------------------------------------
 
 def _huginn_maker():
-    spec = importlib.util.spec_from_file_location("make_huginn_size", REPO / "bench" / "make_huginn_size.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("make_huginn_size")
 
 
 def test_huginn_layout_passes_the_checks(tmp_path):

@@ -166,13 +166,9 @@ def test_bench_ops_padding_counts_the_keys_a_place_gathers_past_its_own(raven):
     """bench/ops.py --padding: on a stream whose prompts differ in length, every place gathers as many keys as the
     longest place reads (or more, the read length growing by doubling), so the mean place's read falls short of
     them; fixed depth runs no step of fixed places (static batching runs it)."""
-    import importlib.util
+    from helpers.bench import bench_script
 
-    from helpers.paths import REPO
-
-    spec = importlib.util.spec_from_file_location("bench_ops", REPO / "bench" / "ops.py")
-    ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ops)
+    ops = bench_script("ops")
     prompts = chains_prompts(raven.tokenizer, 12)
     steps, gathered, longest, mean = ops.padding(raven.model, ExitConfig("second_order", threshold=1e-2), prompts, 4,
                                                  6)

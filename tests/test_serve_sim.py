@@ -2,7 +2,6 @@
 its refusals, and the command on copies of committed cells given schedules."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -18,8 +17,8 @@ from exitbench.cli import app
 from exitbench.errors import ExitbenchError
 from exitbench.store import cells
 
+from helpers.bench import bench_script
 from helpers.cells import baseline_cells, copy_cells
-from helpers.paths import REPO
 
 COST = CostModel(fixed_s=3e-4, row_s=2e-5, token_s=1e-4, leave_s=2e-5, regroup_s=5e-5, prefill_s=1e-3,
                  readout_s=1e-5, mixed_s=1e-5)
@@ -179,10 +178,7 @@ def test_serve_sim_command(tmp_path):
 
 
 def cost_bench():
-    spec = importlib.util.spec_from_file_location("bench_serve_sim_cost", REPO / "bench" / "serve_sim_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_script("serve_sim_cost")
 
 
 def run_cost_bench(bench, cost_file, figures_file) -> str | None:
