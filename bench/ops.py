@@ -77,8 +77,7 @@ def main() -> None:
     for policy, threshold in POLICIES.items():
         per_step = {}
         for label, batch, n_prompts, refill in RUNS:
-            config = ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}),
-                                **({"refill": refill} if refill else {}))
+            config = rule(policy, threshold, refill)
             count = count_generate(ck.model, config, chains_prompts(ck.tokenizer, n_prompts), args.tokens, batch)
             per_step[label] = count.per_step
             ratio = f"{count.per_step / per_step['bs1']:7.2f}" if label != "bs1" else ""
@@ -96,22 +95,32 @@ def main() -> None:
     if args.times:
         print_times(times, args.times)
     if args.padding:
-        print(f"\n{'policy':13s} {'run':>12s} {'steps':>5s} {'gathered':>8s} {'longest':>8s} {'mean':>6s} "
-              f"{'padding':>8s}")
-        for policy, threshold in POLICIES.items():
-            for label, batch, n_prompts, refill in RUNS:
-                if refill is None and batch > 1:
-                    config = ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}))
-                    got = padding(ck.model, config, chains_prompts(ck.tokenizer, n_prompts), args.tokens, batch)
-                    if got is None:  # (fixed depth: its tokens leave together, so static batching runs it)
-                        print(f"{policy:13s} {label:>12s}     0  no step of fixed places")
-                        continue
-                    steps, gathered, longest, mean = got
-                    print(f"{policy:13s} {label:>12s} {steps:5d} {gathered:8.1f} {longest:8.1f} {mean:6.1f} "
-                          f"{1 - mean / gathered:8.0%}")
+        print_padding(ck, args.tokens)
     if args.json:
         args.json.write_text(json.dumps({"checkpoint": args.checkpoint or "tiny-raven", "tokens": args.tokens,
                                          "rows": rows}, indent=1) + "\n")
+
+
+def rule(policy: str, threshold: float | None, refill: str | None = None) -> ExitConfig:
+    """The policy at its threshold (None: its default) under `refill` (None: the engine's default, continuous)."""
+    return ExitConfig(policy=policy, **({"threshold": threshold} if threshold is not None else {}),
+                      **({"refill": refill} if refill else {}))
+
+
+def print_padding(ck, tokens: int) -> None:
+    """For each stream run (continuous depth batching), the keys a place gathers against those it reads."""
+    print(f"\n{'policy':13s} {'run':>12s} {'steps':>5s} {'gathered':>8s} {'longest':>8s} {'mean':>6s} {'padding':>8s}")
+    for policy, threshold in POLICIES.items():
+        for label, batch, n_prompts, refill in RUNS:
+            if refill is not None or batch == 1:
+                continue
+            got = padding(ck.model, rule(policy, threshold), chains_prompts(ck.tokenizer, n_prompts), tokens, batch)
+            if got is None:  # (fixed depth: its tokens leave together, so static batching runs it)
+                print(f"{policy:13s} {label:>12s}     0  no step of fixed places")
+                continue
+            steps, gathered, longest, mean = got
+            print(f"{policy:13s} {label:>12s} {steps:5d} {gathered:8.1f} {longest:8.1f} {mean:6.1f} "
+                  f"{1 - mean / gathered:8.0%}")
 
 
 def padding(model, config: ExitConfig, prompts: list[list[int]], tokens: int, batch: int):
