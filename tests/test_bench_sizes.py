@@ -3,8 +3,6 @@ so the tiny fixtures the make_*_size.py scripts wrote are still what their docum
 The real-size scripts themselves run in tests/test_full_size.py (slow)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,8 +10,7 @@ from safetensors.torch import load_file
 from helpers.bench import bench_script
 from helpers.paths import REPO
 
-sys.path.insert(0, str(REPO / "bench"))  # the make scripts import their shared module as `sizes`
-from sizes import Normals  # noqa: E402
+Normals = bench_script("sizes").Normals
 
 
 def test_a_small_tensor_is_drawn_value_by_value():
