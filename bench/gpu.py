@@ -31,6 +31,10 @@ floor, and the scoring rules against the fixed-depth time line (issue 57's table
   time over the line's value at its own mean iterations is what its exits cost beyond their arithmetic.
     python bench/gpu.py --decode 32 --json bench/gpu-results.json     # on a GPU: about 5 minutes on one H200
     python bench/gpu.py --device cpu --checkpoint tiny-raven --decode 8 --tokens 16   # a dry run
+
+--json gets each part's figures (scoring, the time line, decoding) as the part ends, so a run cut short keeps
+them. On a GPU lent for minutes (the development machines' `device` tool), bench/gpu_kit.sh and
+bench/gpu_before_after.sh run this bench on this engine and an earlier one in one call.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from exitbench.runtime.devices import resolve_device  # noqa: E402
 from exitbench.models.checkpoint import open_checkpoint  # noqa: E402
 from exitbench.engine import ExitConfig, ExitEngine  # noqa: E402
 from exitbench.errors import ExitbenchError  # noqa: E402
+from exitbench.runtime.files import atomic_write  # noqa: E402
 from exitbench.models import Raven, RavenConfig  # noqa: E402
 
 HUGINN = dict(n_embd=5280, n_heads=55, vocab_size=65536, intermediate_size=17920, n_layers_in_prelude=2,
@@ -253,22 +258,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         model.compile_loops()
     tag = "_compiled" if args.compile else ""
+    on = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+    def report(measured: dict) -> None:
+        """Print a part's figures and add them to --json at once: a run cut short (a lent GPU's time limit)
+        keeps every part it finished."""
+        figures = {f"{device.split(':')[0]}{tag}_{key}": {**value, "device": on, "compile": args.compile,
+                                                          "dtype": str(model.dtype)}
+                   for key, value in measured.items()}
+        for key, value in figures.items():
+            extra = "".join(f"  {name} {value[name]:.2f}" for name in ("floor_ms", "over_floor", "over_line")
+                            if name in value)
+            print(f"{key:36s} {value['ms_per_token']:9.3f} ms/token  mean iterations "
+                  f"{value['mean_iterations']:.2f}{extra}", flush=True)
+        if args.json:
+            earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
+            atomic_write(args.json, lambda f: f.write(json.dumps({**earlier, **figures}, indent=2) + "\n"))
+
     measured = measure(model, device, args.tokens, args.repeats, args.max_steps)
+    report(measured)
     if args.decode:
-        measured.update(against_line(model, device, args.tokens, args.repeats, args.max_steps, measured))
-        measured.update(decode(model, device, args.decode, args.repeats, args.max_steps))
-    figures = {f"{device.split(':')[0]}{tag}_{key}": {**value, "device": torch.cuda.get_device_name(device)
-                                                      if device.startswith("cuda") else "cpu",
-                                                      "compile": args.compile, "dtype": str(model.dtype)}
-               for key, value in measured.items()}
-    for key, value in figures.items():
-        extra = "".join(f"  {name} {value[name]:.2f}" for name in ("floor_ms", "over_floor", "over_line")
-                        if name in value)
-        print(f"{key:36s} {value['ms_per_token']:9.3f} ms/token  mean iterations {value['mean_iterations']:.2f}"
-              f"{extra}")
-    if args.json:
-        earlier = json.loads(args.json.read_text()) if args.json.exists() else {}
-        args.json.write_text(json.dumps({**earlier, **figures}, indent=2) + "\n")
+        report(against_line(model, device, args.tokens, args.repeats, args.max_steps, measured))
+        report(decode(model, device, args.decode, args.repeats, args.max_steps))
     return 0
 
 

@@ -65,3 +65,19 @@ def test_decoding_against_the_floor_and_rules_against_the_time_line(tmp_path):
 def open_tiny():
     from exitbench.models.checkpoint import open_checkpoint
     return open_checkpoint("tiny-raven").model
+
+
+def test_a_run_cut_short_keeps_the_parts_it_finished(tmp_path, monkeypatch):
+    """A lent GPU's time limit may end a run mid-way: each part's figures are in --json as soon as it is done."""
+    out = tmp_path / "gpu.json"
+    bench = gpu_bench()
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt  # as `timeout` ends the run, after the scoring part
+
+    monkeypatch.setattr(bench, "against_line", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--device", "cpu", "--checkpoint", "tiny-raven", "--tokens", "2", "--max-steps", "4",
+                    "--repeats", "1", "--threads", "1", "--decode", "2", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert sorted(figures) == sorted(f"cpu_{v}_bs{b}" for v in ("fixed", "second_order", "kl") for b in (1, 16))
