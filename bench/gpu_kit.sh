@@ -78,7 +78,7 @@ git rev-parse HEAD >"$KIT/after.rev"
 mkdir -p "$(dirname "$EXCLUDE")"
 touch "$EXCLUDE"
 grep -qxF "$MARK begin" "$EXCLUDE" || printf '%s\n' "$MARK begin" "/$KIT/" "/$LIGHT/" "$MARK end" >>"$EXCLUDE"
-git rm -r -q --cached -- "$LIGHT"
+git rm -r -q --cached --ignore-unmatch -- "$LIGHT"  # (a second run finds them out already)
 
 sent="$(travelling_bytes)"
 awk -v s="$sent" -v w="$(du -sb "$KIT/wheels" | cut -f1)" -v b="$(git rev-parse --short "$BEFORE")" \
