@@ -73,7 +73,9 @@ python -m pip download --quiet --no-deps --only-binary=:all: --implementation cp
     -d "$KIT/wheels" $versions
 git archive --format=tar -o "$KIT/before.tar" "$BEFORE" -- exitbench ":(exclude)$LIGHT"
 git rev-parse "$BEFORE" >"$KIT/before.rev"
-git rev-parse HEAD >"$KIT/after.rev"
+# (the call times the working tree as it is: an engine change not yet committed is the "after")
+{ git rev-parse HEAD | tr -d '\n'; git diff --quiet HEAD -- || echo -n " with changes not committed"; echo; } \
+    >"$KIT/after.rev"
 
 mkdir -p "$(dirname "$EXCLUDE")"
 touch "$EXCLUDE"
