@@ -55,13 +55,19 @@ git diff --quiet -- "$LIGHT" || {
     echo "error: $LIGHT has changes git has not committed; commit or drop them, the restore takes it from HEAD" >&2
     exit 2
 }
+command -v python >/dev/null || {
+    echo "error: no python on PATH; activate the project's virtual environment (its pydantic is what is fetched)" >&2
+    exit 2
+}
 versions="$(python - <<'EOF'
+import sys
 from importlib.metadata import PackageNotFoundError, version
 names = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 try:
     print(" ".join(f"{name}=={version(name)}" for name in names))
 except PackageNotFoundError as exc:
-    raise SystemExit(f"error: {exc.name} is not installed here; activate the project's virtual environment")
+    print(f"error: {exc.name} is not installed here; activate the project's virtual environment", file=sys.stderr)
+    raise SystemExit(2)
 EOF
 )"
 
@@ -74,7 +80,11 @@ python -m pip download --quiet --no-deps --only-binary=:all: --implementation cp
 git archive --format=tar -o "$KIT/before.tar" "$BEFORE" -- exitbench ":(exclude)$LIGHT"
 git rev-parse "$BEFORE" >"$KIT/before.rev"
 # (the call times the working tree as it is: an engine change not yet committed is the "after")
-{ git rev-parse HEAD | tr -d '\n'; git diff --quiet HEAD -- || echo -n " with changes not committed"; echo; } \
+changed() {  # tracked files that differ from HEAD (the kit's own index change aside), or new files that travel
+    ! git diff --quiet HEAD -- . ":(exclude)$LIGHT" ||
+        [ -n "$(git ls-files --others --exclude-standard -- . ":(exclude)$KIT")" ]
+}
+{ git rev-parse HEAD | tr -d '\n'; if changed; then echo -n " with changes not committed"; fi; echo; } \
     >"$KIT/after.rev"
 
 mkdir -p "$(dirname "$EXCLUDE")"
