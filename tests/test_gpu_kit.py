@@ -91,7 +91,8 @@ def test_the_kit_fits_the_call_and_the_rehearsal_times_both_engines(checkout, tm
         figures = json.loads((out / f"{side}.json").read_text())
         assert {"cpu_fixed_bs16", "cpu_line_second_order_bs16", "cpu_decode_kl_bs16"} <= set(figures), side
         assert f"=== {side}: exit 0" in (out / f"{side}.log").read_text()
-    assert git(checkout, "rev-parse", "HEAD").strip() in (out / "machine.txt").read_text()
+    machine = (out / "machine.txt").read_text()  # (a committed tree: the after side is HEAD itself)
+    assert f"after {git(checkout, 'rev-parse', 'HEAD').strip()}, before" in machine
 
     # restored: the index as committed, nothing of the kit left
     subprocess.run(["bash", "bench/gpu_kit.sh", "--restore"], cwd=checkout, env=env, check=True,
