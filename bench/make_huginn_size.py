@@ -103,7 +103,7 @@ def make_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype, normal: No
     parts = [(t[:INTER], std), (t[INTER:], out_std)] if key.endswith("mlp.fc.weight") else \
         [(t, out_std if key.endswith(("attn.proj.weight", "mlp.proj.weight")) else std)]
     for part, s in parts:
-        # A normal (sizes.normal_) clipped at ±3σ: far faster than torch's trunc_normal_ (inverse-CDF) at 3.6
+        # A normal (sizes.Normals) clipped at ±3σ: far faster than torch's trunc_normal_ (inverse-CDF) at 3.6
         # billion values, and the 0.27% of values at the bounds change nothing a random fixture is for.
         normal(part, 0.0, s).clamp_(-3 * s, 3 * s)
     return t.to(dtype)

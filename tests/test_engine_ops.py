@@ -13,6 +13,8 @@ from exitbench.models.checkpoint import open_checkpoint
 from exitbench.models.linear import FlatLinear
 from exitbench.models.raven.blocks import RMSNorm
 
+from helpers.bench import bench_script
+
 
 def huginn_rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """Huginn's RMSNorm as its reference code writes it: in float32, cast back before the weight."""
@@ -166,8 +168,6 @@ def test_bench_ops_padding_counts_the_keys_a_place_gathers_past_its_own(raven):
     """bench/ops.py --padding: on a stream whose prompts differ in length, every place gathers as many keys as the
     longest place reads (or more, the read length growing by doubling), so the mean place's read falls short of
     them; fixed depth runs no step of fixed places (static batching runs it)."""
-    from helpers.bench import bench_script
-
     ops = bench_script("ops")
     prompts = chains_prompts(raven.tokenizer, 12)
     steps, gathered, longest, mean = ops.padding(raven.model, ExitConfig("second_order", threshold=1e-2), prompts, 4,
