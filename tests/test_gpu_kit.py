@@ -37,8 +37,7 @@ def checkout(tmp_path) -> Path:
     """This checkout's files, tracked and untracked-not-ignored, as the one commit of a repository of its own (the
     kit's BEFORE is that commit: the rehearsal tests the mechanics, not issue 69's history)."""
     repo = tmp_path / "repo"
-    names = tracked(REPO) + git(REPO, "ls-files", "-z", "--others", "--exclude-standard").split("\0")[:-1]
-    for name in names:
+    for name in travelling(REPO):
         if (REPO / name).is_file():
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, repo / name)
