@@ -2,6 +2,8 @@
 prefix store and the engine's clocks: each gives the answers of batch size 1, and each does what it says."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -10,7 +12,10 @@ from exitbench.engine.engine import Run
 from exitbench.engine.loop import TokenLoop
 from exitbench.engine.prefixes import PrefixStore
 from exitbench.errors import ExitbenchError
+from exitbench.models import cache as cache_module
+from exitbench.models.cache import KVCache
 
+from helpers.bench import bench_script
 from helpers.engine import engine, exit_steps, logprobs_close, mixed_prompts, mixed_requests, spread_threshold, tiny
 
 K = 12
@@ -143,6 +148,56 @@ def test_the_single_layout_is_a_one_slot_window_and_first_then_shared_its_own(mo
         _same(runs[layout], engine(model, "second_order", **knobs).generate(prompts, 3, batch_size=1))
     # three layouts, three models of a token's context: the later tokens' exits tell them apart
     assert len({str(exit_steps(r)) for r in runs.values()}) == 3
+
+
+@pytest.mark.parametrize("policy, knobs", [("second_order", {}), ("second_order", {"kv_layout": "single"}),
+                                           ("second_order", {"kv_window": 3}), ("kl", {})])
+def test_places_reading_their_keys_in_place_answer_as_the_gather(model, prompts, tau, policy, knobs, monkeypatch):
+    """Keys read where they lie (KVCache.attend_in_place; forced, this model's are far below the switch) give the
+    gather's tokens, exits and log-probabilities: free places at the spare slot (second order) or at the unread
+    column (a window; kl, whose readout attends through the same places), and the path really ran with free places
+    among busy ones."""
+    threshold = tau if policy == "second_order" else 1e-3
+    runs, calls = {}, []
+    attend = KVCache.attend_in_place
+
+    def spy(self, layer, index, *args):
+        calls.append(index.busy is not None)
+        return attend(self, layer, index, *args)
+
+    monkeypatch.setattr(KVCache, "attend_in_place", spy)
+    for read, bytes_from in (("gather", float("inf")), ("in place", 0)):
+        monkeypatch.setattr(cache_module, "IN_PLACE_FROM", bytes_from)
+        run = engine(model, policy, threshold=threshold, max_steps=K, **knobs)
+        runs[read] = run.generate(prompts, 5, batch_size=4)
+        assert bool(calls) == (read == "in place")
+    assert any(calls) and not all(calls)  # some steps had free places, some none
+    assert len({s for r in runs["gather"] for s in r.iterations}) >= 3  # the places sat at different iterations
+    _same(runs["in place"], runs["gather"])
+
+
+def test_keys_are_read_in_place_on_a_cpu_from_the_switchs_bytes(monkeypatch):
+    """The switch reads the bytes of keys and values a place would copy per layer (2 · length · H_kv · D · 4 in
+    float32), on a CPU only: a GPU wants a paged kernel, not a loop of small attentions."""
+    monkeypatch.setattr(cache_module, "IN_PLACE_FROM", 128 * 1024)
+    wide, narrow = KVCache(2, 8, 64, {0: 2}), KVCache(2, 2, 32, {0: 2})
+    assert wide.reads_in_place(32) and not wide.reads_in_place(31)  # 2 · 32 · 512 · 4 = 128 KiB; 31 keys: 124
+    assert not narrow.reads_in_place(255) and narrow.reads_in_place(256)  # 64 keys' width: 4× the length
+    assert not KVCache(2, 8, 64, {0: 2}, device="meta").reads_in_place(1 << 20)
+
+
+def test_the_in_place_bench_times_one_call_read_both_ways(monkeypatch, capsys):
+    """bench/in_place.py's call is a real mixed step of places (own rows, positions and slots, some free): both reads
+    agree on it (the bench checks before it times), and it prints one row per width and batch."""
+    bench = bench_script("in_place")
+    (q, k, v, ctx), index, busy, nbytes = bench.call(8, 128, 16, seed=0)
+    assert index.busy is not None and len(busy) < 8 and len(set(ctx.index.write.tolist())) == 8
+    assert nbytes == 2 * ctx.index.length * 128 * 4
+    monkeypatch.setattr(sys, "argv", ["in_place.py", "--widths", "128,256", "--batch-sizes", "8", "--rounds", "1",
+                                      "--calls", "1"])
+    bench.main()
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:2] for row in rows] == [["128", "8"], ["256", "8"]]
 
 
 def test_prefixes_prefilled_alone_are_reused_bit_for_bit(model, prompts):

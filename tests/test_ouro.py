@@ -21,6 +21,8 @@ import torch
 from exitbench.engine import ExitConfig, ExitEngine
 from exitbench.errors import CheckpointError, ExitbenchError
 from exitbench.models import AttnContext, Ouro, OuroConfig
+from exitbench.models import cache as cache_module
+from exitbench.models.cache import KVCache
 from exitbench.policies import REGISTRY
 
 from helpers.files import fixture_and_reference
@@ -91,6 +93,24 @@ def test_qexit_saves_iterations_and_q1_reads_the_last_step(ck, ref):
     full = ExitEngine(ck.model, ExitConfig("qexit", threshold=1.0)).score(requests)
     mean = lambda rs: sum(sum(r.iterations) for r in rs) / sum(len(r.iterations) for r in rs)  # noqa: E731
     assert mean(low) < 3.0 and mean(full) == 4.0
+
+
+def test_grouped_heads_read_their_keys_in_place_as_gathered(ck, ref, monkeypatch):
+    """Ouro's 4 query heads over 2 KV groups: read in place (forced; KVCache.attend_in_place puts a group's heads
+    on the query axis instead of repeating its keys), continuous Q-exit generation gives the gather's tokens,
+    exits and log-probabilities (1e-5: the attention sums over exactly a token's keys instead of the masked
+    padded ones, float32 rounding apart)."""
+    prompts = [row[:n].tolist() for row, n in zip(ref["input_ids"], (12, 7, 10))]
+    runs, calls = {}, []
+    attend = KVCache.attend_in_place
+    monkeypatch.setattr(KVCache, "attend_in_place", lambda self, *a: calls.append(1) or attend(self, *a))
+    for read, bytes_from in (("gather", float("inf")), ("in place", 0)):
+        monkeypatch.setattr(cache_module, "IN_PLACE_FROM", bytes_from)
+        runs[read] = ExitEngine(ck.model, ExitConfig("qexit", threshold=0.5)).generate(prompts, 6, batch_size=3)
+    assert calls and len({s for r in runs["gather"] for s in r.iterations}) >= 3
+    for a, b in zip(runs["in place"], runs["gather"]):
+        assert (a.tokens, a.iterations) == (b.tokens, b.iterations)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
 def test_a_gate_rule_on_a_model_without_a_gate_is_one_line():

@@ -436,8 +436,19 @@ class TokenLoop:
         if position is not None and same_iteration:
             return AttnContext(start=position, cache=cache, iteration=held[0])  # rows in lockstep: a chunk
         if same_iteration:
-            return places.context().at_iteration(held[0])
-        return places.context().at_iteration(torch.tensor(k, device=cache.device), host=k)
+            return self._in_place(cache, places.context().at_iteration(held[0]), k)
+        return self._in_place(cache, places.context().at_iteration(torch.tensor(k, device=cache.device), host=k), k)
+
+    def _in_place(self, cache: KVCache, ctx: AttnContext, k: list[int]) -> AttnContext:
+        """`ctx` with each place's own keys named, where the cache reads them in place (KVCache.reads_in_place):
+        from the host's lists, so no device read. A compiled step gathers inside its graph instead, and a dense
+        index at one slot already reads slices of the store."""
+        index = ctx.index
+        if index.slot is not None or self.group.compiled or not cache.reads_in_place(index.length):
+            return ctx
+        ctx.index = cache.in_place(index, [(j, t.row, t.position, i)
+                                           for j, (t, i) in enumerate(zip(self.tokens, k)) if t is not None])
+        return ctx
 
     def _blocks(self, cache: KVCache) -> tuple[AttnContext, int] | None:
         """A depth-major wave at one iteration whose rows hold runs of one shape: its chunk context and rows."""

@@ -302,6 +302,8 @@ def _cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Att
     a step of flat places does not come here when compiled (`cached_causal_attention`).
     """
     T = q.shape[2]
+    if ctx.index is not None and ctx.index.spans is not None:
+        return ctx.cache.attend_in_place(layer_id, ctx.index, q, k, v)
     if ctx.index is not None and ctx.index.by_row is not None:
         return ctx.cache.attend_by_row(layer_id, ctx.index, q, k, v)
     if ctx.index is not None:

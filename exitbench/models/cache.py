@@ -33,6 +33,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+# On a CPU, places whose keys and values come to at least this many bytes per place and layer attend to them where
+# they lie in the store (`KVCache.attend_in_place`, one attention per place) instead of gathering them into one
+# tensor (`write_and_gather`): the gather copies every place's keys at every layer and step, half of them padding
+# past the place's position, and on a wide model that copy, not the arithmetic, is what a mixed-iteration step
+# adds to a lockstep one; on a narrow one the gather's single dispatch is cheaper than a dispatch per place.
+# The crossover measured by bench/in_place.py (bench/RESULTS.md#in-place-attention).
+IN_PLACE_FROM = 128 * 1024
+
 
 def expand_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query keys and values (…, H_kv, L, D) repeated to q's H heads (query head h reads group
@@ -83,6 +91,11 @@ class TokenIndex:
     # step to step, so a compiled step reads and writes through it inside its graph
     # (`attention.cached_causal_attention`); other token sets' shapes follow their membership.
     fixed: bool = False
+    # Set per step when the places attend in place (`KVCache.attend_in_place`): per place holding a token, (its
+    # place, its row of the stores' (slots·batch) axis at its slot, the keys it reads); `busy`, those places as a
+    # tensor (None: every place holds a token).
+    spans: list[tuple[int, int, int]] | None = None
+    busy: torch.Tensor | None = None
 
     def scatter_index(self, heads: int, dim: int) -> torch.Tensor:
         """(n, heads, 1, dim) indices of each row's position along a heads-first store's position axis."""
@@ -278,6 +291,48 @@ class KVCache:
             V.scatter_(2, at, v)
             return K[:, :, :index.length], V[:, :, :index.length]
         return write_and_gather((self.flat(self.k, layer), self.flat(self.v, layer)), index, k, v, index.length)
+
+    def reads_in_place(self, length: int) -> bool:
+        """Whether tokens reading `length` keys each attend in place (`attend_in_place`) rather than through a
+        gather: on a CPU, from IN_PLACE_FROM bytes of keys and values per token and layer. Not on a GPU, where a
+        loop of small attentions is a launch each: that wants a paged-attention kernel."""
+        return self.device.type == "cpu" and \
+            2 * length * self.n_heads * self.head_dim * self.dtype.itemsize >= IN_PLACE_FROM
+
+    def in_place(self, index: TokenIndex, tokens: list[tuple[int, int, int, int]]) -> TokenIndex:
+        """`index` read in place (`attend_in_place`) by the places holding `tokens`: (place, row, position,
+        iteration) each, from the caller's host lists, so no device read."""
+        spans = [(j, self.slot(i) * self.batch + row, position + 1) for j, row, position, i in tokens]
+        every = len(spans) == index.write.shape[0]
+        busy = None if every else torch.tensor([j for j, _, _ in spans], device=self.device)
+        return replace(index, spans=spans, busy=busy)
+
+    def attend_in_place(self, layer: int, index: TokenIndex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                        ) -> torch.Tensor:
+        """Write k, v (n, H_kv, 1, D) where `index` says, then attend each place of `index.spans` (q: (n, H, 1, D))
+        to exactly its own keys, read where they lie: no copy, no padding, no mask; (n, H, 1, D), zeros at places
+        holding no token."""
+        for store, new in ((self.k, k), (self.v, v)):
+            self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        K, V = self.k[layer], self.v[layer]
+        _, _, capacity, groups, D = K.shape
+        # Each operand one strided view of its store (a select, slice and transpose would be three ops per place,
+        # and this loop runs once per place and layer). A place's keys: (1, H_kv, n, D) at its row of the
+        # (slots·batch) axis. Its query: one token, so the heads of a group, which read the same keys, go along
+        # the query axis, unmasked (a token sees all its keys), instead of the keys repeated per head.
+        per_key, per_place = groups * D, capacity * groups * D
+        heads = q.shape[1] // groups
+        query = (0, heads * q.stride(1), q.stride(1), q.stride(3))
+        outs = []
+        for j, at, n in index.spans:
+            queries = q.as_strided((1, groups, heads, D), query, q.storage_offset() + j * q.stride(0))
+            keys = K.as_strided((1, groups, n, D), (0, D, per_key, 1), at * per_place)
+            values = V.as_strided((1, groups, n, D), (0, D, per_key, 1), at * per_place)
+            outs.append(F.scaled_dot_product_attention(queries, keys, values))
+        got = torch.cat(outs).view(len(outs), *q.shape[1:])
+        if index.busy is None:
+            return got
+        return q.new_zeros(q.shape).index_copy_(0, index.busy, got)
 
     def attend_by_row(self, layer: int, index: TokenIndex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                       ) -> torch.Tensor:

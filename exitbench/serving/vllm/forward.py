@@ -84,10 +84,11 @@ def check_servable(model: LoopedLM, config: ExitConfig) -> None:
 @dataclass
 class IterationIndex:
     """What a layer reads off `ctx.index`: the iteration whose attention it calls (`by_row` routes exitbench's
-    attention to `Bridge.attend_by_row`)."""
+    attention to `Bridge.attend_by_row`; no `spans`: vLLM's cache is never read in place by exitbench)."""
 
     iteration: int
     by_row: bool = True
+    spans: None = None
 
 
 class Bridge:
