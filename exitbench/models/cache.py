@@ -315,19 +315,21 @@ class KVCache:
         for store, new in ((self.k, k), (self.v, v)):
             self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
         K, V = self.k[layer], self.v[layer]
-        _, _, capacity, groups, D = K.shape
+        groups, D = K.shape[-2:]
         # Each operand one strided view of its store (a select, slice and transpose would be three ops per place,
         # and this loop runs once per place and layer). A place's keys: (1, H_kv, n, D) at its row of the
-        # (slots·batch) axis. Its query: one token, so the heads of a group, which read the same keys, go along
-        # the query axis, unmasked (a token sees all its keys), instead of the keys repeated per head.
-        per_key, per_place = groups * D, capacity * groups * D
+        # (slots·batch) axis, one stride as the flat view's writes above require. Its query: one token, so the
+        # heads of a group, which read the same keys, go along the query axis, unmasked (a token sees all its
+        # keys), instead of the keys repeated per head.
+        (k_place, k_entries), (v_place, v_entries) = (
+            (t.stride(1), (0, t.stride(3), t.stride(2), t.stride(4))) for t in (K, V))
         heads = q.shape[1] // groups
         query = (0, heads * q.stride(1), q.stride(1), q.stride(3))
         outs = []
         for j, at, n in index.spans:
             queries = q.as_strided((1, groups, heads, D), query, q.storage_offset() + j * q.stride(0))
-            keys = K.as_strided((1, groups, n, D), (0, D, per_key, 1), at * per_place)
-            values = V.as_strided((1, groups, n, D), (0, D, per_key, 1), at * per_place)
+            keys = K.as_strided((1, groups, n, D), k_entries, K.storage_offset() + at * k_place)
+            values = V.as_strided((1, groups, n, D), v_entries, V.storage_offset() + at * v_place)
             outs.append(F.scaled_dot_product_attention(queries, keys, values))
         got = torch.cat(outs).view(len(outs), *q.shape[1:])
         if index.busy is None:
