@@ -333,9 +333,9 @@ def token_entries(ctx: AttnContext, layer: int, k: torch.Tensor, v: torch.Tensor
     cache, index = ctx.cache, ctx.index
     if index.by_row is None:
         return cache.update_tokens(layer, index, k, v)
+    cache.write_tokens(layer, index, k, v)
     out = []
     for store, new in ((cache.k, k), (cache.v, v)):
-        cache.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
         rows = new.new_zeros(new.shape[0], index.length, *new.shape[1:2], new.shape[-1])
         for (idx, row, n_keys, _, _), slot in zip(index.by_row, index.row_slots):
             rows[idx, :n_keys] = store[layer][slot, row, :n_keys]

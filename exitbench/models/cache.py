@@ -292,6 +292,11 @@ class KVCache:
             return K[:, :, :index.length], V[:, :, :index.length]
         return write_and_gather((self.flat(self.k, layer), self.flat(self.v, layer)), index, k, v, index.length)
 
+    def write_tokens(self, layer: int, index: TokenIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (n, H, 1, D), one token each, at the index's flat write places."""
+        for store, new in ((self.k, k), (self.v, v)):
+            self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+
     def reads_in_place(self, length: int) -> bool:
         """Whether tokens reading `length` keys each attend in place (`attend_in_place`) rather than through a
         gather: on a CPU, from IN_PLACE_FROM bytes of keys and values per token and layer. Not on a GPU, where a
@@ -312,8 +317,7 @@ class KVCache:
         """Write k, v (n, H_kv, 1, D) where `index` says, then attend each place of `index.spans` (q: (n, H, 1, D))
         to exactly its own keys, read where they lie: no copy, no padding, no mask; (n, H, 1, D), zeros at places
         holding no token."""
-        for store, new in ((self.k, k), (self.v, v)):
-            self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        self.write_tokens(layer, index, k, v)
         K, V = self.k[layer], self.v[layer]
         groups, D = K.shape[-2:]
         # Each operand one strided view of its store (a select, slice and transpose would be three ops per place,
@@ -340,8 +344,7 @@ class KVCache:
                       ) -> torch.Tensor:
         """Write k, v (n, H, 1, D) where `index` says, then attend each row's tokens (q: (n, H, 1, D)) to that
         row's keys at its slot, one slice and one masked attention per row; (n, H, 1, D)."""
-        for store, new in ((self.k, k), (self.v, v)):
-            self.flat(store, layer).index_copy_(0, index.write, new[:, :, 0])
+        self.write_tokens(layer, index, k, v)
         out = torch.empty_like(q)
         for (idx, row, n_keys, sees, _), slot in zip(index.by_row, index.row_slots):
             keys = self.k[layer][slot, row, :n_keys].transpose(0, 1).unsqueeze(0)     # (1, H, L, D)
